@@ -1,0 +1,53 @@
+"""Buffer section of the run config: staleness bound, capacity, filters, rollout bank."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+
+class BufferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    max_staleness: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="η: a sample may be at most this many policy versions older than the learner when trained on (0 = synchronous, on-policy).",
+        ),
+    ] = 1
+    capacity_groups: Annotated[
+        int, Meta(ge=1, description="Groups held before producers block (backpressure).")
+    ] = 1024
+    filter_equal_scores: Annotated[
+        bool,
+        Meta(
+            description="Drop (and count) groups whose scores are all equal (DAPO dynamic sampling)."
+        ),
+    ] = False
+    filter_truncated: Annotated[
+        bool, Meta(description="Drop (and count) responses cut at max_new_tokens.")
+    ] = False
+    bank_dir: Annotated[
+        str,
+        Meta(
+            description="Durable rollout bank folder (Arrow segments); empty = <run dir>/rollout_bank."
+        ),
+    ] = ""
+    segment_rows: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Trajectories per bank segment before it is closed and a new one opened.",
+        ),
+    ] = 256
+    max_message_bytes: Annotated[
+        int,
+        Meta(
+            ge=1024,
+            description="Largest ZeroMQ message accepted; bigger ones are dropped and counted.",
+        ),
+    ] = 64 * 1024 * 1024
+    high_water_mark: Annotated[
+        int, Meta(ge=1, description="ZeroMQ send/receive high-water mark (messages).")
+    ] = 1000

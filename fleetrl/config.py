@@ -1,0 +1,221 @@
+"""Typed, validated configuration machinery shared by every component.
+
+Each component owns a ``msgspec.Struct`` config next to the code that uses it,
+with a ``Meta(description=...)`` per field; ``launcher.config.RunConfig``
+composes them. This module turns YAML plus dotted command-line overrides into
+those structs, and turns every validation failure into one line that names the
+dotted path, the value given and what is accepted (``ConfigError``) so the CLI
+can exit with status 2 and no traceback.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import yaml
+
+T = TypeVar("T")
+
+_PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_UNKNOWN_RE = re.compile(r"^Object contains unknown field `(?P<key>[^`]+)`")
+_MISSING_RE = re.compile(r"^Object missing required field `(?P<key>[^`]+)`")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, rendered as one line naming the dotted path."""
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        super().__init__(f"config error at {path or '<root>'}: {message}")
+
+
+def _dotted(msgspec_path: str) -> str:
+    return msgspec_path.lstrip(".").replace("].", "]").replace("[", ".[") if msgspec_path else ""
+
+
+def _lookup(raw: Any, dotted: str) -> Any:
+    node = raw
+    for part in filter(None, re.split(r"\.|\[|\]", dotted)):
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _type_at(cls: type, dotted: str) -> Any:
+    """The msgspec type info reached by following ``dotted`` from ``cls`` (None if not a field)."""
+    node: Any = msgspec.inspect.type_info(cls)
+    for part in filter(None, dotted.split(".")):
+        while isinstance(node, msgspec.inspect.Metadata):
+            node = node.type
+        if not isinstance(node, msgspec.inspect.StructType):
+            return None
+        fields = {f.name: f for f in node.fields}
+        if part not in fields:
+            return None
+        node = fields[part].type
+    while isinstance(node, msgspec.inspect.Metadata):
+        node = node.type
+    return node
+
+
+def _struct_at(cls: type, dotted: str) -> type | None:
+    info = _type_at(cls, dotted)
+    return info.cls if isinstance(info, msgspec.inspect.StructType) else None
+
+
+def struct_keys(cls: type) -> list[str]:
+    return [f.name for f in msgspec.structs.fields(cls)]
+
+
+def convert(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
+    """Validate ``raw`` into ``cls``; raise ``ConfigError`` naming the dotted path."""
+    try:
+        return msgspec.convert(raw, cls, strict=True)
+    except msgspec.ValidationError as err:
+        raise _explain(cls, raw, str(err), prefix) from None
+
+
+def _explain(cls: type, raw: Any, text: str, prefix: str) -> ConfigError:
+    match = _PATH_RE.search(text)
+    where = _dotted(match.group("path")) if match else ""
+    body = text[: match.start()] if match else text
+    join = lambda *p: ".".join(x for x in p if x)  # noqa: E731
+    if m := _UNKNOWN_RE.match(body):
+        struct = _struct_at(cls, where)
+        accepted = ", ".join(struct_keys(struct)) if struct else "see docs/configuration.md"
+        return ConfigError(
+            join(prefix, where, m.group("key")), f"unknown key; accepted keys: {accepted}"
+        )
+    if m := _MISSING_RE.match(body):
+        return ConfigError(join(prefix, where, m.group("key")), "required key is missing")
+    given = _lookup(raw, where)
+    expected = body.removeprefix("Expected ").split(", got ")[0].replace("`", "")
+    info = _type_at(cls, where)
+    if isinstance(info, msgspec.inspect.LiteralType):
+        expected = "one of " + ", ".join(repr(v) for v in info.values)
+    return ConfigError(
+        join(prefix, where), f"got {given!r} ({type(given).__name__}); expected {expected}"
+    )
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-6`` as a string; accept the float forms users type."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a","b","c"], YAML-parsed value)."""
+    if "=" not in item:
+        raise ConfigError(item, "override must look like dotted.key=value")
+    key, _, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(key, "override key has an empty path component")
+    try:
+        value = yaml.load(text, Loader=_Loader) if text.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(
+            key, f"value {text!r} is not valid YAML: {err.__class__.__name__}"
+        ) from None
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of ``raw`` with each dotted override set (containers created on the way)."""
+    out = msgspec.convert(raw, dict)  # deep copy of plain data
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    ".".join(parts[: i + 1]), f"is a {type(child).__name__}, not a section"
+                )
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("--config", f"file not found: {p}")
+    try:
+        data = yaml.load(p.read_text(), Loader=_Loader) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError("--config", f"{p} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            "--config", f"{p} must hold a mapping at top level, got {type(data).__name__}"
+        )
+    return data
+
+
+def to_dict(struct: msgspec.Struct) -> dict[str, Any]:
+    return msgspec.to_builtins(struct)
+
+
+def field_docs(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(dotted key, type, default, description) for every leaf field, for docs and `config show`."""
+    rows: list[tuple[str, str, Any, str]] = []
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)
+    for f in info.fields:
+        key = f"{prefix}{f.name}"
+        typ = f.type
+        desc = ""
+        constraints = ""
+        if isinstance(typ, msgspec.inspect.Metadata):
+            desc = (typ.extra_json_schema or {}).get("description", "")
+            constraints = _constraints(typ)
+            typ = typ.type
+        if isinstance(typ, msgspec.inspect.StructType):
+            rows.extend(field_docs(typ.cls, key + "."))
+            continue
+        default = (
+            f.default
+            if f.default is not msgspec.NODEFAULT
+            else (
+                f.default_factory() if f.default_factory is not msgspec.NODEFAULT else "(required)"
+            )
+        )
+        rows.append((key, _type_name(typ) + constraints, default, desc))
+    return rows
+
+
+def _constraints(meta: msgspec.inspect.Metadata) -> str:
+    info = meta.type
+    bits = []
+    for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        val = getattr(info, attr, None)
+        if val is not None:
+            bits.append(f"{sym}{val}")
+    return f" ({', '.join(bits)})" if bits else ""
+
+
+def _type_name(info: Any) -> str:
+    if isinstance(info, msgspec.inspect.LiteralType):
+        return " | ".join(repr(v) for v in info.values)
+    if isinstance(info, msgspec.inspect.UnionType):
+        return " | ".join(_type_name(t) for t in info.types)
+    if isinstance(info, msgspec.inspect.Metadata):
+        return _type_name(info.type)
+    if isinstance(info, msgspec.inspect.ListType):
+        return f"list[{_type_name(info.item_type)}]"
+    if isinstance(info, msgspec.inspect.DictType):
+        return f"dict[{_type_name(info.key_type)}, {_type_name(info.value_type)}]"
+    return type(info).__name__.removesuffix("Type").lower()

@@ -1,0 +1,39 @@
+"""Data section of the run config."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+
+class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    train_files: Annotated[
+        list[str], Meta(description="Parquet files of training prompts (verl schema).")
+    ] = []
+    val_files: Annotated[list[str], Meta(description="Parquet files of validation prompts.")] = []
+    train_batch_size: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Prompts (GRPO groups) per learner step; each brings rollout.n samples.",
+        ),
+    ] = 8
+    max_prompt_length: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Prompts longer than this (in tokens, after the chat template) are filtered out and counted.",
+        ),
+    ] = 512
+    apply_chat_template: Annotated[
+        bool, Meta(description="Render `prompt` messages with the tokenizer's chat template.")
+    ] = True
+    shuffle: Annotated[
+        bool, Meta(description="Shuffle each epoch deterministically from `seed`.")
+    ] = True
+    seed: Annotated[int, Meta(description="Shuffle seed.")] = 1
+    val_max_samples: Annotated[
+        int, Meta(ge=-1, description="Cap on validation prompts (-1 = all).")
+    ] = -1

@@ -1,0 +1,175 @@
+"""The ``fleetrl`` command line: one parser, one thin handler per subcommand.
+
+Handlers live next to the code they drive and are imported only after the
+arguments are parsed, so ``fleetrl --help`` never imports torch or ray.
+A ``ConfigError`` (or any other user-input error a handler raises as
+``UsageError``) exits with status 2 and one line, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+
+# subcommand path -> "module:function" taking the parsed namespace, returning an exit code
+HANDLERS: dict[str, str] = {
+    "train": "launcher.train:main",
+    "config show": "launcher.config_cmd:show",
+    "config docs": "launcher.config_cmd:docs",
+    "data gsm8k": "fleetrl.data.gsm8k:main",
+    "data synth": "fleetrl.data.synth:main",
+    "model tiny": "fleetrl.models.cli:tiny_main",
+    "engine": "rollout_fleet.engine.server:main",
+    "buffer": "buffer.service:main",
+    "export": "learner.export:main",
+    "inspect rollouts": "buffer.inspect:main",
+    "bench": "bench.cli:main",
+}
+
+
+class UsageError(ValueError):
+    """Bad user input detected by a handler: printed as one line, exit status 2."""
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML run config (see configs/)")
+    p.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. learner.optim.lr=1e-6 rollout.n=8"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fleetrl", description="Asynchronous actor-learner RL (PPO/GRPO) for language models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "train", help="run fleet, buffer, learner group and weight sync end to end on Ray"
+    )
+    _add_config_args(p)
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address (default: RAY_ADDRESS or a new local instance)",
+    )
+
+    p = sub.add_parser("config", help="inspect configuration")
+    csub = p.add_subparsers(dest="config_command", required=True)
+    _add_config_args(csub.add_parser("show", help="print the resolved config as YAML"))
+    d = csub.add_parser("docs", help="write the configuration reference (Markdown)")
+    d.add_argument("--out", default=None, help="file to write (default: stdout)")
+
+    p = sub.add_parser("data", help="prepare datasets (verl Parquet schema)")
+    dsub = p.add_subparsers(dest="data_command", required=True)
+    g = dsub.add_parser("gsm8k", help="convert local GSM8K files to train/test Parquet")
+    g.add_argument(
+        "--input",
+        required=True,
+        help="folder or file(s) with GSM8K jsonl/parquet (question, answer)",
+    )
+    g.add_argument("--out", required=True, help="output folder")
+    s = dsub.add_parser("synth", help="generate the project's synthetic verifiable tasks")
+    s.add_argument("--task", default="add", help="task name (see fleetrl.data.synth.TASKS)")
+    s.add_argument("--out", required=True, help="output folder")
+    s.add_argument("--train-size", type=int, default=2000)
+    s.add_argument("--test-size", type=int, default=200)
+    s.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("model", help="model utilities")
+    msub = p.add_subparsers(dest="model_command", required=True)
+    t = msub.add_parser("tiny", help="write a tiny random-init Hugging Face model folder")
+    t.add_argument("--out", required=True)
+    t.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--hidden", type=int, default=64)
+    t.add_argument("--heads", type=int, default=4)
+    t.add_argument("--max-positions", type=int, default=256)
+    t.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("engine", help="serve the embedded SGLang-compatible engine over HTTP")
+    p.add_argument("--model", required=True, help="local Hugging Face model folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="bearer key (required when --host is not loopback; or FLEETRL_API_KEY)",
+    )
+    p.add_argument("--engine-id", default="engine-0")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-running-requests", type=int, default=64)
+
+    p = sub.add_parser("buffer", help="run the replay buffer service standalone")
+    p.add_argument(
+        "--bind",
+        default="tcp://127.0.0.1:5555",
+        help="ingest (PULL) address; control ROUTER binds port+1",
+    )
+    p.add_argument("--bank-dir", default="rollout_bank")
+    _add_config_args(p)
+
+    p = sub.add_parser("export", help="write a Hugging Face folder from a learner checkpoint")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+
+    p = sub.add_parser("inspect", help="inspect run artefacts")
+    isub = p.add_subparsers(dest="inspect_command", required=True)
+    r = isub.add_parser(
+        "rollouts", help="counts and reward/length/staleness statistics of a rollout bank"
+    )
+    r.add_argument("dir")
+
+    p = sub.add_parser(
+        "bench", help="throughput harness: each stage against its baseline, as ratios"
+    )
+    p.add_argument(
+        "suite", choices=["transport", "weight-sync", "rollout", "learner", "e2e", "all"]
+    )
+    p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true", help="smallest sizes and fewest repetitions")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per measurement")
+    p.add_argument(
+        "--hidden", type=int, nargs="*", default=None, help="model hidden sizes to sweep"
+    )
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--engines", type=int, default=None)
+    p.add_argument("--learner-ranks", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    return parser
+
+
+def _handler_key(args: argparse.Namespace) -> str:
+    key = args.command
+    for attr in ("config_command", "data_command", "model_command", "inspect_command"):
+        if getattr(args, attr, None):
+            key = f"{key} {getattr(args, attr)}"
+    return key
+
+
+def resolve(key: str) -> Callable[[argparse.Namespace], int]:
+    module, _, func = HANDLERS[key].partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from fleetrl.config import ConfigError
+    from fleetrl.log import setup_logging
+
+    setup_logging(role=args.command)
+    try:
+        return int(resolve(_handler_key(args))(args) or 0)
+    except (ConfigError, UsageError) as err:
+        print(f"fleetrl: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

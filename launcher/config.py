@@ -1,0 +1,111 @@
+"""The run config: one typed section per component, composed here.
+
+``load_run_config(path, overrides)`` reads YAML, applies dotted overrides
+(``learner.optim.lr=1e-6``) and validates everything, raising ``ConfigError``
+with the dotted path on any problem.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from buffer.config import BufferConfig
+from fleetrl.config import apply_overrides, convert, load_yaml
+from fleetrl.data.config import DataConfig
+from fleetrl.models.config import ModelConfig
+from learner.config import LearnerConfig
+from rollout_fleet.config import RolloutConfig
+from weight_sync.config import WeightSyncConfig
+
+
+class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    total_steps: Annotated[int, Meta(ge=1, description="Learner steps to run.")] = 100
+    output_dir: Annotated[
+        str,
+        Meta(
+            description="Run directory: resolved config, metrics.jsonl, checkpoints, rollout bank, plots."
+        ),
+    ] = "runs/default"
+    save_freq: Annotated[
+        int, Meta(ge=-1, description="Checkpoint every this many steps (-1 = only at the end).")
+    ] = -1
+    test_freq: Annotated[
+        int,
+        Meta(
+            ge=-1,
+            description="Validate every this many steps (-1 = never; also once before training when >0).",
+        ),
+    ] = -1
+    resume: Annotated[
+        Literal["auto", "disable"],
+        Meta(description="auto: continue from the latest complete checkpoint in output_dir."),
+    ] = "auto"
+    seed: Annotated[int, Meta(description="Global seed.")] = 1
+    device: Annotated[
+        Literal["auto", "cpu", "cuda"], Meta(description="Where learner and engines compute.")
+    ] = "auto"
+    max_bad_steps: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Stop after this many consecutive steps with a non-finite loss (each is skipped and logged).",
+        ),
+    ] = 3
+
+
+class LoggingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    level: Annotated[
+        Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="Log level of every role.")
+    ] = "INFO"
+    wandb: Annotated[
+        bool,
+        Meta(
+            description="Log to Weights & Biases (respects WANDB_MODE; offline works without network)."
+        ),
+    ] = False
+    project: Annotated[str, Meta(description="wandb project.")] = "fleetrl"
+    run_name: Annotated[
+        str, Meta(description="wandb / run display name (default: output_dir's name).")
+    ] = ""
+    tensorboard: Annotated[
+        bool, Meta(description="Also write TensorBoard event files to <run dir>/tensorboard.")
+    ] = False
+    console_every: Annotated[
+        int, Meta(ge=1, description="Print a progress line every this many steps.")
+    ] = 1
+
+
+class RayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    address: Annotated[
+        str, Meta(description="Ray cluster address; empty = RAY_ADDRESS or a new local instance.")
+    ] = ""
+    num_cpus: Annotated[int, Meta(ge=0, description="CPUs of a local instance (0 = all).")] = 0
+    num_gpus: Annotated[int, Meta(ge=0, description="GPUs of a local instance.")] = 0
+    rollout_resource: Annotated[
+        str, Meta(description="Custom resource that marks rollout nodes.")
+    ] = "rollout"
+    learner_resource: Annotated[
+        str, Meta(description="Custom resource that marks learner nodes.")
+    ] = "learner"
+
+
+class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
+    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    raw = load_yaml(path) if path else {}
+    raw = apply_overrides(raw, overrides or [])
+    return convert(RunConfig, raw)

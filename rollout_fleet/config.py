@@ -1,0 +1,73 @@
+"""Rollout section of the run config: sampling, engines and workers."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+
+class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    backend: Annotated[
+        Literal["embedded", "sglang"],
+        Meta(
+            description="Engine kind: the embedded SGLang-compatible engine (CPU, one GPU) or SGLang servers (GPU)."
+        ),
+    ] = "embedded"
+    num_engines: Annotated[
+        int,
+        Meta(
+            ge=1, description="Number of rollout engines (scaled independently of learner ranks)."
+        ),
+    ] = 1
+    n: Annotated[int, Meta(ge=1, description="Samples per prompt (the GRPO group size).")] = 4
+    temperature: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Sampling temperature; the learner recomputes logprobs at the same temperature.",
+        ),
+    ] = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1, description="Nucleus sampling mass.")] = 1.0
+    top_k: Annotated[int, Meta(ge=-1, description="Top-k sampling (-1 = off).")] = -1
+    max_new_tokens: Annotated[int, Meta(ge=1, description="Maximum response length in tokens.")] = (
+        64
+    )
+    val_temperature: Annotated[
+        float, Meta(ge=0, description="Temperature for validation (0 = greedy).")
+    ] = 0.0
+    max_concurrent_groups: Annotated[
+        int, Meta(ge=1, description="Concurrency cap: groups in flight across the fleet.")
+    ] = 64
+    request_timeout_s: Annotated[
+        float, Meta(gt=0, description="Timeout of one engine HTTP request.")
+    ] = 120.0
+    reward_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0, description="A reward function running longer than this scores 0 and is counted."
+        ),
+    ] = 10.0
+    reward_workers: Annotated[
+        int, Meta(ge=1, description="Threads scoring rewards off the event loop.")
+    ] = 2
+    cpus_per_engine: Annotated[
+        float, Meta(ge=0, description="Ray CPUs reserved per engine actor.")
+    ] = 1.0
+    gpus_per_engine: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="Ray GPUs per engine actor (SGLang tensor parallel size when backend=sglang).",
+        ),
+    ] = 0.0
+    mem_fraction_static: Annotated[
+        float, Meta(gt=0, le=1, description="SGLang --mem-fraction-static.")
+    ] = 0.85
+    max_running_requests: Annotated[
+        int,
+        Meta(
+            ge=1, description="Embedded engine: sequences decoded together (continuous batch size)."
+        ),
+    ] = 64

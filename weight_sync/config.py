@@ -1,0 +1,40 @@
+"""Weight-sync section of the run config."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+
+class WeightSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    backend: Annotated[
+        Literal["auto", "gloo", "nccl"],
+        Meta(description="Collective backend: auto = nccl with CUDA, else gloo."),
+    ] = "auto"
+    bucket_mb: Annotated[
+        float, Meta(gt=0, description="Flat bucket size in MiB (peers use 512-1024 on GPU).")
+    ] = 64.0
+    pause_mode: Annotated[
+        Literal["in_place", "abort", "retract"],
+        Meta(
+            description="How engines pause for an update: keep KV and continue (in_place), abort and resubmit partials (abort), or recompute KV later (retract)."
+        ),
+    ] = "in_place"
+    sync_every: Annotated[
+        int, Meta(ge=1, description="Publish a new policy version every this many learner steps.")
+    ] = 1
+    timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="A broadcast to an engine taking longer fails with the engine's name; the run continues with the others.",
+        ),
+    ] = 60.0
+    verify: Annotated[
+        bool, Meta(description="Engines check a digest per bucket against the learner's.")
+    ] = True
+    group_name: Annotated[str, Meta(description="Name of the weight-update process group.")] = (
+        "fleetrl_weights"
+    )
