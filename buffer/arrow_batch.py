@@ -1,0 +1,92 @@
+"""Trajectories <-> Arrow record batches: the batch format handed to the learner.
+
+A batch is one ``pyarrow.RecordBatch`` whose token columns are ``list<int32>`` /
+``list<float32>``; the learner reads ``.values`` and ``.offsets`` as numpy
+views, so no per-token Python object is ever made. Over a socket a batch
+travels as Arrow IPC stream bytes (``to_ipc`` / ``from_ipc``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from buffer.wire import Trajectory
+
+SCHEMA = pa.schema(
+    [
+        ("uid", pa.string()),
+        ("group_id", pa.string()),
+        ("group_size", pa.int32()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("response_ids", pa.list_(pa.int32())),
+        ("behavior_logprobs", pa.list_(pa.float32())),
+        ("token_versions", pa.list_(pa.int32())),
+        ("score", pa.float32()),
+        ("finish_reason", pa.string()),
+        ("data_source", pa.string()),
+        ("engine_id", pa.string()),
+        ("prompt_index", pa.int64()),
+        ("temperature", pa.float32()),
+    ]
+)
+
+
+def _list_column(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int32, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate(arrays) if arrays else np.zeros(0)
+    return pa.ListArray.from_arrays(
+        pa.array(offsets), pa.array(values.astype(value_type.to_pandas_dtype(), copy=False))
+    )
+
+
+def trajectories_to_arrow(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
+    """Pack trajectories into one record batch with ``SCHEMA`` (order preserved)."""
+    cols = {
+        "uid": pa.array([t.uid for t in trajs], pa.string()),
+        "group_id": pa.array([t.group_id for t in trajs], pa.string()),
+        "group_size": pa.array([t.group_size for t in trajs], pa.int32()),
+        "prompt_ids": _list_column([t.prompt_ids.numpy() for t in trajs], pa.int32()),
+        "response_ids": _list_column([t.response_ids.numpy() for t in trajs], pa.int32()),
+        "behavior_logprobs": _list_column(
+            [t.behavior_logprobs.numpy() for t in trajs], pa.float32()
+        ),
+        "token_versions": _list_column([t.token_versions.numpy() for t in trajs], pa.int32()),
+        "score": pa.array([t.score for t in trajs], pa.float32()),
+        "finish_reason": pa.array([t.finish_reason for t in trajs], pa.string()),
+        "data_source": pa.array([t.data_source for t in trajs], pa.string()),
+        "engine_id": pa.array([t.engine_id for t in trajs], pa.string()),
+        "prompt_index": pa.array([t.prompt_index for t in trajs], pa.int64()),
+        "temperature": pa.array([t.temperature for t in trajs], pa.float32()),
+    }
+    return pa.RecordBatch.from_pydict(cols, schema=SCHEMA)
+
+
+def list_column_numpy(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(flat values, offsets) of a list column as numpy, zero-copy where Arrow allows."""
+    col = batch.column(name)
+    offsets = col.offsets.to_numpy()
+    values = col.values.to_numpy(zero_copy_only=False)
+    if offsets[0] != 0:  # a sliced batch: rebase
+        values = values[offsets[0] : offsets[-1]]
+        offsets = offsets - offsets[0]
+    return values, offsets
+
+
+def to_ipc(batch: pa.RecordBatch) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def from_ipc(data: bytes | memoryview) -> pa.RecordBatch:
+    reader = pa.ipc.open_stream(pa.py_buffer(data))
+    batches = list(reader)
+    if len(batches) != 1:
+        return pa.Table.from_batches(batches, schema=reader.schema).combine_chunks().to_batches()[0]
+    return batches[0]

@@ -1,0 +1,53 @@
+"""Shared fixtures: a tiny random-init model folder made once per session, CPU torch settings."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.pop("RAY_ADDRESS", None)
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A 2-layer Qwen2-shaped model (hidden 64) with the project's character tokenizer."""
+    from fleetrl.models.tiny import make_tiny_model
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "model", layers=2, hidden=64, heads=4, seed=0
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    from fleetrl.models.tiny import make_tiny_model
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny_llama") / "model",
+        arch="llama",
+        layers=2,
+        hidden=64,
+        heads=4,
+        seed=0,
+    )
