@@ -6,6 +6,12 @@ library (one token per character of ``DEFAULT_ALPHABET`` plus special tokens),
 so the folder loads with ``AutoModelForCausalLM`` / ``AutoTokenizer`` and, on
 GPU nodes, with SGLang. Used by tests, the CPU demo and the benchmarks.
 
+The vocabulary is written in GPT-2's byte-level alphabet (" " is "Ġ", "\n" is
+"Ċ") as a BPE model without merges: transformers 5 loads a ``qwen2`` folder with
+``Qwen2Tokenizer``, which rebuilds a byte-level BPE from the vocabulary and
+ignores the saved pre-tokenizer; a plain character vocabulary would then lose
+every space and newline. Byte-level symbols tokenize the same either way.
+
 Run: ``fleetrl model tiny --out DIR [--layers 2 --hidden 64 --heads 4 --arch qwen2]``.
 """
 
@@ -26,18 +32,33 @@ CHAT_TEMPLATE = (
 )
 
 
+def _byte_level_symbols() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what ByteLevel pre-tokenizers emit)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    symbols = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in symbols:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return symbols
+
+
 def build_tokenizer(alphabet: str = DEFAULT_ALPHABET):
-    """A character-level ``PreTrainedTokenizerFast`` with ChatML specials."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A character-level ``PreTrainedTokenizerFast`` with ChatML specials (byte-level symbols)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = list(dict.fromkeys(alphabet))
+    if any(ord(ch) > 127 for ch in alphabet):
+        raise ValueError("the tiny tokenizer's alphabet must be ASCII (one byte per character)")
+    to_symbol = _byte_level_symbols()
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for ch in chars:
-        vocab.setdefault(ch, len(vocab))
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
+    for ch in dict.fromkeys(alphabet):
+        vocab.setdefault(to_symbol[ord(ch)], len(vocab))
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
     core.add_special_tokens(SPECIAL_TOKENS)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
