@@ -71,3 +71,71 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ge=1, description="Embedded engine: sequences decoded together (continuous batch size)."
         ),
     ] = 64
+    sglang_load_format: Annotated[
+        Literal["dummy", "auto"],
+        Meta(
+            description="SGLang --load-format: dummy = random init, the first weights come from the learner's broadcast (the engine is not routed to before); auto = load model.path from disk."
+        ),
+    ] = "dummy"
+    sglang_extra_args: Annotated[
+        list[str],
+        Meta(
+            description="Extra SGLang server arguments appended verbatim, e.g. ['--attention-backend', 'fa3']."
+        ),
+    ] = []
+    engine_startup_timeout_s: Annotated[
+        float,
+        Meta(gt=0, description="An engine not healthy this long after launch counts as failed."),
+    ] = 600.0
+    health_check_interval_s: Annotated[
+        float, Meta(gt=0, description="Seconds between fleet health checks of every engine.")
+    ] = 5.0
+    health_check_timeout_s: Annotated[
+        float, Meta(gt=0, description="A health check taking longer than this counts as failed.")
+    ] = 5.0
+    health_failures_before_dead: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Consecutive failed health checks after which an engine is declared dead and restarted.",
+        ),
+    ] = 3
+    max_engine_restarts: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Restarts allowed per engine slot; after that the slot stays dead and the run continues with the others.",
+        ),
+    ] = 3
+    suspect_cooldown_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="An engine whose request failed gets no new groups for this long unless it is the only one left (the fleet's health checks may clear or kill it sooner).",
+        ),
+    ] = 30.0
+    max_sample_attempts: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Engine failures one sample may meet (each retried on another engine) before its group is dropped and counted.",
+        ),
+    ] = 8
+    retry_backoff_s: Annotated[
+        float,
+        Meta(ge=0, description="Pause before a failed request is retried on another engine."),
+    ] = 0.5
+    admission_poll_interval_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="How often the worker asks the buffer for its staleness counters while it may not start new groups.",
+        ),
+    ] = 0.2
+    stop_deadline_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="On stop, groups in flight get this long to finish (and be sent) before they are aborted.",
+        ),
+    ] = 30.0

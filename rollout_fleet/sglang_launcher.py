@@ -1,0 +1,310 @@
+"""Launch, watch and stop one SGLang server process (the GPU rollout engine).
+
+``build_command(spec)`` turns an ``SGLangServerSpec`` into the
+``python -m sglang.launch_server ...`` argument list (argument names as in
+SGLang's ``server_args.py``: ``--model-path``, ``--tp-size``,
+``--mem-fraction-static``, ``--load-format``, ``--api-key``,
+``--weight-version``, ...). ``SGLangServer`` starts it in its own process group
+(its pid recorded), waits for ``GET /health`` with a deadline while watching
+that the process has not exited, restarts it a bounded number of times, and
+ends it by its process group id (SIGTERM, then SIGKILL).
+
+By default the server starts with ``--load-format dummy``: random weights that
+the learner's first broadcast replaces (the fleet does not route to it until
+then), so nothing reads the checkpoint from disk N times. ``load_format="auto"``
+loads real weights. ``--weight-version 0`` makes the version SGLang reports an
+integer from the start (fleetrl tags tokens with ``int(weight_version)``), which
+needs an SGLang release that has ``--weight-version`` (0.5 or later).
+
+Without sglang importable or without CUDA, ``check_available`` raises
+``SGLangUnavailable`` with the reason. Left out: multi-node tensor parallel
+(``--nnodes``/``--dist-init-addr``), data parallel inside one server (use more
+engines instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Literal
+
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+
+_HEALTH_POLL_S = 1.0
+
+
+class SGLangUnavailable(RuntimeError):
+    """SGLang cannot run here (not installed, or no CUDA device)."""
+
+
+class SGLangStartError(RuntimeError):
+    """The server exited or did not become healthy in time (after the allowed restarts)."""
+
+
+@dataclass
+class SGLangServerSpec:
+    """Everything that goes on the SGLang command line."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = pick a free port at launch
+    tp_size: int = 1
+    mem_fraction_static: float = 0.85
+    api_key: str | None = None
+    load_format: Literal["dummy", "auto"] = "dummy"
+    dtype: str = "auto"
+    max_running_requests: int | None = None
+    random_seed: int | None = None
+    weight_version: str | None = "0"
+    base_gpu_id: int | None = None
+    log_level: str = "warning"
+    extra_args: list[str] = field(default_factory=list)
+    python: str = sys.executable
+
+    def validate(self) -> None:
+        if not self.model_path:
+            raise ValueError("SGLangServerSpec.model_path is empty")
+        if self.tp_size < 1:
+            raise ValueError(f"SGLangServerSpec.tp_size must be >= 1, got {self.tp_size}")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(
+                f"SGLangServerSpec.mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
+            )
+        if self.load_format not in ("dummy", "auto"):
+            raise ValueError(
+                f"SGLangServerSpec.load_format {self.load_format!r}; accepted: dummy, auto"
+            )
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"SGLangServerSpec.port {self.port} is not a TCP port")
+        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.api_key:
+            raise ValueError(
+                f"SGLang server on non-loopback host {self.host!r} needs an api_key "
+                "(every HTTP endpoint, weight updates included, would be open to the network)"
+            )
+
+
+def build_command(spec: SGLangServerSpec) -> list[str]:
+    """The argument list that launches ``spec`` (port must already be chosen)."""
+    spec.validate()
+    if spec.port == 0:
+        raise ValueError("build_command: choose a port first (SGLang does not accept port 0)")
+    cmd = [
+        spec.python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        spec.model_path,
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--tp-size",
+        str(spec.tp_size),
+        "--mem-fraction-static",
+        str(spec.mem_fraction_static),
+        "--load-format",
+        spec.load_format,
+        "--dtype",
+        spec.dtype,
+        "--log-level",
+        spec.log_level,
+    ]
+    if spec.api_key:
+        cmd += ["--api-key", spec.api_key]
+    if spec.weight_version is not None:
+        cmd += ["--weight-version", spec.weight_version]
+    if spec.max_running_requests is not None:
+        cmd += ["--max-running-requests", str(spec.max_running_requests)]
+    if spec.random_seed is not None:
+        cmd += ["--random-seed", str(spec.random_seed)]
+    if spec.base_gpu_id is not None:
+        cmd += ["--base-gpu-id", str(spec.base_gpu_id)]
+    cmd += list(spec.extra_args)
+    return cmd
+
+
+def redact(cmd: list[str]) -> list[str]:
+    """The command with the API key hidden (for logs)."""
+    out = list(cmd)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--api-key":
+            out[i + 1] = "***"
+    return out
+
+
+def check_available() -> None:
+    """Raise SGLangUnavailable unless sglang is importable and a CUDA device is visible."""
+    if importlib.util.find_spec("sglang") is None:
+        raise SGLangUnavailable(
+            "rollout.backend=sglang but the sglang package is not installed in this "
+            "environment (pip install 'fleetrl[sglang]'), or use rollout.backend=embedded"
+        )
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SGLangUnavailable(
+            "rollout.backend=sglang needs a CUDA GPU on the engine's node, and none is "
+            "visible; use rollout.backend=embedded for CPU runs"
+        )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host if host not in ("localhost",) else "127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class SGLangServer:
+    """One SGLang server subprocess: start, wait healthy, restart (bounded), stop by pid."""
+
+    def __init__(
+        self,
+        spec: SGLangServerSpec,
+        *,
+        startup_timeout_s: float = 600.0,
+        max_restarts: int = 2,
+        log_path: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        require_available: bool = True,
+    ):
+        spec.validate()
+        self.spec = spec
+        self.startup_timeout_s = startup_timeout_s
+        self.max_restarts = max_restarts
+        self.log_path = Path(log_path) if log_path else None
+        self.env = env
+        self.require_available = require_available
+        self.restarts = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.spec.host in ("0.0.0.0", "localhost") else self.spec.host
+        return f"http://{host}:{self.spec.port}"
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> str:
+        """Launch and wait until healthy, restarting up to ``max_restarts`` times; returns the URL."""
+        if self.require_available:
+            check_available()
+        last_error: Exception | None = None
+        for attempt in range(self.max_restarts + 1):
+            if attempt:
+                self.restarts += 1
+                log.warning(
+                    "restarting SGLang (attempt %d/%d) after: %s",
+                    attempt + 1,
+                    self.max_restarts + 1,
+                    last_error,
+                )
+            try:
+                self._launch()
+                self.wait_healthy(self.startup_timeout_s)
+                return self.url
+            except SGLangStartError as err:
+                last_error = err
+                self.stop()
+        raise SGLangStartError(
+            f"SGLang server for {self.spec.model_path} did not start after "
+            f"{self.max_restarts + 1} attempts; last error: {last_error}"
+        )
+
+    def ensure_running(self) -> bool:
+        """Restart the server if its process exited (bounded); True if it was restarted."""
+        if self.alive():
+            return False
+        if self.restarts >= self.max_restarts:
+            raise SGLangStartError(
+                f"SGLang server (pid {self.pid}) exited and its {self.max_restarts} restarts are spent"
+            )
+        self.restarts += 1
+        log.warning("SGLang server pid %s exited; restart %d", self.pid, self.restarts)
+        self.stop()
+        self._launch()
+        self.wait_healthy(self.startup_timeout_s)
+        return True
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Poll GET /health until 200; raise SGLangStartError on exit or timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._proc is None or self._proc.poll() is not None:
+                code = None if self._proc is None else self._proc.returncode
+                raise SGLangStartError(
+                    f"SGLang server exited with status {code} before it was healthy"
+                    + (f"; see {self.log_path}" if self.log_path else "")
+                )
+            if self.health(timeout_s=min(5.0, max(0.1, deadline - time.monotonic()))):
+                log.info("SGLang server healthy at %s (pid %s)", self.url, self.pid)
+                return
+            if time.monotonic() >= deadline:
+                raise SGLangStartError(
+                    f"SGLang server at {self.url} not healthy after {timeout_s:.0f} s"
+                )
+            time.sleep(_HEALTH_POLL_S)
+
+    def health(self, timeout_s: float = 5.0) -> bool:
+        request = urllib.request.Request(f"{self.url}/health")
+        if self.spec.api_key:
+            request.add_header("Authorization", f"Bearer {self.spec.api_key}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """End the server's process group (SIGTERM, then SIGKILL after ``timeout_s``)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            pgid = proc.pid  # started with start_new_session: its pid is its group id
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("SGLang pid %d ignored SIGTERM for %.0f s; SIGKILL", pgid, timeout_s)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+                proc.wait(timeout=timeout_s)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def _launch(self) -> None:
+        if self.spec.port == 0 or self.restarts:
+            # a fresh port per launch: the old one may linger in TIME_WAIT
+            self.spec.port = free_port(self.spec.host)
+        cmd = build_command(self.spec)
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        log.info("launching SGLang: %s", " ".join(redact(cmd)))
+        # without a log file the server's output goes where ours goes (Ray's worker logs)
+        self._proc = subprocess.Popen(
+            cmd,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT if self._log_file is not None else None,
+            env={**os.environ, **(self.env or {})},
+            start_new_session=True,
+        )
