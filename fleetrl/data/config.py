@@ -1,8 +1,10 @@
-"""Data section of the run config."""
+"""Data section of the run config: prompt files, batch size, filtering, shuffling, and the
+synthetic task generated when the files are missing (CPU demo). Task names must match
+``fleetrl.data.synth.TASKS`` (a unit test checks this)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -37,3 +39,19 @@ class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     val_max_samples: Annotated[
         int, Meta(ge=-1, description="Cap on validation prompts (-1 = all).")
     ] = -1
+    synth_task: Annotated[
+        Literal["", "add", "copy_last", "count"],
+        Meta(
+            description="If set (add, copy_last, count) and the data files are missing, generate this synthetic task there (see fleetrl.data.synth)."
+        ),
+    ] = ""
+    synth_train_size: Annotated[
+        int, Meta(ge=1, description="Rows of the generated synthetic train file.")
+    ] = 2000
+    synth_test_size: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Rows of the generated synthetic test file (held-out instances only).",
+        ),
+    ] = 200
