@@ -1,0 +1,100 @@
+"""Config errors: one line naming the dotted path, exit status 2, no traceback; overrides typed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleetrl.config import ConfigError
+from launcher.config import RunConfig, load_run_config
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "launcher.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "path", "detail"),
+    [
+        ("learner.optim.lrr=1e-6", "learner.optim.lrr", "unknown key; accepted keys: lr, "),
+        ("nosuchsection.x=1", "nosuchsection", "unknown key; accepted keys: data, model, "),
+        ("learner.optim.lr=fast", "learner.optim.lr", "got 'fast' (str); expected float"),
+        ("rollout.n=0", "rollout.n", "got 0 (int); expected int >= 1"),
+        ("rollout.backend=vllm", "rollout.backend", "expected one of 'embedded', 'sglang'"),
+    ],
+)
+def test_cli_config_error_is_one_line_naming_the_dotted_path(override, path, detail):
+    result = _cli("config", "show", override)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert lines == [lines[0]] and "Traceback" not in result.stderr
+    assert lines[0].startswith(f"fleetrl: config error at {path}: ")
+    assert detail in lines[0]
+
+
+def test_cli_config_show_prints_the_resolved_override():
+    result = _cli("config", "show", "learner.optim.lr=1e-6", "rollout.n=8")
+    assert result.returncode == 0, result.stderr
+    assert "lr: 1.0e-06" in result.stdout and "n: 8" in result.stdout
+
+
+def test_scientific_notation_override_parses_as_float():
+    config = load_run_config(None, ["learner.optim.lr=1e-6", "rollout.temperature=1"])
+    assert isinstance(config.learner.optim.lr, float) and config.learner.optim.lr == 1e-6
+    assert config.rollout.temperature == 1.0
+
+
+def test_yaml_values_are_typed_and_overrides_win(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("learner:\n  optim:\n    lr: 3e-4\nrollout:\n  n: 4\n")
+    config = load_run_config(path, ["rollout.n=16"])
+    assert config.learner.optim.lr == 3e-4
+    assert config.rollout.n == 16
+    assert isinstance(config, RunConfig)
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "overrides", "path", "fragment"),
+    [
+        ("rollout:\n  nn: 4\n", [], "rollout.nn", "unknown key"),
+        ("rollout:\n  n: four\n", [], "rollout.n", "got 'four' (str); expected int"),
+        ("rollout:\n  top_p: 1.5\n", [], "rollout.top_p", "expected float <= 1"),
+        ("- a\n- b\n", [], "--config", "must hold a mapping at top level"),
+        ("rollout: [unclosed\n", [], "--config", "is not valid YAML"),
+        ("", ["rollout.n=4", "rollout.n.x=1"], "rollout.n", "is a int, not a section"),
+        ("", ["rollout.n"], "rollout.n", "override must look like dotted.key=value"),
+        ("", ["rollout..n=1"], "rollout..n", "empty path component"),
+    ],
+)
+def test_load_run_config_errors_name_the_dotted_path(
+    tmp_path, yaml_text, overrides, path, fragment
+):
+    file = tmp_path / "run.yaml"
+    file.write_text(yaml_text)
+    with pytest.raises(ConfigError) as info:
+        load_run_config(file, overrides)
+    assert info.value.path == path
+    assert str(info.value).startswith(f"config error at {path}: ")
+    assert fragment in str(info.value)
+
+
+def test_missing_config_file_is_named():
+    with pytest.raises(
+        ConfigError, match=r"config error at --config: file not found: .*absent\.yaml"
+    ):
+        load_run_config("absent.yaml")
