@@ -1,0 +1,409 @@
+"""The tensor math of PPO/GRPO with off-policy corrections: advantages and losses.
+
+Pure functions on ``[batch, response_len]`` tensors with a ``response_mask`` (1 for
+real response tokens, 0 for padding or tokens excluded from training). Names and
+semantics follow verl's ``verl/trainer/ppo/core_algos.py`` so results can be
+checked against it; where this module differs (padding handling, degenerate
+groups), the function's docstring says so. Decoupled PPO follows AReaL
+(arXiv 2505.24298).
+
+This module is the one import the learner needs: it also re-exports
+
+* ``masked_mean``, ``masked_var``, ``masked_whiten``, ``agg_loss``  (learner.masked_ops)
+* ``kl_penalty``, ``kl_loss``, ``FixedKLController``, ``AdaptiveKLController``,
+  ``apply_kl_penalty_to_rewards``                                 (learner.kl)
+* ``compute_importance_weights``                                  (learner.corrections)
+* ``logprobs_from_logits``, ``entropy_from_logits``               (learner.logits_ops)
+
+A step of the learner, in these terms: scores → ``scores_to_token_rewards``
+(optionally ``apply_kl_penalty_to_rewards``) → advantages (``compute_gae`` /
+``compute_grpo_advantages`` / ``compute_rloo_advantages`` /
+``compute_reinforce_pp_advantages``) → per micro-batch ``logprobs_from_logits``
+→ ``compute_importance_weights`` → ``policy_loss`` (+ ``value_loss``,
++ ``kl_loss``·coef, − entropy·coef) with global counts for split invariance.
+
+Advantage estimators run under ``no_grad`` and return tensors that are 0 on
+padding. Loss metrics are 0-dim detached tensors (no host sync per micro-batch;
+call ``.item()`` once per step).
+
+Left out: GSPO/GMPO/clip-cov loss variants, ReMax, pass@k advantages, value
+heads and critics themselves (the learner owns the models).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Final
+
+import numpy as np
+import torch
+
+from learner.corrections import IS_MODES, compute_importance_weights
+from learner.kl import (
+    KL_KINDS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty_to_rewards,
+    kl_loss,
+    kl_penalty,
+)
+from learner.logits_ops import entropy_from_logits, logprobs_from_logits
+from learner.masked_ops import LOSS_AGG_MODES, agg_loss, masked_mean, masked_var, masked_whiten
+
+__all__ = [
+    "IS_MODES",
+    "KL_KINDS",
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "agg_loss",
+    "apply_kl_penalty_to_rewards",
+    "compute_gae",
+    "compute_grpo_advantages",
+    "compute_importance_weights",
+    "compute_reinforce_pp_advantages",
+    "compute_rloo_advantages",
+    "entropy_from_logits",
+    "kl_loss",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "policy_loss",
+    "scores_to_token_rewards",
+    "value_loss",
+]
+
+LOG_RATIO_CLAMP: Final[float] = 20.0
+
+GroupIds = Sequence[Hashable] | np.ndarray | torch.Tensor
+Count = int | float | torch.Tensor | None
+
+
+def _check_2d(name: str, tensor: torch.Tensor, mask: torch.Tensor, where: str) -> None:
+    if tensor.shape != mask.shape or mask.ndim != 2:
+        raise ValueError(
+            f"{where}: {name} shape {tuple(tensor.shape)} must equal the 2-D response_mask "
+            f"shape {tuple(mask.shape)}"
+        )
+
+
+def _float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return mask.to(torch.promote_types(like.dtype, torch.float32))
+
+
+# ---------------------------------------------------------------- rewards
+
+
+def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Outcome reward as token rewards: ``scores[i]`` on the last token of row i where mask = 1.
+
+    ``[B] -> [B, T]``, zeros elsewhere. A row with no response token gets no
+    reward (nothing in it is trained on).
+    """
+    if scores.ndim != 1 or response_mask.ndim != 2 or scores.shape[0] != response_mask.shape[0]:
+        raise ValueError(
+            f"scores_to_token_rewards: scores shape {tuple(scores.shape)} must be [B] for "
+            f"response_mask shape {tuple(response_mask.shape)} = [B, T]"
+        )
+    valid = response_mask > 0
+    positions = torch.arange(1, valid.shape[1] + 1, device=valid.device).expand_as(valid)
+    last_index = (positions * valid).argmax(dim=-1)
+    rewards = torch.zeros(valid.shape, dtype=_float_mask(valid, scores).dtype, device=valid.device)
+    rewards[torch.arange(valid.shape[0], device=valid.device), last_index] = scores.to(
+        rewards.dtype
+    )
+    return rewards * valid.any(dim=-1, keepdim=True)
+
+
+# ---------------------------------------------------------------- advantages
+
+
+@torch.no_grad()
+def compute_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation (Schulman et al. 2015), masked steps passed through.
+
+    Backward over t, with V' the value of the next *valid* step (0 past the end):
+
+        δ_t = r_t + γ·V' − V_t,   A_t = δ_t + γ·λ·A'   (A' the next valid step's A)
+
+    At a masked step (padding, or a tool/observation token inside a multi-turn
+    response) neither V' nor A' changes: the step is transparent, as in verl's
+    current code. Returns ``(advantages, returns)`` with returns = A + V before
+    whitening; advantages are whitened over the mask when ``whiten``; both are 0
+    on masked steps.
+    """
+    _check_2d("token_rewards", token_rewards, response_mask, "compute_gae")
+    _check_2d("values", values, response_mask, "compute_gae")
+    mask = _float_mask(response_mask, token_rewards)
+    rewards = token_rewards.to(mask.dtype)
+    values = values.to(mask.dtype)
+    next_value = torch.zeros_like(mask[:, 0])
+    next_advantage = torch.zeros_like(mask[:, 0])
+    advantages = torch.zeros_like(mask)
+    for t in reversed(range(mask.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage_t = delta + gamma * lam * next_advantage
+        step = mask[:, t]
+        next_value = step * values[:, t] + (1 - step) * next_value
+        next_advantage = step * advantage_t + (1 - step) * next_advantage
+        advantages[:, t] = advantage_t
+    returns = (advantages + values) * mask
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
+    return advantages * mask, returns
+
+
+@torch.no_grad()
+def compute_reinforce_pp_advantages(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
+    """REINFORCE++ (arXiv 2501.03262): discounted reward-to-go, whitened over the batch.
+
+    G_t = r_t + γ·G' (G' the next valid step's return; masked steps are
+    transparent, as in ``compute_gae``), then A = masked_whiten(G)·mask. For
+    right-padded responses this equals verl's ``reinforce_plus_plus``.
+    """
+    _check_2d("token_rewards", token_rewards, response_mask, "compute_reinforce_pp_advantages")
+    mask = _float_mask(response_mask, token_rewards)
+    rewards = token_rewards.to(mask.dtype)
+    running = torch.zeros_like(mask[:, 0])
+    returns = torch.zeros_like(mask)
+    for t in reversed(range(mask.shape[1])):
+        step = mask[:, t]
+        running = step * (rewards[:, t] + gamma * running) + (1 - step) * running
+        returns[:, t] = running
+    return masked_whiten(returns, mask) * mask
+
+
+def _group_index(group_ids: GroupIds, batch_size: int, device: torch.device) -> torch.Tensor:
+    """Dense group index ``[B]`` (0..G−1) from tensor ids or any hashable ids."""
+    if isinstance(group_ids, torch.Tensor):
+        if group_ids.ndim != 1 or group_ids.shape[0] != batch_size:
+            raise ValueError(
+                f"group_ids tensor shape {tuple(group_ids.shape)} must be [{batch_size}]"
+            )
+        return torch.unique(group_ids, return_inverse=True)[1].to(device)
+    if len(group_ids) != batch_size:
+        raise ValueError(f"group_ids has {len(group_ids)} entries for a batch of {batch_size}")
+    dense: dict[Hashable, int] = {}
+    index = [dense.setdefault(gid, len(dense)) for gid in group_ids]
+    return torch.tensor(index, dtype=torch.long, device=device)
+
+
+def _group_stats(
+    scores: torch.Tensor, group: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample (group size, group mean, r − mean, unbiased group std), exact zeros for
+    groups whose scores are all equal (float rounding in the mean would otherwise
+    turn 0 into ±1e-9/eps)."""
+    n_groups = int(group.max().item()) + 1 if group.numel() else 0
+    zeros = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
+    counts = zeros.scatter_add(0, group, torch.ones_like(scores))
+    mean = zeros.scatter_add(0, group, scores) / counts.clamp(min=1)
+    centered = scores - mean[group]
+    group_max = zeros.scatter_reduce(0, group, scores, "amax", include_self=False)
+    group_min = zeros.scatter_reduce(0, group, scores, "amin", include_self=False)
+    constant = (group_max == group_min)[group]
+    centered = torch.where(constant, torch.zeros_like(centered), centered)
+    sq_sum = zeros.scatter_add(0, group, centered.square())
+    std = torch.sqrt(sq_sum / (counts - 1).clamp(min=1))
+    return counts[group], mean[group], centered, std[group]
+
+
+def _check_scores(scores: torch.Tensor, response_mask: torch.Tensor, where: str) -> None:
+    if scores.ndim != 1 or response_mask.ndim != 2 or scores.shape[0] != response_mask.shape[0]:
+        raise ValueError(
+            f"{where}: scores shape {tuple(scores.shape)} must be [B] for response_mask "
+            f"shape {tuple(response_mask.shape)} = [B, T]"
+        )
+
+
+@torch.no_grad()
+def compute_grpo_advantages(
+    scores: torch.Tensor,
+    group_ids: GroupIds,
+    response_mask: torch.Tensor,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO outcome advantage, one scalar per sample broadcast over its tokens.
+
+    A_i = (r_i − mean_g) / (std_g + eps) with the unbiased std of the group g of
+    sample i (``torch.std``, as verl), or A_i = r_i − mean_g when
+    ``norm_by_std=False`` (Dr. GRPO, arXiv 2503.20783). As verl, a group of
+    size 1 uses mean 0 and std 1 (its advantage is its raw score). A group whose
+    scores are all equal gets exactly 0. Returns ``[B, T]`` = A_i · mask.
+    """
+    _check_scores(scores, response_mask, "compute_grpo_advantages")
+    mask = _float_mask(response_mask, scores)
+    values = scores.to(mask.dtype)
+    group = _group_index(group_ids, values.shape[0], values.device)
+    counts, _mean, centered, std = _group_stats(values, group)
+    singleton = counts == 1
+    centered = torch.where(singleton, values, centered)
+    if norm_by_std:
+        std = torch.where(singleton, torch.ones_like(std), std)
+        advantage = centered / (std + eps)
+    else:
+        advantage = centered
+    return advantage.unsqueeze(-1) * mask
+
+
+@torch.no_grad()
+def compute_rloo_advantages(
+    scores: torch.Tensor, group_ids: GroupIds, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """RLOO (arXiv 2402.14740): A_i = r_i − mean of the other samples of its group.
+
+    Equivalently n/(n−1)·(r_i − mean_g). As verl, a group of size 1 keeps its raw
+    score. Returns ``[B, T]`` = A_i · mask.
+    """
+    _check_scores(scores, response_mask, "compute_rloo_advantages")
+    mask = _float_mask(response_mask, scores)
+    values = scores.to(mask.dtype)
+    group = _group_index(group_ids, values.shape[0], values.device)
+    counts, _mean, centered, _std = _group_stats(values, group)
+    advantage = torch.where(counts > 1, centered * counts / (counts - 1).clamp(min=1), values)
+    return advantage.unsqueeze(-1) * mask
+
+
+# ---------------------------------------------------------------- losses
+
+
+def policy_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    is_weights: torch.Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+    global_token_count: Count = None,
+    global_seq_count: Count = None,
+    dp_size: int = 1,
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with asymmetric clip, dual clip and per-token IS weights.
+
+    With r = exp(clamp(logprob − old_logprob, ±20)) and A the advantage:
+
+        L1 = −A·r,  L2 = −A·clip(r, 1 − ε_low, 1 + ε_high),  L = max(L1, L2)
+        for A < 0 only (dual clip, arXiv 1912.09729):  L = min(L, −c·A)
+        L ← L · w   (w = ``is_weights``, detached), then ``agg_loss``.
+
+    Decoupled PPO: ``old_logprob`` is π_prox and ``is_weights`` = π_prox/π_behav
+    (``compute_importance_weights``). Bypass: ``old_logprob`` = π_behav and
+    ``is_weights=None``. ``clip_ratio_c=None`` disables the dual clip.
+
+    Metrics (0-dim detached tensors, local to this micro-batch): ``pg_clipfrac``
+    (tokens where the clip was active), ``pg_clipfrac_lower`` (tokens where the
+    dual clip was active), ``ppo_kl`` (masked mean of old_logprob − logprob),
+    ``pg_loss`` (the returned loss, detached).
+    """
+    for name, tensor in (
+        ("logprob", logprob),
+        ("old_logprob", old_logprob),
+        ("advantages", advantages),
+    ):
+        _check_2d(name, tensor, response_mask, "policy_loss")
+    if is_weights is not None:
+        _check_2d("is_weights", is_weights, response_mask, "policy_loss")
+    if clip_ratio_low < 0 or clip_ratio_high < 0:
+        raise ValueError(
+            f"policy_loss: clip ratios must be >= 0, got low={clip_ratio_low}, high={clip_ratio_high}"
+        )
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"policy_loss: clip_ratio_c must be > 1 (dual clip), got {clip_ratio_c}")
+
+    log_ratio = torch.clamp(logprob - old_logprob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    per_token = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    if clip_ratio_c is not None:
+        negative_advantage = advantages < 0
+        dual_bound = -advantages * clip_ratio_c
+        dual_active = (per_token > dual_bound) & negative_advantage
+        per_token = torch.where(negative_advantage, torch.minimum(per_token, dual_bound), per_token)
+    else:
+        dual_active = torch.zeros_like(clip_active)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
+
+    loss = agg_loss(
+        per_token,
+        response_mask,
+        loss_agg_mode,
+        global_token_count,
+        global_seq_count,
+        dp_size=dp_size,
+        loss_scale_factor=loss_scale_factor,
+    )
+    with torch.no_grad():
+        mask = _float_mask(response_mask, per_token)
+        metrics = {
+            "pg_clipfrac": masked_mean(clip_active.to(mask.dtype), mask),
+            "pg_clipfrac_lower": masked_mean(dual_active.to(mask.dtype), mask),
+            "ppo_kl": masked_mean(-log_ratio.detach(), mask),
+            "pg_loss": loss.detach(),
+        }
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    global_token_count: Count = None,
+    global_seq_count: Count = None,
+    *,
+    dp_size: int = 1,
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss (PPO2 style, as verl): ½·agg(max((v − R)², (v_c − R)²)).
+
+    v_c = clip(v, old_v − c, old_v + c). Metrics (0-dim detached tensors):
+    ``vf_clipfrac`` (tokens where the clipped term was the larger),
+    ``vf_loss`` (the returned loss, detached).
+    """
+    for name, tensor in (("values", values), ("old_values", old_values), ("returns", returns)):
+        _check_2d(name, tensor, response_mask, "value_loss")
+    if cliprange_value < 0:
+        raise ValueError(f"value_loss: cliprange_value must be >= 0, got {cliprange_value}")
+    clipped_values = torch.clamp(
+        values, min=old_values - cliprange_value, max=old_values + cliprange_value
+    )
+    unclipped_sq = (values - returns).square()
+    clipped_sq = (clipped_values - returns).square()
+    loss = 0.5 * agg_loss(
+        torch.maximum(unclipped_sq, clipped_sq),
+        response_mask,
+        loss_agg_mode,
+        global_token_count,
+        global_seq_count,
+        dp_size=dp_size,
+        loss_scale_factor=loss_scale_factor,
+    )
+    with torch.no_grad():
+        mask = _float_mask(response_mask, values)
+        metrics = {
+            "vf_clipfrac": masked_mean((clipped_sq > unclipped_sq).to(mask.dtype), mask),
+            "vf_loss": loss.detach(),
+        }
+    return loss, metrics
