@@ -57,6 +57,7 @@ def test_scientific_notation_override_parses_as_float():
     config = load_run_config(None, ["learner.optim.lr=1e-6", "rollout.temperature=1"])
     assert isinstance(config.learner.optim.lr, float) and config.learner.optim.lr == 1e-6
     assert config.rollout.temperature == 1.0
+    assert load_run_config(None, ["learner.optim.lr=2.5E-7"]).learner.optim.lr == 2.5e-7
 
 
 def test_yaml_values_are_typed_and_overrides_win(tmp_path):
