@@ -90,3 +90,64 @@ def from_ipc(data: bytes | memoryview) -> pa.RecordBatch:
     if len(batches) != 1:
         return pa.Table.from_batches(batches, schema=reader.schema).combine_chunks().to_batches()[0]
     return batches[0]
+
+
+def arrow_to_trajectories(batch: pa.RecordBatch) -> list[Trajectory]:
+    """Inverse of ``trajectories_to_arrow`` (also reads the bank's extra map columns).
+
+    ``score`` and ``temperature`` come back as float32-rounded values: the precision the
+    learner sees anyway.
+    """
+    from buffer.wire import Array  # local: wire imports nothing from here
+
+    def lists(name: str, dtype: str) -> list[Array]:
+        values, offsets = list_column_numpy(batch, name)
+        return [Array.of(values[offsets[i] : offsets[i + 1]], dtype) for i in range(batch.num_rows)]
+
+    cols = {name: batch.column(name).to_pylist() for name in _SCALAR_COLUMNS}
+    prompt_ids = lists("prompt_ids", "int32")
+    response_ids = lists("response_ids", "int32")
+    logprobs = lists("behavior_logprobs", "float32")
+    versions = lists("token_versions", "int32")
+    names = set(batch.schema.names)
+    metrics = _maps(batch, "reward_metrics") if "reward_metrics" in names else None
+    timings = _maps(batch, "timings") if "timings" in names else None
+    return [
+        Trajectory(
+            uid=cols["uid"][i],
+            group_id=cols["group_id"][i],
+            group_size=cols["group_size"][i],
+            prompt_ids=prompt_ids[i],
+            response_ids=response_ids[i],
+            behavior_logprobs=logprobs[i],
+            token_versions=versions[i],
+            score=cols["score"][i],
+            finish_reason=cols["finish_reason"][i],
+            data_source=cols["data_source"][i],
+            engine_id=cols["engine_id"][i],
+            prompt_index=cols["prompt_index"][i],
+            reward_metrics=metrics[i] if metrics else {},
+            timings=timings[i] if timings else {},
+            temperature=cols["temperature"][i],
+        )
+        for i in range(batch.num_rows)
+    ]
+
+
+_SCALAR_COLUMNS = (
+    "uid",
+    "group_id",
+    "group_size",
+    "score",
+    "finish_reason",
+    "data_source",
+    "engine_id",
+    "prompt_index",
+    "temperature",
+)
+
+METRIC_MAP = pa.map_(pa.string(), pa.float64())
+
+
+def _maps(batch: pa.RecordBatch, name: str) -> list[dict[str, float]]:
+    return [dict(row) if row is not None else {} for row in batch.column(name).to_pylist()]

@@ -51,3 +51,16 @@ class BufferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     high_water_mark: Annotated[
         int, Meta(ge=1, description="ZeroMQ send/receive high-water mark (messages).")
     ] = 1000
+    fsync_every_write: Annotated[
+        bool,
+        Meta(
+            description="fsync the bank after every append, not only on segment rotation (survives power loss, not just a killed process; slower)."
+        ),
+    ] = False
+    ingest_drain_messages: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Most trajectories read from the ingest socket per bank write (one Arrow batch and one flush each).",
+        ),
+    ] = 256

@@ -127,3 +127,175 @@ def decode_trajectory(frame: bytes | memoryview) -> Trajectory:
         raise WireError(f"malformed trajectory frame: {err}") from None
     traj.validate()
     return traj
+
+
+# --------------------------------------------------------------------------------------
+# Framing and the control protocol (DEALER <-> ROUTER), appended for the buffer service.
+#
+# Every ZeroMQ message is multipart: ``[header, payload]``. The header is 4 fixed bytes
+# (magic b"FR", schema version, message kind) so a receiver can refuse a foreign or
+# newer-schema message before spending any work decoding its payload. The payload is
+# one msgpack-encoded struct. A control request is one ``Request`` (a tagged union:
+# msgpack array whose first element is the op name); each gets exactly one ``Reply``
+# carrying the same ``request_id`` so a client can discard late replies to requests it
+# has already given up on.
+# --------------------------------------------------------------------------------------
+
+HEADER_MAGIC = b"FR"
+KIND_TRAJECTORY = 1
+KIND_REQUEST = 2
+KIND_REPLY = 3
+_KINDS = {KIND_TRAJECTORY, KIND_REQUEST, KIND_REPLY}
+
+
+def make_header(kind: int) -> bytes:
+    """The 4-byte header frame for a message of ``kind`` under this schema version."""
+    return HEADER_MAGIC + bytes((SCHEMA_VERSION, kind))
+
+
+TRAJECTORY_HEADER = make_header(KIND_TRAJECTORY)
+REQUEST_HEADER = make_header(KIND_REQUEST)
+REPLY_HEADER = make_header(KIND_REPLY)
+
+
+class FrameError(WireError):
+    """A frame rejected before or while decoding; ``reason`` is the counter key."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+def check_header(frame: bytes | memoryview, expected_kind: int) -> None:
+    """Raise FrameError(reason) unless ``frame`` is this schema's header for ``expected_kind``."""
+    data = bytes(frame)
+    if len(data) != 4 or data[:2] != HEADER_MAGIC or data[3] not in _KINDS:
+        raise FrameError("bad_header", f"not a fleetrl header frame: {data[:8]!r}")
+    if data[2] != SCHEMA_VERSION:
+        raise FrameError("wrong_schema", f"schema version {data[2]} != supported {SCHEMA_VERSION}")
+    if data[3] != expected_kind:
+        raise FrameError("wrong_kind", f"message kind {data[3]} where {expected_kind} expected")
+
+
+class _Request(msgspec.Struct, array_like=True, kw_only=True, tag=True):
+    request_id: int = 0
+
+
+class GetBatch(_Request, tag="get_batch"):
+    """Long-poll for exactly ``num_groups`` whole groups (or an Empty after ``timeout_ms``).
+
+    ``received_watermark`` is the consumer's count of groups received so far in hand-out
+    order (-1 = not tracked). Hand-outs at or past it that the consumer never got (a lost
+    reply, a buffer restart) are served again first, in their original order.
+    """
+
+    num_groups: int
+    learner_version: int
+    timeout_ms: int = 0
+    received_watermark: int = -1
+
+
+class PublishVersion(_Request, tag="publish_version"):
+    """The learner published policy ``version`` (advances the admission window)."""
+
+    version: int
+
+
+class GetAdmission(_Request, tag="get_admission"):
+    """Ask for the counters rollout workers pace admission with."""
+
+
+class GetStats(_Request, tag="get_stats"):
+    """Ask for every counter of the buffer."""
+
+
+class Commit(_Request, tag="commit"):
+    """Hand-outs below ``watermark`` are trained on and checkpointed: never serve them again."""
+
+    watermark: int
+
+
+class Resume(_Request, tag="resume"):
+    """The learner resumed from a checkpoint at ``version`` holding ``watermark``.
+
+    Hand-outs at or past the watermark are served again, and ``accepted_groups`` is reset
+    to ``version * groups_per_version`` plus the groups still waiting (see admission.py).
+    """
+
+    version: int
+    watermark: int
+
+
+class QueryGroups(_Request, tag="query_groups"):
+    """How many samples of each group are durably accepted (for producers' resubmission)."""
+
+    group_ids: list[str]
+
+
+Request = GetBatch | PublishVersion | GetAdmission | GetStats | Commit | Resume | QueryGroups
+
+
+class _Reply(msgspec.Struct, array_like=True, kw_only=True, tag=True):
+    request_id: int = 0
+
+
+class Batch(_Reply, tag="batch"):
+    """``num_groups`` whole groups as Arrow IPC stream bytes (``arrow_batch.SCHEMA``).
+
+    They are hand-outs ``[handout_start, handout_start + num_groups)`` in the buffer's
+    global hand-out order; a consumer's received watermark becomes the end of that range.
+    """
+
+    arrow_ipc: bytes
+    num_groups: int
+    num_samples: int
+    handout_start: int
+    learner_version: int
+    refused_stale: int = 0  # groups refused (too old) while composing this batch
+
+
+class Empty(_Reply, tag="empty"):
+    reason: str  # "timeout" | "shutting_down"
+
+
+class AdmissionState(_Reply, tag="admission"):
+    """The inputs of the staleness admission rule (buffer.admission.StalenessAdmission)."""
+
+    policy_version: int
+    accepted_groups: int
+    max_staleness: int
+    groups_per_version: int
+    max_concurrent: int
+
+
+class Stats(_Reply, tag="stats"):
+    counters: dict[str, int | float]
+
+
+class Ack(_Reply, tag="ack"):
+    value: int = 0
+
+
+class GroupStatus(_Reply, tag="group_status"):
+    accepted_counts: list[int]  # per queried group: samples durably accepted (0 = unknown)
+
+
+class Error(_Reply, tag="error"):
+    message: str
+
+
+Reply = Batch | Empty | AdmissionState | Stats | Ack | GroupStatus | Error
+
+
+def decode_request(frame: bytes | memoryview) -> Request:
+    try:
+        return decoder(Request).decode(frame)  # type: ignore[arg-type]
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise FrameError("malformed", f"malformed request: {err}") from None
+
+
+def decode_reply(frame: bytes | memoryview) -> Reply:
+    try:
+        return decoder(Reply).decode(frame)  # type: ignore[arg-type]
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise FrameError("malformed", f"malformed reply: {err}") from None

@@ -1,0 +1,408 @@
+"""The buffer's logic without sockets: ingest, hand-out, watermarks, admission counters.
+
+``BufferCore`` ties the group store (store.py), the durable bank (bank.py) and
+the admission rule (admission.py) together and is shared by the ZeroMQ service
+(service.py) and the in-process transport (transport.py). Every public method
+takes the one lock, so any thread may call it; ``wait_ready`` lets in-process
+consumers long-poll on the same condition.
+
+Hand-out order and watermarks. Groups leave the buffer numbered 0, 1, 2, ...
+(the hand-out index). Before a batch is returned its hand-out is written to the
+ledger. Three numbers then describe the consumer side:
+
+- ``handout_count``: hand-outs made (ledger);
+- the consumer's *received watermark* (sent with every ``GetBatch``): hand-outs
+  it actually got. If it is behind ``handout_count`` the difference was lost
+  (a reply lost in a buffer crash, or the learner resumed from a checkpoint) and
+  those groups are read back from the bank and served again first, in their
+  original order (``rewind``);
+- ``committed``: hand-outs trained on and checkpointed (``Commit``); never
+  served again, and a rewind below it is refused.
+
+Reload after a crash replays bank + ledger: every accepted sample comes back
+(uid-deduplicated), complete groups not handed out are ready again in
+completion order, partial groups wait for the fleet's resubmissions, and the
+admission counter is exactly what it was.
+
+Left out: several independent consumers (one learner process fetches the
+global batch and scatters it to its ranks, as verl and AReaL do).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from pathlib import Path
+
+from buffer.admission import StalenessAdmission
+from buffer.arrow_batch import to_ipc, trajectories_to_arrow
+from buffer.bank import (
+    CommitMark,
+    Dropped,
+    Handout,
+    Refused,
+    ResumeMark,
+    Rewind,
+    RolloutBank,
+    VersionMark,
+)
+from buffer.config import BufferConfig
+from buffer.store import Group, GroupStore, rebuild_group, screen
+from buffer.wire import (
+    KIND_TRAJECTORY,
+    AdmissionState,
+    Batch,
+    FrameError,
+    Trajectory,
+    WireError,
+    check_header,
+    decode_trajectory,
+)
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+
+MAX_GROUP_SIZE = 4096
+MAX_ID_CHARS = 512
+_INT_DTYPES = {"int32", "int64"}
+_FLOAT_DTYPES = {"float32", "float16"}
+
+
+class BufferStateError(ValueError):
+    """A request inconsistent with the buffer's durable state (e.g. rewind below commit)."""
+
+
+def check_trajectory(traj: Trajectory) -> None:
+    """Buffer-side checks beyond ``Trajectory.validate``: dtypes, sizes, identifiers."""
+    traj.validate()
+    for name, allowed in (
+        ("prompt_ids", _INT_DTYPES),
+        ("response_ids", _INT_DTYPES),
+        ("token_versions", _INT_DTYPES),
+        ("behavior_logprobs", _FLOAT_DTYPES),
+    ):
+        dtype = getattr(traj, name).dtype
+        if dtype not in allowed:
+            raise WireError(f"trajectory {traj.uid!r}: {name} dtype {dtype} not in {allowed}")
+    if not traj.uid or not traj.group_id:
+        raise WireError("trajectory with an empty uid or group_id")
+    if len(traj.uid) > MAX_ID_CHARS or len(traj.group_id) > MAX_ID_CHARS:
+        raise WireError(f"trajectory uid/group_id longer than {MAX_ID_CHARS} characters")
+    if traj.group_size > MAX_GROUP_SIZE:
+        raise WireError(f"trajectory {traj.uid!r}: group_size {traj.group_size} > {MAX_GROUP_SIZE}")
+
+
+class BufferCore:
+    def __init__(
+        self,
+        config: BufferConfig,
+        *,
+        bank_dir: str | Path,
+        groups_per_version: int,
+        max_concurrent_groups: int,
+    ) -> None:
+        self.config = config
+        self.admission = StalenessAdmission(
+            config.max_staleness, groups_per_version, max_concurrent_groups
+        )
+        self.store = GroupStore(
+            max_staleness=config.max_staleness,
+            capacity_groups=config.capacity_groups,
+            filter_equal_scores=config.filter_equal_scores,
+            filter_truncated=config.filter_truncated,
+        )
+        self.bank = RolloutBank(
+            bank_dir,
+            segment_rows=config.segment_rows,
+            fsync_every_write=config.fsync_every_write,
+        )
+        self.counters: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()
+        self.policy_version = 0
+        self.committed = 0
+        self._handed: list[str] = []  # group id at each hand-out index
+        self._first_segment: dict[str, int] = {}
+        self._seq = 0
+        self.ready = threading.Condition()
+        self._reload()
+
+    # ---- ingest ---------------------------------------------------------------------
+    def ingest_messages(self, messages: list[list[bytes]]) -> int:
+        """Decode ``[header, payload]`` messages, count and drop bad ones, ingest the rest."""
+        trajs: list[Trajectory] = []
+        for frames in messages:
+            self.counters["received_messages"] += 1
+            try:
+                trajs.append(self._decode(frames))
+            except FrameError as err:
+                self.reject(err.reason, str(err))
+            except WireError as err:
+                self.reject("invalid", str(err))
+        return self.ingest(trajs)
+
+    def _decode(self, frames: list[bytes]) -> Trajectory:
+        if len(frames) != 2:
+            raise FrameError("frame_count", f"trajectory message has {len(frames)} frames, not 2")
+        size = len(frames[0]) + len(frames[1])
+        if size > self.config.max_message_bytes:
+            raise FrameError("oversized", f"{size} bytes > {self.config.max_message_bytes}")
+        check_header(frames[0], KIND_TRAJECTORY)
+        try:
+            traj = decode_trajectory(frames[1])
+        except WireError as err:
+            raise FrameError("malformed", str(err)) from None
+        check_trajectory(traj)
+        return traj
+
+    def reject(self, reason: str, detail: str) -> None:
+        with self.ready:
+            self.rejected[reason] += 1
+        log.warning("rejected frame (%s): %s", reason, detail[:300])
+
+    def ingest(self, trajs: list[Trajectory]) -> int:
+        """Accept what is acceptable: bank it (flushed), then count it. Returns samples accepted."""
+        with self.ready:
+            accepted, rejected = screen(self.store, trajs)
+            self.store.counters.update(rejected)
+            if not accepted:
+                return 0
+            try:
+                segment = self.bank.append(accepted)
+            except OSError as err:  # not acknowledged: the fleet resubmits
+                self.counters["bank_write_errors"] += 1
+                log.error("bank write of %d samples failed: %s", len(accepted), err)
+                return 0
+            dropped: dict[str, list[str]] = {}
+            new_ready = False
+            for traj in accepted:
+                self._first_segment.setdefault(traj.group_id, segment)
+                closed = self.store.add(traj, self._seq)
+                self._seq += 1
+                if closed is not None:
+                    if closed.kept:
+                        new_ready = True
+                    else:
+                        dropped.setdefault(closed.reason, []).append(closed.group_id)
+            for reason, groups in dropped.items():
+                self.bank.record(Dropped(groups, reason))
+            if new_ready:
+                self.ready.notify_all()
+            return len(accepted)
+
+    # ---- hand-out -------------------------------------------------------------------
+    def take_batch(
+        self, num_groups: int, learner_version: int, received_watermark: int = -1
+    ) -> tuple[Batch, list[Group]] | None:
+        """Exactly ``num_groups`` whole groups as an Arrow batch, or None if not enough yet."""
+        with self.ready:
+            if received_watermark >= 0 and received_watermark != self.handout_count:
+                self._rewind(received_watermark)
+            if self.store.ready_groups < num_groups:
+                return None
+            result = self.store.take(num_groups, learner_version)
+            if result.refused_stale:
+                ids = [g.group_id for g in result.refused_stale]
+                self.bank.record(Refused(ids, learner_version))
+                log.warning(
+                    "refused %d stale groups at learner version %d (max_staleness %d): %s",
+                    len(ids),
+                    learner_version,
+                    self.config.max_staleness,
+                    ids[:8],
+                )
+            if not result.groups:
+                return None
+            self.ready.notify_all()  # room for producers blocked on a full buffer
+            ids = [g.group_id for g in result.groups]
+            start = self.handout_count
+            self.bank.record(Handout(start, ids, learner_version))
+            self._handed.extend(ids)
+            samples = [t for g in result.groups for t in g.samples]
+            batch = Batch(
+                arrow_ipc=to_ipc(trajectories_to_arrow(samples)),
+                num_groups=len(ids),
+                num_samples=len(samples),
+                handout_start=start,
+                learner_version=learner_version,
+                refused_stale=len(result.refused_stale),
+            )
+            return batch, result.groups
+
+    def return_unsent(self, batch: Batch, groups: list[Group]) -> None:
+        """The batch could not be sent: undo its hand-out (it goes back to the head)."""
+        with self.ready:
+            if batch.handout_start + batch.num_groups != self.handout_count:
+                raise BufferStateError("return_unsent: another hand-out happened after this one")
+            del self._handed[batch.handout_start :]
+            self.store.requeue_front(groups)
+            self.store.counters["handed_out_groups"] -= len(groups)
+            self.bank.record(Rewind(batch.handout_start))
+            self.ready.notify_all()
+
+    def _rewind(self, watermark: int) -> None:
+        if watermark > self.handout_count:
+            raise BufferStateError(
+                f"consumer watermark {watermark} is ahead of the buffer's {self.handout_count} "
+                "hand-outs: this bank is not the one that served it"
+            )
+        if watermark < self.committed:
+            raise BufferStateError(
+                f"cannot serve again from hand-out {watermark}: hand-outs below "
+                f"{self.committed} are committed (trained on and checkpointed)"
+            )
+        ids = self._handed[watermark:]
+        from_segment = min(self._first_segment.get(g, 0) for g in ids)
+        stored = self.bank.read_groups(set(ids), from_segment)
+        groups = []
+        for gid in ids:
+            samples = stored.get(gid) or []
+            if len(samples) < (samples[0].group_size if samples else 1):
+                raise BufferStateError(f"group {gid!r} handed out but incomplete in the bank")
+            groups.append(rebuild_group(samples, filter_truncated=self.config.filter_truncated))
+        del self._handed[watermark:]
+        self.store.requeue_front(groups)
+        self.counters["rewound_groups"] += len(groups)
+        self.bank.record(Rewind(watermark), sync=True)
+        log.info("serving again %d hand-outs from index %d", len(groups), watermark)
+        self.ready.notify_all()
+
+    def wait_ready(self, num_groups: int, timeout_s: float) -> bool:
+        """Block until ``num_groups`` groups are ready or ``timeout_s`` passes (in-process)."""
+        with self.ready:
+            return self.ready.wait_for(lambda: self.store.ready_groups >= num_groups, timeout_s)
+
+    # ---- control --------------------------------------------------------------------
+    def publish_version(self, version: int) -> None:
+        with self.ready:
+            if version < self.policy_version:
+                raise BufferStateError(
+                    f"policy version went back from {self.policy_version} to {version}; "
+                    "a learner resuming from a checkpoint sends Resume"
+                )
+            if version != self.policy_version:
+                self.policy_version = version
+                self.bank.record(VersionMark(version))
+
+    def commit(self, watermark: int) -> None:
+        with self.ready:
+            if watermark > self.handout_count:
+                raise BufferStateError(
+                    f"commit watermark {watermark} > hand-outs made ({self.handout_count})"
+                )
+            if watermark > self.committed:
+                self.committed = watermark
+                self.bank.record(CommitMark(watermark), sync=True)
+
+    def resume(self, version: int, watermark: int) -> int:
+        """Learner resumed from a checkpoint: re-serve from ``watermark``, reset admission."""
+        with self.ready:
+            if watermark != self.handout_count:
+                self._rewind(watermark)
+            self.policy_version = version
+            offset = self.store.reset_accepted_for_resume(
+                version, self.admission.groups_per_version
+            )
+            self.bank.record(ResumeMark(version, watermark, offset), sync=True)
+            log.info(
+                "learner resumed at version %d, watermark %d: accepted_groups := %d",
+                version,
+                watermark,
+                self.store.accepted_groups,
+            )
+            return self.store.accepted_groups
+
+    def admission_state(self) -> AdmissionState:
+        with self.ready:
+            return AdmissionState(
+                policy_version=self.policy_version,
+                accepted_groups=self.store.accepted_groups,
+                max_staleness=self.admission.max_staleness,
+                groups_per_version=self.admission.groups_per_version,
+                max_concurrent=self.admission.max_concurrent,
+            )
+
+    def group_status(self, group_ids: list[str]) -> list[int]:
+        with self.ready:
+            return [self.store.accepted_count(g) for g in group_ids]
+
+    def stats(self) -> dict[str, int | float]:
+        with self.ready:
+            out: dict[str, int | float] = dict(self.counters)
+            out.update(self.store.counters)
+            for reason, n in self.rejected.items():
+                out[f"rejected_frames.{reason}"] = n
+            out["rejected_frames"] = sum(self.rejected.values())
+            out.update(
+                accepted_groups=self.store.accepted_groups,
+                ready_groups=self.store.ready_groups,
+                ready_samples=self.store.ready_samples,
+                partial_groups=self.store.partial_groups,
+                handout_count=self.handout_count,
+                committed_watermark=self.committed,
+                policy_version=self.policy_version,
+                full=int(self.store.is_full),
+                bank_segment=self.bank.current_segment,
+            )
+            return out
+
+    @property
+    def handout_count(self) -> int:
+        return len(self._handed)
+
+    @property
+    def is_full(self) -> bool:
+        return self.store.is_full
+
+    def close(self) -> None:
+        with self.ready:
+            self.bank.close()
+
+    # ---- reload ---------------------------------------------------------------------
+    def _reload(self) -> None:
+        records = self.bank.read_ledger()
+        reloaded = 0
+        for segment, trajs in self.bank.iter_trajectories():
+            for traj in trajs:
+                if self.store.rejection_reason(traj) is not None:
+                    self.counters["reload_duplicates"] += 1
+                    continue
+                self._first_segment.setdefault(traj.group_id, segment)
+                self.store.add(traj, self._seq)
+                self._seq += 1
+                reloaded += 1
+        handed: list[str] = []
+        refused: set[str] = set()
+        offset = 0
+        for rec in records:
+            if isinstance(rec, Handout):
+                del handed[rec.start :]
+                handed.extend(rec.groups)
+            elif isinstance(rec, Refused):
+                refused.update(rec.groups)
+            elif isinstance(rec, Rewind):
+                del handed[rec.watermark :]
+            elif isinstance(rec, CommitMark):
+                self.committed = max(self.committed, rec.watermark)
+            elif isinstance(rec, VersionMark):
+                self.policy_version = rec.version
+            elif isinstance(rec, ResumeMark):
+                del handed[rec.watermark :]
+                self.policy_version = rec.version
+                offset = rec.accepted_offset
+        self.store.remove_ready(set(handed))
+        self.store.forget_refused(len(self.store.remove_ready(refused)))
+        self.store.counters["handed_out_groups"] = len(handed)
+        self.store.accepted_offset = offset
+        self._handed = handed
+        if reloaded or records:
+            log.info(
+                "reloaded bank %s: %d samples, %d ready groups, %d partial, %d hand-outs "
+                "(committed %d), policy version %d",
+                self.bank.dir,
+                reloaded,
+                self.store.ready_groups,
+                self.store.partial_groups,
+                len(handed),
+                self.committed,
+                self.policy_version,
+            )

@@ -1,0 +1,211 @@
+"""``fleetrl inspect rollouts DIR``: what a rollout bank holds, read-only.
+
+Prints counts (segments, samples, groups complete/partial, hand-outs, commits,
+refusals, filter drops), the score, response-length and finish-reason
+distributions, and staleness at hand-out (learner version of the batch minus
+the oldest token version of the sample), read from the bank's segments and its
+ledger. It never writes to the bank (a torn tail is reported, not repaired).
+CLI output, so it prints. Left out: per-data-source breakdowns and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import pyarrow as pa
+
+from buffer.arrow_batch import list_column_numpy
+from buffer.bank import (
+    LEDGER_NAME,
+    CommitMark,
+    Dropped,
+    Handout,
+    Refused,
+    ResumeMark,
+    Rewind,
+    VersionMark,
+    list_segments,
+    read_ledger,
+    read_segment,
+)
+
+
+class BankNotFoundError(ValueError):
+    """The folder given to ``inspect rollouts`` does not exist."""
+
+
+def summarize(bank_dir: str | Path) -> dict[str, Any]:
+    """Every statistic ``inspect rollouts`` prints, as plain data."""
+    root = Path(bank_dir)
+    if not root.is_dir():
+        raise BankNotFoundError(f"rollout bank {root} is not a folder")
+    segments = list_segments(root)
+    seen: set[str] = set()
+    group_size: dict[str, int] = {}
+    group_count: Counter[str] = Counter()
+    group_min_version: dict[str, int] = {}
+    scores, lengths, prompt_lengths, spans = [], [], [], []
+    finish: Counter[str] = Counter()
+    duplicates = 0
+    for _, path in segments:
+        for batch in read_segment(path):
+            duplicates += _collect_batch(
+                batch, seen, group_size, group_count, group_min_version,
+                scores, lengths, prompt_lengths, spans, finish,
+            )  # fmt: skip
+    complete = sum(1 for g, n in group_count.items() if n >= group_size[g])
+    ledger = read_ledger(root / LEDGER_NAME)
+    handed: list[str] = []
+    handout_versions: dict[str, int] = {}
+    refused = committed = rewinds = resumes = 0
+    dropped: Counter[str] = Counter()
+    policy_version = 0
+    for rec in ledger:
+        if isinstance(rec, Handout):
+            del handed[rec.start :]
+            handed.extend(rec.groups)
+            handout_versions.update(dict.fromkeys(rec.groups, rec.version))
+        elif isinstance(rec, Refused):
+            refused += len(rec.groups)
+        elif isinstance(rec, Dropped):
+            dropped[rec.reason] += len(rec.groups)
+        elif isinstance(rec, Rewind):
+            rewinds += 1
+            del handed[rec.watermark :]
+        elif isinstance(rec, CommitMark):
+            committed = max(committed, rec.watermark)
+        elif isinstance(rec, VersionMark):
+            policy_version = rec.version
+        elif isinstance(rec, ResumeMark):
+            resumes += 1
+            del handed[rec.watermark :]
+            policy_version = rec.version
+    staleness = [
+        handout_versions[g] - group_min_version[g]
+        for g in handed
+        if g in group_min_version and group_min_version[g] >= 0
+    ]
+    return {
+        "bank_dir": str(root),
+        "segments": len(segments),
+        "samples": len(seen),
+        "duplicate_rows": duplicates,
+        "groups": len(group_count),
+        "complete_groups": complete,
+        "partial_groups": len(group_count) - complete,
+        "handouts": len(handed),
+        "committed_watermark": committed,
+        "refused_stale_groups": refused,
+        "dropped_groups": dict(dropped),
+        "rewinds": rewinds,
+        "resumes": resumes,
+        "policy_version": policy_version,
+        "score": _describe(scores),
+        "response_length": _describe(lengths),
+        "prompt_length": _describe(prompt_lengths),
+        "finish_reason": dict(finish),
+        "staleness_at_handout": _describe(staleness),
+        "staleness_histogram": dict(sorted(Counter(staleness).items())),
+        "versions_spanned_per_response": _describe(spans),
+    }
+
+
+def _collect_batch(
+    batch: pa.RecordBatch,
+    seen: set[str],
+    group_size: dict[str, int],
+    group_count: Counter[str],
+    group_min_version: dict[str, int],
+    scores: list[float],
+    lengths: list[int],
+    prompt_lengths: list[int],
+    spans: list[int],
+    finish: Counter[str],
+) -> int:
+    uids = batch.column("uid").to_pylist()
+    gids = batch.column("group_id").to_pylist()
+    sizes = batch.column("group_size").to_pylist()
+    batch_scores = batch.column("score").to_pylist()
+    reasons = batch.column("finish_reason").to_pylist()
+    versions, v_off = list_column_numpy(batch, "token_versions")
+    _, p_off = list_column_numpy(batch, "prompt_ids")
+    duplicates = 0
+    for i, uid in enumerate(uids):
+        if uid in seen:
+            duplicates += 1
+            continue
+        seen.add(uid)
+        gid = gids[i]
+        group_size.setdefault(gid, sizes[i])
+        group_count[gid] += 1
+        scores.append(batch_scores[i])
+        finish[reasons[i]] += 1
+        lengths.append(int(v_off[i + 1] - v_off[i]))
+        prompt_lengths.append(int(p_off[i + 1] - p_off[i]))
+        tokens = versions[v_off[i] : v_off[i + 1]]
+        if len(tokens):
+            low = int(tokens.min())
+            spans.append(int(tokens.max()) - low)
+            group_min_version[gid] = min(group_min_version.get(gid, low), low)
+    return duplicates
+
+
+def _describe(values: list[float] | list[int]) -> dict[str, float]:
+    if not values:
+        return {"count": 0}
+    arr = np.asarray(values, dtype=np.float64)
+    return {
+        "count": int(arr.size),
+        "mean": float(arr.mean()),
+        "std": float(arr.std()),
+        "min": float(arr.min()),
+        "p50": float(np.percentile(arr, 50)),
+        "p90": float(np.percentile(arr, 90)),
+        "max": float(arr.max()),
+    }
+
+
+def render(summary: dict[str, Any], out: TextIO) -> None:
+    def stat(name: str, d: dict[str, float]) -> None:
+        if not d.get("count"):
+            out.write(f"  {name:<24} (none)\n")
+            return
+        out.write(
+            f"  {name:<24} n={d['count']} mean={d['mean']:.3f} std={d['std']:.3f} "
+            f"min={d['min']:g} p50={d['p50']:g} p90={d['p90']:g} max={d['max']:g}\n"
+        )
+
+    s = summary
+    out.write(f"rollout bank {s['bank_dir']}\n")
+    out.write(
+        f"  segments {s['segments']}, samples {s['samples']} "
+        f"(duplicate rows {s['duplicate_rows']}), groups {s['groups']} "
+        f"(complete {s['complete_groups']}, partial {s['partial_groups']})\n"
+    )
+    out.write(
+        f"  hand-outs {s['handouts']} (committed {s['committed_watermark']}), "
+        f"refused stale {s['refused_stale_groups']}, dropped {s['dropped_groups'] or 0}, "
+        f"rewinds {s['rewinds']}, resumes {s['resumes']}, policy version {s['policy_version']}\n"
+    )
+    stat("score", s["score"])
+    stat("response length", s["response_length"])
+    stat("prompt length", s["prompt_length"])
+    out.write(f"  {'finish reasons':<24} {s['finish_reason']}\n")
+    stat("staleness at hand-out", s["staleness_at_handout"])
+    out.write(f"  {'staleness histogram':<24} {s['staleness_histogram']}\n")
+    stat("versions in a response", s["versions_spanned_per_response"])
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        summary = summarize(args.dir)
+    except BankNotFoundError as err:
+        print(f"fleetrl: {err}", file=sys.stderr)
+        return 2
+    render(summary, sys.stdout)
+    return 0

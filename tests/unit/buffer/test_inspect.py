@@ -1,0 +1,42 @@
+"""`fleetrl inspect rollouts`: counts and staleness read back from a bank."""
+
+from __future__ import annotations
+
+import argparse
+import io
+
+from buffer.config import BufferConfig
+from buffer.core import BufferCore
+from buffer.inspect import main, render, summarize
+from buffer.synthetic import make_group
+
+
+def test_summary_counts_groups_handouts_and_staleness(tmp_path, capsys):
+    core = BufferCore(
+        BufferConfig(max_staleness=2),
+        bank_dir=tmp_path,
+        groups_per_version=1,
+        max_concurrent_groups=4,
+    )
+    core.ingest(
+        make_group("a", 2, version=0) + make_group("b", 2, version=1) + make_group("c", 3)[:1]
+    )
+    core.publish_version(2)
+    core.take_batch(2, learner_version=2)
+    core.commit(2)
+    summary = summarize(tmp_path)
+    assert summary["samples"] == 5
+    assert (summary["complete_groups"], summary["partial_groups"]) == (2, 1)
+    assert summary["handouts"] == 2 and summary["committed_watermark"] == 2
+    assert summary["staleness_histogram"] == {1: 1, 2: 1}
+    assert summary["policy_version"] == 2
+    out = io.StringIO()
+    render(summary, out)
+    assert "staleness at hand-out" in out.getvalue()
+    assert main(argparse.Namespace(dir=str(tmp_path))) == 0
+    assert "hand-outs 2" in capsys.readouterr().out
+
+
+def test_missing_folder_exits_2_with_a_message(tmp_path, capsys):
+    assert main(argparse.Namespace(dir=str(tmp_path / "nope"))) == 2
+    assert "is not a folder" in capsys.readouterr().err
