@@ -1,0 +1,292 @@
+"""Drive one sample to completion across a changing fleet of engines.
+
+``SampleRunner.generate(group_id, uid, sample, sampling_params)`` loops until
+the sample is finished (stop or length):
+
+1. ask the router for an engine (the group's pinned one, else the least busy);
+   with none routable, wait for an engine event (or re-check every second);
+2. submit prompt + everything generated so far, with ``max_new_tokens`` reduced
+   to what is left and a fresh ``rid`` (``<uid>.<piece>.<attempt>``);
+3. on a response, append its tokens, logprobs and per-token versions; a
+   ``finish_reason`` of ``abort`` (the engine paused in abort mode for a weight
+   update) simply loops again: the partial is kept and resubmitted;
+4. on an ``EngineError`` or timeout, mark the engine suspect, back off and retry
+   on another engine (the partial is kept); after ``max_sample_attempts``
+   failures raise ``SampleFailed``;
+5. when the router declares the engine dead, the request is cancelled at once
+   (the listener below) and the sample continues elsewhere.
+
+It also owns the engine clients (one per engine name; a restarted engine with a
+new URL gets a new client from ``client_factory``), the count of requests in
+flight, and the rollout idle time (wall time with no request in flight).
+
+Left out: hedged requests (sending a straggler to a second engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from fleetrl.log import get_logger
+from rollout_fleet.client import EngineError, parse_generate_response
+from rollout_fleet.router import EngineEvent, EngineState, Lease, Router
+from rollout_fleet.trajectory import ABORT, SampleProgress
+
+log = get_logger(__name__)
+
+_NO_ENGINE_RECHECK_S = 1.0
+_ABORT_REQUEST_TIMEOUT_S = 5.0
+
+
+class GenerateClient(Protocol):
+    """The part of ``rollout_fleet.client.EngineClient`` the runner uses."""
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        return_logprob: bool = True,
+        rid: str | None = None,
+    ) -> Any: ...
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> Any: ...
+
+
+class SampleFailed(RuntimeError):
+    """A sample met more engine failures than ``max_attempts`` allows."""
+
+
+class SampleRunner:
+    """Runs samples on the fleet: routing, failover, abort-resubmit, in-flight accounting."""
+
+    def __init__(
+        self,
+        router: Router,
+        engines: Mapping[str, GenerateClient],
+        *,
+        max_attempts: int = 8,
+        retry_backoff_s: float = 0.5,
+        client_factory: Callable[[str], GenerateClient] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.router = router
+        self.clients: dict[str, GenerateClient] = dict(engines)
+        self._client_urls: dict[str, str] = {}
+        self.max_attempts = max_attempts
+        self.retry_backoff_s = retry_backoff_s
+        self.client_factory = client_factory
+        self._clock = clock
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._inflight: dict[str, dict[asyncio.Future[Any], str]] = {}  # engine -> future -> rid
+        self._engines_changed = asyncio.Event()
+        self._num_inflight = 0
+        self._idle_since: float | None = None
+        self._idle_total = 0.0
+        self._started_at: float | None = None
+        self._closing: set[asyncio.Future[Any]] = set()
+        # counters
+        self.tokens_generated = 0
+        self.requests_sent = 0
+        self.abort_resubmits = 0
+        self.engine_errors = 0
+        self.requests_lost_to_dead_engines = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def attach(self) -> None:
+        """Bind to the running event loop and listen to the router (idempotent)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None:
+            raise RuntimeError("SampleRunner is already attached to another event loop")
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._engines_changed = asyncio.Event()
+        self._started_at = self._idle_since = self._clock()
+        self.router.subscribe(self._on_engine_event)
+
+    def detach(self) -> None:
+        if self._loop is not None:
+            with contextlib.suppress(ValueError):
+                self.router.unsubscribe(self._on_engine_event)
+            self._loop = None
+
+    def set_client(self, name: str, client: GenerateClient) -> None:
+        self.clients[name] = client
+
+    def remove_client(self, name: str) -> None:
+        self.clients.pop(name, None)
+
+    # ---- the sample loop ------------------------------------------------------------------
+
+    async def generate(
+        self, group_id: str, uid: str, sample: SampleProgress, sampling_params: dict[str, Any]
+    ) -> None:
+        """Run ``sample`` until it is finished; raise SampleFailed after too many failures."""
+        self.attach()
+        failures = 0
+        while not sample.finished:
+            lease = self.router.acquire(group_id)
+            client = self.clients.get(lease.engine) if lease is not None else None
+            if lease is None or client is None:
+                if lease is not None:
+                    self.router.release(lease)
+                    log.warning("engine %s has no client yet; waiting", lease.engine)
+                await self._wait_engines_changed()
+                continue
+            params = {**sampling_params, "max_new_tokens": sample.remaining_tokens}
+            rid = f"{uid}.{sample.pieces}.{failures}"
+            request = asyncio.ensure_future(
+                client.generate(sample.resume_input_ids(), params, return_logprob=True, rid=rid)
+            )
+            self._track(lease, request, rid)
+            try:
+                await asyncio.wait({request})
+            except asyncio.CancelledError:
+                request.cancel()
+                raise
+            finally:
+                self._untrack(lease, request)
+                self.router.release(lease)
+            self.requests_sent += 1
+            if request.cancelled():
+                self.requests_lost_to_dead_engines += 1
+                failures += 1
+                log.info("request %s lost with engine %s; resubmitting", rid, lease.engine)
+            else:
+                error = self._take_piece(request, sample, lease.engine)
+                if error is None:
+                    continue
+                failures += 1
+                self.engine_errors += 1
+                self.router.mark_suspect(lease.engine, error)
+                log.warning("request %s on %s failed: %s", rid, lease.engine, error)
+                if failures < self.max_attempts:
+                    await asyncio.sleep(self.retry_backoff_s)
+            if failures >= self.max_attempts:
+                raise SampleFailed(
+                    f"sample {uid}: {failures} engine failures (max_sample_attempts="
+                    f"{self.max_attempts}); last engine {lease.engine}"
+                )
+
+    def _take_piece(
+        self, request: asyncio.Future[Any], sample: SampleProgress, engine: str
+    ) -> str | None:
+        """Append the response to ``sample``; return an error text if the engine failed."""
+        exc = request.exception()
+        if exc is not None:
+            if isinstance(exc, EngineError | TimeoutError):
+                return f"{type(exc).__name__}: {exc}"
+            raise exc
+        try:
+            output = parse_generate_response(request.result())
+            taken = sample.add(output, engine)
+        except ValueError as err:  # malformed response (InconsistentPieceError included)
+            return f"bad response: {err}"
+        self.tokens_generated += taken
+        if sample.finish_reason == ABORT:
+            self.abort_resubmits += 1
+        return None
+
+    # ---- in-flight accounting and engine events -------------------------------------------
+
+    @property
+    def num_inflight(self) -> int:
+        return self._num_inflight
+
+    def idle_fraction(self) -> float:
+        """Share of wall time since attach with no request in flight."""
+        if self._started_at is None:
+            return 0.0
+        now = self._clock()
+        idle = self._idle_total + (now - self._idle_since if self._idle_since is not None else 0.0)
+        wall = now - self._started_at
+        return idle / wall if wall > 0 else 0.0
+
+    def inflight_rids(self) -> dict[str, list[str]]:
+        return {name: list(reqs.values()) for name, reqs in self._inflight.items() if reqs}
+
+    async def abort_inflight(self) -> None:
+        """Ask every engine to drop the requests this runner has in flight (best effort)."""
+        calls = []
+        for name, rids in self.inflight_rids().items():
+            client = self.clients.get(name)
+            if client is not None:
+                calls += [self._abort_one(name, client, rid) for rid in rids]
+        if calls:
+            await asyncio.gather(*calls)
+
+    async def _abort_one(self, name: str, client: GenerateClient, rid: str) -> None:
+        try:
+            await asyncio.wait_for(client.abort_request(rid=rid), _ABORT_REQUEST_TIMEOUT_S)
+        except (EngineError, TimeoutError) as err:
+            log.info("abort of %s on %s failed (engine may be gone): %s", rid, name, err)
+
+    def _track(self, lease: Lease, request: asyncio.Future[Any], rid: str) -> None:
+        self._inflight.setdefault(lease.engine, {})[request] = rid
+        if self._num_inflight == 0 and self._idle_since is not None:
+            self._idle_total += self._clock() - self._idle_since
+            self._idle_since = None
+        self._num_inflight += 1
+
+    def _untrack(self, lease: Lease, request: asyncio.Future[Any]) -> None:
+        self._inflight.get(lease.engine, {}).pop(request, None)
+        self._num_inflight -= 1
+        if self._num_inflight == 0:
+            self._idle_since = self._clock()
+
+    async def _wait_engines_changed(self) -> None:
+        self._engines_changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._engines_changed.wait(), _NO_ENGINE_RECHECK_S)
+
+    def _on_engine_event(self, event: EngineEvent) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        if threading.get_ident() == self._loop_thread:
+            self._handle_engine_event(event)
+        else:
+            loop.call_soon_threadsafe(self._handle_engine_event, event)
+
+    def _handle_engine_event(self, event: EngineEvent) -> None:
+        if event.state in (EngineState.DEAD, EngineState.REMOVED):
+            lost = list(self._inflight.get(event.name, {}))
+            for request in lost:
+                request.cancel()
+            if lost:
+                log.warning(
+                    "engine %s %s: %d requests in flight go to other engines",
+                    event.name,
+                    event.state,
+                    len(lost),
+                )
+            if event.state is EngineState.REMOVED:
+                self.clients.pop(event.name, None)
+        elif event.url and self.client_factory is not None:
+            old = self.clients.get(event.name)
+            old_url = self._client_urls.get(event.name) or getattr(old, "base_url", None)
+            if old is None or old_url != event.url:
+                self.clients[event.name] = self.client_factory(event.url)
+                self._client_urls[event.name] = event.url
+                if old is not None:
+                    self._close_later(old)
+        self._engines_changed.set()
+
+    def _close_later(self, client: GenerateClient) -> None:
+        """Close a replaced client's HTTP session without blocking the event loop."""
+        close = getattr(client, "close", None)
+        if close is None:
+            return
+        result = close()
+        if asyncio.iscoroutine(result):
+            task = asyncio.ensure_future(result)
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)

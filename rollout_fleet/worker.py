@@ -1,0 +1,431 @@
+"""The rollout worker: start GRPO groups as the staleness bound allows, score, send whole.
+
+One asyncio loop drives the whole fleet (engines are HTTP servers; the worker
+only waits on sockets)::
+
+    while not stopping:
+        state    = buffer admission counters          (policy_version, accepted_groups)
+        capacity = StalenessAdmission.capacity(v, accepted, running_groups)
+        start `capacity` groups with prompts from the reader
+        sleep until a group finishes or admission_poll_interval_s passes
+    drain: let groups in flight finish (stop deadline), abort the rest
+
+A group is the ``n`` samples of one prompt. Each sample is one request with its
+own ``rid`` (so one sample can be aborted, resubmitted or moved to another
+engine alone), run by ``SampleRunner`` (routing, failover, abort-resubmit), then
+decoded and scored off the event loop by the ``RewardRunner``. When all ``n``
+are scored the group's trajectories are sent, one after another, on a single
+sender thread: a PUSH blocked at the high-water mark never stalls the event
+loop, and the group counts as *running* until it is sent, so backpressure
+reaches admission. A group is sent once and whole; if one sample exhausts its
+attempts the group is dropped and counted (``groups_failed``).
+
+``validate(prompts)`` runs a validation set through the same machinery (one
+greedy sample per prompt by default) and returns mean scores per data source.
+
+Staleness: ``running_groups`` counts groups from start until fully sent. A group
+sent but not yet counted by the buffer is briefly in neither count (ZeroMQ
+delivery lag), so admission may run ahead by the groups in transit; the buffer's
+hand-out check is the safety net for that window. The reader's cursor advances
+when a group starts: a reader checkpoint taken now skips the groups in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from buffer.admission import StalenessAdmission
+from buffer.wire import Trajectory
+from fleetrl.data.reader import PromptItem
+from fleetrl.log import get_logger
+from rollout_fleet.config import RolloutConfig
+from rollout_fleet.router import Router
+from rollout_fleet.sample_runner import GenerateClient, SampleFailed, SampleRunner
+from rollout_fleet.trajectory import SampleProgress, build_trajectory
+
+log = get_logger(__name__)
+
+
+class TrajectorySink(Protocol):
+    """Where finished trajectories go (``buffer.transport.TrajectorySender``)."""
+
+    def send(self, traj: Trajectory) -> Any: ...
+
+
+class AdmissionCounters(Protocol):
+    """The admission inputs the buffer reports (``buffer.wire.AdmissionState``)."""
+
+    policy_version: int
+    accepted_groups: int
+
+
+class Scorer(Protocol):
+    """``rollout_fleet.rewards.RewardRunner``: never raises, returns a RewardResult."""
+
+    async def score(
+        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: Any
+    ) -> Any: ...
+
+
+class Detokenizer(Protocol):
+    eos_token_id: int | None
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass
+class _Scored:
+    sample: SampleProgress
+    score: float = 0.0
+    reward_metrics: dict[str, float] = field(default_factory=dict)
+    generate_s: float = 0.0
+    reward_s: float = 0.0
+
+
+@dataclass
+class _Group:
+    group_id: str
+    prompt: PromptItem
+    task: asyncio.Task[None] | None = None
+
+
+class RolloutWorker:
+    """Samples groups on an engine fleet under the staleness bound; see the module docstring."""
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        *,
+        engines: Mapping[str, GenerateClient],
+        router: Router,
+        reader: Iterable[PromptItem] | Iterator[PromptItem],
+        sender: TrajectorySink,
+        admission_source: Callable[[], Any],
+        reward_runner: Scorer,
+        tokenizer: Detokenizer,
+        groups_per_version: int,
+        max_staleness: int,
+        stop_token_ids: list[int] | None = None,
+        client_factory: Callable[[str], GenerateClient] | None = None,
+    ):
+        self.config = config
+        self.router = router
+        self.runner = SampleRunner(
+            router,
+            engines,
+            max_attempts=config.max_sample_attempts,
+            retry_backoff_s=config.retry_backoff_s,
+            client_factory=client_factory,
+        )
+        self._prompts = iter(reader)
+        self._sender = sender
+        self._admission_source = admission_source
+        self._reward = reward_runner
+        self._tokenizer = tokenizer
+        self.admission = StalenessAdmission(
+            max_staleness=max_staleness,
+            groups_per_version=groups_per_version,
+            max_concurrent=config.max_concurrent_groups,
+        )
+        if stop_token_ids is None:
+            eos = getattr(tokenizer, "eos_token_id", None)
+            stop_token_ids = [] if eos is None else [int(eos)]
+        self.stop_token_ids = stop_token_ids
+        self._groups: dict[str, _Group] = {}
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._stop_deadline_s = config.stop_deadline_s
+        self._running = False
+        self._stopped = asyncio.Event()
+        # one thread per blocking resource: ZeroMQ sockets must not be shared across threads
+        self._send_thread = ThreadPoolExecutor(1, thread_name_prefix="rollout-send")
+        self._admission_thread = ThreadPoolExecutor(1, thread_name_prefix="rollout-admission")
+        self._started_at: float | None = None
+        self.last_admission: Any = None
+        self._fatal: BaseException | None = None
+        # counters
+        self.groups_started = 0
+        self.groups_finished = 0
+        self.groups_failed = 0
+        self.groups_cancelled = 0
+        self.samples_sent = 0
+        self.admission_errors = 0
+        self.send_s = 0.0
+
+    # ---- public API -----------------------------------------------------------------------
+
+    @property
+    def running_groups(self) -> int:
+        """Groups started and not yet fully sent (or dropped)."""
+        return len(self._groups)
+
+    def add_engine(self, name: str, client: GenerateClient) -> None:
+        """Use ``client`` for engine ``name`` (register the engine with the router too)."""
+        self.runner.set_client(name, client)
+
+    def remove_engine(self, name: str) -> None:
+        self.runner.remove_client(name)
+
+    def sampling_params(self, temperature: float | None = None) -> dict[str, Any]:
+        cfg = self.config
+        params: dict[str, Any] = {
+            "temperature": cfg.temperature if temperature is None else temperature,
+            "top_p": cfg.top_p,
+            "top_k": cfg.top_k,
+            "max_new_tokens": cfg.max_new_tokens,
+        }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return params
+
+    async def run(self, num_groups: int | None = None) -> None:
+        """Generate until ``stop()`` (or until ``num_groups`` groups were started and ended)."""
+        if self._running:
+            raise RuntimeError("RolloutWorker.run is already running")
+        self._running = True
+        self._stopped = asyncio.Event()
+        self._wake = asyncio.Event()
+        self.runner.attach()
+        self._started_at = time.monotonic()
+        sampling = self.sampling_params()
+        try:
+            while not self._stopping and self._fatal is None:
+                budget = None if num_groups is None else num_groups - self.groups_started
+                if budget is not None and budget <= 0:
+                    break
+                capacity = await self._capacity()
+                if budget is not None:
+                    capacity = min(capacity, budget)
+                for _ in range(capacity):
+                    self._start_group(next(self._prompts), sampling)
+                await self._sleep_until_woken(self.config.admission_poll_interval_s)
+            if self._fatal is not None:
+                await self._drain(0.0)
+                raise RuntimeError(f"rollout group crashed: {self._fatal!r}") from self._fatal
+            await self._drain(None if not self._stopping else self._stop_deadline_s)
+        finally:
+            self._running = False
+            self._stopped.set()
+
+    async def stop(self, deadline_s: float | None = None, *, abort: bool = False) -> None:
+        """Stop admitting; groups in flight get ``deadline_s`` to finish, then are aborted."""
+        self._stopping = True
+        self._stop_deadline_s = (
+            0.0 if abort else (self.config.stop_deadline_s if deadline_s is None else deadline_s)
+        )
+        self._wake.set()
+        if self._running:
+            await self._stopped.wait()
+        else:
+            await self._drain(self._stop_deadline_s)
+
+    def close(self) -> None:
+        """Release threads and the router subscription (after ``stop``)."""
+        self.runner.detach()
+        self._send_thread.shutdown(wait=False, cancel_futures=True)
+        self._admission_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def validate(
+        self, prompts: Iterable[PromptItem], *, temperature: float | None = None
+    ) -> dict[str, float]:
+        """Score one sample per prompt (greedy by default); mean per data source and overall."""
+        self.runner.attach()
+        temp = self.config.val_temperature if temperature is None else temperature
+        sampling = self.sampling_params(temp)
+        limit = asyncio.Semaphore(self.config.max_concurrent_groups)
+        results: list[tuple[str, _Scored]] = []
+        failed: list[str] = []
+
+        async def one(position: int, prompt: PromptItem) -> None:
+            async with limit:
+                group_id = f"val-{position}-p{prompt.index}"
+                try:
+                    scored = await self._run_sample(group_id, 0, prompt, sampling)
+                    results.append((prompt.data_source, scored))
+                except SampleFailed as err:
+                    failed.append(group_id)
+                    log.error("validation sample %s failed: %s", group_id, err)
+                finally:
+                    self.router.finish_group(group_id)
+
+        async with asyncio.TaskGroup() as tasks:
+            for position, prompt in enumerate(prompts):
+                tasks.create_task(one(position, prompt))
+        by_source: dict[str, list[float]] = defaultdict(list)
+        for source, scored in results:
+            by_source[source or "unknown"].append(scored.score)
+        scores = [s.score for _, s in results]
+        out: dict[str, float] = {
+            "val/num_samples": float(len(scores)),
+            "val/num_failed": float(len(failed)),
+        }
+        if scores:
+            out["val/score/mean"] = statistics.fmean(scores)
+            out["val/response_length/mean"] = statistics.fmean(
+                s.sample.num_generated for _, s in results
+            )
+        for source, values in sorted(by_source.items()):
+            out[f"val/score/{source}"] = statistics.fmean(values)
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        wall = time.monotonic() - self._started_at if self._started_at is not None else 0.0
+        tokens = self.runner.tokens_generated
+        out = {
+            "rollout/groups_started": self.groups_started,
+            "rollout/groups_finished": self.groups_finished,
+            "rollout/groups_running": self.running_groups,
+            "rollout/groups_failed": self.groups_failed,
+            "rollout/groups_cancelled": self.groups_cancelled,
+            "rollout/samples_sent": self.samples_sent,
+            "rollout/tokens_generated": tokens,
+            "rollout/gen_tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "rollout/idle_fraction": self.runner.idle_fraction(),
+            "rollout/requests_in_flight": self.runner.num_inflight,
+            "rollout/requests_sent": self.runner.requests_sent,
+            "rollout/abort_resubmits": self.runner.abort_resubmits,
+            "rollout/engine_errors": self.runner.engine_errors,
+            "rollout/requests_lost_to_dead_engines": self.runner.requests_lost_to_dead_engines,
+            "rollout/admission_errors": self.admission_errors,
+            "rollout/send_s": self.send_s,
+        }
+        reward_stats = getattr(self._reward, "stats", None)
+        if callable(reward_stats):
+            out.update(reward_stats())
+        return {k: float(v) for k, v in out.items()}
+
+    # ---- admission ------------------------------------------------------------------------
+
+    async def _capacity(self) -> int:
+        state = await self._poll_admission()
+        if state is None:
+            return 0
+        self.last_admission = state
+        return self.admission.capacity(
+            state.policy_version, state.accepted_groups, self.running_groups
+        )
+
+    async def _poll_admission(self) -> AdmissionCounters | None:
+        try:
+            if inspect.iscoroutinefunction(self._admission_source):
+                return await self._admission_source()
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._admission_thread, self._admission_source)
+        except (OSError, TimeoutError, RuntimeError, ValueError) as err:
+            # the buffer is a separate service: count, log, and try again next poll
+            self.admission_errors += 1
+            log.warning("admission poll failed (%d so far): %s", self.admission_errors, err)
+            return None
+
+    async def _sleep_until_woken(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout_s)
+        self._wake.clear()
+
+    # ---- groups ---------------------------------------------------------------------------
+
+    def _start_group(self, prompt: PromptItem, sampling: dict[str, Any]) -> None:
+        group_id = f"p{prompt.index}"
+        if group_id in self._groups:  # the same prompt position again (reader seek): keep apart
+            group_id = f"{group_id}-{self.groups_started}"
+        group = _Group(group_id, prompt)
+        self._groups[group_id] = group
+        self.groups_started += 1
+        group.task = asyncio.create_task(self._run_group(group, sampling), name=group_id)
+        group.task.add_done_callback(self._note_crash)
+
+    def _note_crash(self, task: asyncio.Task[None]) -> None:
+        """A group task that died of an unexpected error stops the worker loudly."""
+        if not task.cancelled() and task.exception() is not None and self._fatal is None:
+            self._fatal = task.exception()
+            self._wake.set()
+
+    async def _run_group(self, group: _Group, sampling: dict[str, Any]) -> None:
+        n = self.config.n
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                pending = [
+                    tasks.create_task(self._run_sample(group.group_id, i, group.prompt, sampling))
+                    for i in range(n)
+                ]
+            trajectories = [
+                self._trajectory(group, i, task.result(), sampling["temperature"])
+                for i, task in enumerate(pending)
+            ]
+            t0 = time.monotonic()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._send_thread, self._send_all, trajectories)
+            self.send_s += time.monotonic() - t0
+            self.groups_finished += 1
+            self.samples_sent += len(trajectories)
+        except* SampleFailed as failures:
+            self.groups_failed += 1
+            log.error("group %s dropped: %s", group.group_id, failures.exceptions[0])
+        finally:
+            self._groups.pop(group.group_id, None)
+            self.router.finish_group(group.group_id)
+            self._wake.set()
+
+    async def _run_sample(
+        self, group_id: str, index: int, prompt: PromptItem, sampling: dict[str, Any]
+    ) -> _Scored:
+        sample = SampleProgress([int(t) for t in prompt.prompt_ids], sampling["max_new_tokens"])
+        t0 = time.monotonic()
+        await self.runner.generate(group_id, f"{group_id}/{index}", sample, sampling)
+        t1 = time.monotonic()
+        text = self._tokenizer.decode(sample.output_ids, skip_special_tokens=True)
+        result = await self._reward.score(
+            prompt.data_source, text, prompt.ground_truth, prompt.extra_info
+        )
+        return _Scored(
+            sample=sample,
+            score=float(result.score),
+            reward_metrics={k: float(v) for k, v in (result.metrics or {}).items()},
+            generate_s=t1 - t0,
+            reward_s=time.monotonic() - t1,
+        )
+
+    def _trajectory(
+        self, group: _Group, index: int, scored: _Scored, temperature: float
+    ) -> Trajectory:
+        return build_trajectory(
+            scored.sample,
+            group_id=group.group_id,
+            sample_index=index,
+            group_size=self.config.n,
+            score=scored.score,
+            data_source=group.prompt.data_source,
+            prompt_index=group.prompt.index,
+            reward_metrics=scored.reward_metrics,
+            timings={"generate_s": scored.generate_s, "reward_s": scored.reward_s},
+            temperature=temperature,
+        )
+
+    def _send_all(self, trajectories: list[Trajectory]) -> None:
+        for traj in trajectories:
+            self._sender.send(traj)
+
+    async def _drain(self, deadline_s: float | None) -> None:
+        """Wait for the groups in flight (up to ``deadline_s``), then abort what is left."""
+        tasks = [g.task for g in self._groups.values() if g.task is not None]
+        if not tasks:
+            return
+        log.info("draining %d groups in flight (deadline %s s)", len(tasks), deadline_s)
+        _, pending = await asyncio.wait(tasks, timeout=deadline_s)
+        if not pending:
+            return
+        await self.runner.abort_inflight()
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        self.groups_cancelled += len(pending)
+        log.warning("stop deadline passed: %d groups in flight were aborted", len(pending))
