@@ -21,6 +21,23 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: Annotated[int, Meta(description="Seed of the random init.")] = 0
 
 
+class WarmStartConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    steps: Annotated[
+        int, Meta(ge=0, description="Supervised steps before RL (0 = no warm start).")
+    ] = 0
+    lr: Annotated[float, Meta(gt=0, description="Warm-start AdamW learning rate.")] = 1e-3
+    batch_size: Annotated[int, Meta(ge=1, description="Examples per warm-start step.")] = 32
+    label_noise: Annotated[
+        float,
+        Meta(
+            ge=0,
+            le=1,
+            description="Fraction of answers replaced by a wrong one (integer answers become answer+1), so that RL has something to fix.",
+        ),
+    ] = 0.0
+    seed: Annotated[int, Meta(description="Seed of example order and label noise.")] = 0
+
+
 class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     path: Annotated[
         str,
@@ -43,6 +60,12 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tiny: Annotated[TinyModelSpec, Meta(description="Shape of that tiny model.")] = msgspec.field(
         default_factory=TinyModelSpec
     )
+    warmstart: Annotated[
+        WarmStartConfig,
+        Meta(
+            description="Supervised warm start applied when the tiny model is built (see learner.sft)."
+        ),
+    ] = msgspec.field(default_factory=WarmStartConfig)
     gradient_checkpointing: Annotated[
         bool, Meta(description="Recompute activations in the backward pass to save memory.")
     ] = False

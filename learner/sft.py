@@ -1,0 +1,77 @@
+"""Supervised warm start: fine-tune a local Hugging Face causal LM on (prompt, answer) pairs.
+
+Used to give the CPU demo's tiny model a starting point from which RL, not
+supervision, does the learning: with ``label_noise`` a fraction of the answers
+is replaced by a wrong "off by one" answer (an integer answer becomes answer+1),
+so the warm-started model has the format and the arithmetic circuitry but
+mostly the wrong mapping (DESIGN §8). Single process, plain PyTorch: it is a
+set-up step, not part of the distributed learner.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+from fleetrl.log import get_logger
+from fleetrl.models.config import WarmStartConfig
+
+log = get_logger(__name__)
+
+
+def corrupt_answer(answer: str) -> str:
+    """The deliberately wrong label: integer answers shifted by one, others reversed."""
+    try:
+        return str(int(answer) + 1)
+    except ValueError:
+        return answer[::-1] + "?" if answer else "?"
+
+
+def supervised_warmstart(
+    model_dir: str | Path,
+    examples: Sequence[tuple[list[dict[str, str]], str]],
+    cfg: WarmStartConfig,
+) -> float:
+    """Train ``model_dir`` in place on chat ``examples`` (messages, answer); return the last loss."""
+    import torch
+
+    from fleetrl.models.loading import load_causal_lm, load_tokenizer
+
+    if not examples:
+        raise ValueError("supervised warm start needs at least one example")
+    tok = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir)
+    model.train()
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    prompts = [
+        tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m, _ in examples
+    ]
+    prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    loss_value = float("nan")
+    for step in range(cfg.steps):
+        rows, labels = [], []
+        for _ in range(cfg.batch_size):
+            i = rng.randrange(len(examples))
+            answer = examples[i][1]
+            if rng.random() < cfg.label_noise:
+                answer = corrupt_answer(answer)
+            answer_ids = tok(answer, add_special_tokens=False).input_ids + [tok.eos_token_id]
+            rows.append(prompt_ids[i] + answer_ids)
+            labels.append([-100] * len(prompt_ids[i]) + answer_ids)
+        width = max(map(len, rows))
+        pad = tok.pad_token_id
+        input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+        label_ids = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
+        attention = (input_ids != pad).long()
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        loss_value = float(loss)
+        if (step + 1) % 100 == 0:
+            log.info("warm start step %d/%d loss %.4f", step + 1, cfg.steps, loss_value)
+    model.save_pretrained(model_dir)
+    return loss_value
