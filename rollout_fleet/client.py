@@ -1,0 +1,320 @@
+"""Async HTTP client for SGLang's native API, used for both SGLang servers and the
+embedded engine (they speak the same protocol, ``rollout_fleet.protocol``).
+
+``EngineClient(base_url, api_key=None, timeout_s=120, retries=2)`` wraps one
+``aiohttp.ClientSession`` (created lazily on the caller's event loop). Every
+failure is an ``EngineError(engine_url, endpoint, status, message)``; ``status``
+is ``None`` when no HTTP answer came back (refused, reset, timed out).
+
+Retry policy (never retry something that may already have had an effect twice):
+- read-only and idempotent calls (``health``, ``get_*``, ``pause_generation``,
+  ``continue_generation``, ``abort_request``, ``flush_cache``) retry up to
+  ``retries`` times on connection errors, timeouts and HTTP 5xx, with backoff;
+- ``generate`` retries only when the connection could not be opened (the request
+  was never sent); a reset or timeout after sending is raised: the caller decides,
+  and resubmitting with the same ``rid`` lets it ``abort_request`` the stray one;
+- weight-update calls never retry (they are collectives: a lone retry would hang).
+
+``parse_generate_response`` turns one response object into ``GenerateOutput``
+for the rollout workers. With the embedded engine the per-token versions come
+from ``meta_info.output_token_versions``. Plain SGLang reports one
+``weight_version`` per request, so every token is tagged ``int(weight_version)``:
+an approximation (SGLang's ``weight_version`` is the server's version when the
+response was built, so a mid-sequence in-place update is attributed entirely to
+the newer version, under-stating staleness by at most one update).
+
+``SyncEngineClient`` runs the same client on a private event-loop thread for
+scripts and tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+
+RETRY_BACKOFF_S = 0.5
+
+
+class EngineError(RuntimeError):
+    """A request to an engine failed; names the engine, endpoint and HTTP status."""
+
+    def __init__(self, engine_url: str, endpoint: str, status: int | None, message: str) -> None:
+        self.engine_url = engine_url
+        self.endpoint = endpoint
+        self.status = status
+        self.message = message
+        where = f"HTTP {status}" if status is not None else "no response"
+        super().__init__(f"engine {engine_url} {endpoint}: {where}: {message}")
+
+
+class GenerateOutput(msgspec.Struct, frozen=True):
+    """One generated sample, as the rollout workers need it."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    token_versions: list[int]
+    finish_reason: str
+    weight_version: str
+    prompt_tokens: int
+    rid: str = ""
+    text: str = ""
+    matched_stop: int | str | None = None
+
+
+def parse_generate_response(
+    resp: dict[str, Any], *, require_logprobs: bool = True
+) -> GenerateOutput:
+    """``GenerateOutput`` from one SGLang / embedded-engine response object."""
+    try:
+        meta = resp["meta_info"]
+        output_ids = [int(t) for t in resp["output_ids"]]
+        weight_version = str(meta.get("weight_version", ""))
+        finish = meta.get("finish_reason") or {}
+        entries = meta.get("output_token_logprobs")
+    except (KeyError, TypeError) as err:
+        raise ValueError(
+            f"not an SGLang generate response (missing {err}): {str(resp)[:200]}"
+        ) from err
+    if entries is None:
+        if require_logprobs:
+            raise ValueError(
+                "generate response has no meta_info.output_token_logprobs: send return_logprob=true"
+            )
+        logprobs: list[float] = []
+    else:
+        logprobs = [float(e[0]) for e in entries]
+        if len(logprobs) != len(output_ids):
+            raise ValueError(f"{len(logprobs)} logprobs for {len(output_ids)} output tokens")
+    versions = meta.get("output_token_versions")
+    if versions is None:
+        try:
+            tag = int(weight_version)
+        except ValueError:
+            tag = -1
+        versions = [tag] * len(output_ids)
+    elif len(versions) != len(output_ids):
+        raise ValueError(f"{len(versions)} token versions for {len(output_ids)} output tokens")
+    return GenerateOutput(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        token_versions=[int(v) for v in versions],
+        finish_reason=str(finish.get("type", "")),
+        weight_version=weight_version,
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        rid=str(meta.get("id", "")),
+        text=str(resp.get("text", "")),
+        matched_stop=finish.get("matched"),
+    )
+
+
+class EngineClient:
+    """Async client for one engine (SGLang or embedded)."""
+
+    def __init__(
+        self, base_url: str, api_key: str | None = None, timeout_s: float = 120.0, retries: int = 2
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._session = aiohttp.ClientSession(
+                headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _request(
+        self,
+        method: str,
+        endpoint: str,
+        body: dict | None = None,
+        *,
+        retry: str = "idempotent",
+        expect_json: bool = True,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """``retry``: "idempotent" (connection errors, timeouts, 5xx), "unsent" (connection
+        could not be opened only) or "never"."""
+        session = await self._get_session()
+        url = self.base_url + endpoint
+        attempts = 1 + (self.retries if retry != "never" else 0)
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        for attempt in range(attempts):
+            last = attempt == attempts - 1
+            try:
+                async with session.request(method, url, json=body, timeout=timeout) as resp:
+                    text = await resp.text()
+                    if resp.status >= 500 and retry == "idempotent" and not last:
+                        await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))
+                        continue
+                    if resp.status >= 400:
+                        raise EngineError(
+                            self.base_url, endpoint, resp.status, _error_message(text)
+                        )
+                    if not expect_json:
+                        return text
+                    return json.loads(text) if text.strip() else None
+            except aiohttp.ClientConnectorError as err:  # never reached the server
+                if last or retry == "never":
+                    raise EngineError(
+                        self.base_url, endpoint, None, f"cannot connect: {err}"
+                    ) from err
+            except (aiohttp.ClientError, TimeoutError) as err:
+                if last or retry != "idempotent":
+                    raise EngineError(
+                        self.base_url, endpoint, None, f"{type(err).__name__}: {err}"
+                    ) from err
+            except json.JSONDecodeError as err:
+                raise EngineError(
+                    self.base_url, endpoint, None, f"response is not JSON: {err}"
+                ) from err
+            await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: list[int] | list[list[int]],
+        sampling_params: dict[str, Any],
+        return_logprob: bool = True,
+        rid: str | list[str] | None = None,
+        **extra: Any,
+    ) -> dict | list[dict]:
+        """``POST /generate``; returns the SGLang response (a list for batches or n > 1)."""
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params,
+            "return_logprob": return_logprob,
+            **extra,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        return await self._request("POST", "/generate", body, retry="unsent")
+
+    # -- control -----------------------------------------------------------------------------
+
+    async def pause_generation(self, mode: str = "abort") -> dict:
+        return await self._request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> dict:
+        return await self._request("POST", "/continue_generation", {})
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        if rid is None and not abort_all:
+            raise ValueError("abort_request needs rid or abort_all=True")
+        await self._request(
+            "POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all}, expect_json=False
+        )
+
+    async def flush_cache(self) -> str:
+        return await self._request("POST", "/flush_cache", None, expect_json=False)
+
+    async def get_weight_version(self) -> str:
+        return str((await self._request("GET", "/get_weight_version"))["weight_version"])
+
+    async def health(self) -> bool:
+        """True when ``/health`` answers 200 (no retries: a health probe should be quick)."""
+        try:
+            await self._request("GET", "/health", retry="never", expect_json=False, timeout_s=10)
+        except EngineError:
+            return False
+        return True
+
+    async def health_generate(self) -> bool:
+        try:
+            await self._request("GET", "/health_generate", retry="never", expect_json=False)
+        except EngineError:
+            return False
+        return True
+
+    async def get_model_info(self) -> dict:
+        return await self._request("GET", "/get_model_info")
+
+    async def get_server_info(self) -> dict:
+        return await self._request("GET", "/get_server_info")
+
+    async def weights_digest(self, per_param: bool = False) -> dict:
+        """fleetrl extension (embedded engine only): ``{"weight_version", "digest"[, "per_param"]}``."""
+        suffix = "?per_param=1" if per_param else ""
+        return await self._request("GET", "/fleetrl/weights_digest" + suffix)
+
+    # -- weight updates (never retried: they are collectives) ------------------------------
+
+    async def init_weights_update_group(self, **fields: Any) -> dict:
+        return await self._request("POST", "/init_weights_update_group", fields, retry="never")
+
+    async def update_weights_from_distributed(self, **fields: Any) -> dict:
+        return await self._request(
+            "POST", "/update_weights_from_distributed", fields, retry="never"
+        )
+
+    async def destroy_weights_update_group(self, group_name: str) -> dict:
+        return await self._request(
+            "POST", "/destroy_weights_update_group", {"group_name": group_name}, retry="never"
+        )
+
+
+def _error_message(text: str) -> str:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return text.strip()[:500]
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in data:
+            return str(data["message"])
+    return text.strip()[:500]
+
+
+class SyncEngineClient:
+    """Blocking facade over ``EngineClient`` (its own event loop on a daemon thread)."""
+
+    def __init__(self, base_url: str, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="engine-client", daemon=True
+        )
+        self._thread.start()
+        self.client = EngineClient(base_url, **kwargs)
+
+    def _run(self, coro: Coroutine) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.client, name)
+        if not asyncio.iscoroutinefunction(method):
+            return method
+        return lambda *a, **k: self._run(method(*a, **k))
+
+    def close(self) -> None:
+        self._run(self.client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)

@@ -1,0 +1,179 @@
+"""Model runner: a Hugging Face causal LM, its batched KV cache, and its weights.
+
+Owns the model and is driven by exactly one thread (the scheduler), so nothing
+here locks. Two forward kinds:
+
+- ``prefill(prompts)``: prompts of equal length run as one unpadded batch
+  (no padding, so no fully-masked query rows); returns last-position logits and
+  the per-layer KV to splice into the running batch.
+- ``decode(next_tokens)``: one token for every running row, against the
+  right-aligned batch cache (``kv_cache.BatchKVCache``); returns ``[rows, V]`` logits.
+
+Weights: ``load_weights(named_tensors)`` copies received tensors into the
+parameters by Hugging Face name (validated first: unknown names or shape
+mismatches fail before anything is copied); ``weights_digest()`` is the
+verification hash (see ``weights_digest`` below for its exact definition).
+
+Left out: tensor parallelism, CUDA graphs, quantisation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from fleetrl.log import get_logger
+from fleetrl.models.loading import load_causal_lm, load_tokenizer
+from rollout_fleet.engine.kv_cache import BatchKVCache
+
+log = get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WeightLoadError(ValueError):
+    """Received tensors do not match the model (unknown name, shape or dtype)."""
+
+
+def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, dict[str, str]]:
+    """The fleetrl weights digest: sha256 over, for each tensor in the given order,
+    ``name`` (UTF-8) then the tensor's raw bytes (its own dtype, C-contiguous,
+    native little-endian). Returns ``(hex digest, {name: per-tensor sha256 hex})``.
+    The engine hashes ``model.state_dict()`` in its order (tied weights appear
+    under each of their names)."""
+    total = hashlib.sha256()
+    per_param: dict[str, str] = {}
+    for name, tensor in named_tensors:
+        raw = tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+        total.update(name.encode("utf-8"))
+        total.update(raw)
+        per_param[name] = hashlib.sha256(raw).hexdigest()
+    return total.hexdigest(), per_param
+
+
+class ModelRunner:
+    """Forward passes and weight updates for one model on one device."""
+
+    def __init__(self, model_path: str | Path, *, device: str = "cpu", dtype: str = "float32"):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; accepted: {sorted(_DTYPES)}")
+        self.model_path = str(model_path)
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[dtype]
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = load_causal_lm(model_path, dtype=dtype).to(self.device).eval()
+        self.model.requires_grad_(False)
+        config = self.model.config.get_text_config(decoder=True)
+        self.vocab_size = int(config.vocab_size)
+        self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self.eos_token_ids = self._eos_ids()
+        params = inspect.signature(self.model.forward).parameters
+        # transformers >= 5.x names the cache argument ``cache``; older ones ``past_key_values``.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.kv = BatchKVCache(int(config.num_hidden_layers), self.device, self.dtype)
+        log.info(
+            "loaded %s on %s (%s): vocab %d, max context %d, eos %s",
+            self.model_path,
+            self.device,
+            dtype,
+            self.vocab_size,
+            self.max_context,
+            sorted(self.eos_token_ids),
+        )
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list | tuple):
+                ids.update(int(e) for e in eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    # -- forward passes -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(
+        self, prompts: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Run ``prompts [k, P]`` (equal lengths, no padding) from an empty cache.
+
+        Returns ``(last logits [k, V], keys per layer, values per layer)``.
+        """
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=prompts.to(self.device),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        )
+        keys = [layer.keys for layer in cache.layers]
+        values = [layer.values for layer in cache.layers]
+        return out.logits[:, -1, :], keys, values
+
+    @torch.inference_mode()
+    def decode(self, next_tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step for every running row; ``next_tokens [rows]``. Returns ``[rows, V]``."""
+        kv = self.kv
+        kv.ensure_room(1)
+        mask = kv.step_mask()
+        out = self.model(
+            input_ids=next_tokens[:, None],
+            attention_mask=mask,
+            position_ids=kv.positions[:, None],
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: kv.hf_cache()},
+        )
+        kv.advance()
+        return out.logits[:, -1, :]
+
+    @torch.inference_mode()
+    def full_logprobs(self, token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+        """``log_softmax(logits / T)`` at every position of one sequence (for verification)."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=ids).logits[0].float()
+        return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.state_dict(keep_vars=True))
+
+    @torch.inference_mode()
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy ``named_tensors`` into the model by Hugging Face name; returns the count.
+
+        Everything is validated before the first copy, so a bad update leaves the
+        model unchanged.
+        """
+        targets = self.named_weights()
+        for name, tensor in named_tensors:
+            if name not in targets:
+                near = [n for n in targets if n.endswith(name.split(".")[-1])][:3]
+                raise WeightLoadError(
+                    f"received weight {name!r} is not a parameter of {self.model_path}"
+                    f" (similar names: {near})"
+                )
+            if tuple(tensor.shape) != tuple(targets[name].shape):
+                raise WeightLoadError(
+                    f"received weight {name!r} has shape {tuple(tensor.shape)},"
+                    f" the model's is {tuple(targets[name].shape)}"
+                )
+            if not (tensor.is_floating_point() or tensor.dtype == targets[name].dtype):
+                raise WeightLoadError(f"received weight {name!r} has dtype {tensor.dtype}")
+        for name, tensor in named_tensors:
+            targets[name].data.copy_(tensor.to(device=self.device), non_blocking=False)
+        return len(named_tensors)
+
+    def weights_digest(self) -> tuple[str, dict[str, str]]:
+        return weights_digest(self.model.state_dict().items())

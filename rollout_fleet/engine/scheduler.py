@@ -1,0 +1,393 @@
+"""The scheduler thread: continuous batching, pause modes, aborts and weight loads.
+
+One dedicated thread owns the model runner. Its loop::
+
+    while running:
+        run queued commands (submit, abort, pause, continue, flush, load weights, digest)
+        if paused or idle: wait
+        admit waiting sequences up to max_running_requests -> prefill, sample 1st token
+        drop finished rows and splice new ones into the batch cache (one rebuild)
+        decode one token for every running row, sample, check stop conditions
+
+Everything that changes engine state runs as a command *between* steps, so a
+pause or a weight load never lands in the middle of a forward pass, and tokens
+decoded after a load carry the new version (``Sequence.versions``).
+
+Pause modes (SGLang ``/pause_generation``): ``abort`` finishes every running
+and waiting sequence now with ``finish_reason abort`` and its partial output;
+``retract`` moves running sequences back to the head of the queue and frees
+their KV, re-prefilling prompt + generated-so-far after ``continue``;
+``in_place`` stops between steps keeping the KV (a weight update then continues
+the same sequences on new weights, as PipelineRL does). All three pause until
+``continue``; requests arriving meanwhile wait in the queue.
+
+Completion and streaming are reported through ``Sequence.on_event(seq, done)``,
+called from this thread; the HTTP layer hops it onto its event loop.
+
+Left out: priority scheduling, chunked prefill, preemption under memory pressure.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fleetrl.log import get_logger
+from rollout_fleet.engine.runner import ModelRunner
+from rollout_fleet.engine.sampling import BatchSampling, RowSampling, sample_next_tokens
+from rollout_fleet.protocol import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    INITIAL_WEIGHT_VERSION,
+    finish_reason_json,
+    policy_version_of,
+)
+
+log = get_logger(__name__)
+
+# The scheduler thread wakes at least this often while idle (to notice stop()).
+IDLE_WAIT_S = 0.5
+
+
+@dataclass
+class Sequence:
+    """One sample being generated (one element of a /generate response)."""
+
+    rid: str
+    parent_rid: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: RowSampling
+    stop_token_ids: frozenset[int]
+    stop_strings: list[str]
+    on_event: Callable[[Sequence, bool], None]
+    stream: bool = False
+    # Sequences with the same share_key and the same known tokens share one prefill.
+    share_key: str = ""
+    submitted_at: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    cached_tokens: int = 0
+    retractions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def known_tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+class Scheduler:
+    """Owns the runner in one thread; every public method is thread-safe."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        max_running_requests: int = 64,
+        weight_version: str = INITIAL_WEIGHT_VERSION,
+        name: str = "engine",
+    ) -> None:
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
+        self.runner = runner
+        self.max_running_requests = max_running_requests
+        self.weight_version = weight_version
+        self._version_int = policy_version_of(weight_version)
+        self.name = name
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.paused_mode: str | None = None
+        self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._next_tokens = torch.zeros(0, dtype=torch.long, device=runner.device)
+        self._batch_sampling: BatchSampling | None = None
+        self.stats = {"decode_steps": 0, "prefills": 0, "generated_tokens": 0, "step_errors": 0}
+        self.last_step_at = time.monotonic()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._loop, name=f"{self.name}-scheduler", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- thread-safe API (each returns a Future completed by the scheduler thread) ----------
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the scheduler thread between steps."""
+        future: Future = Future()
+        with self._cond:
+            self._commands.append((fn, future))
+            self._cond.notify_all()
+        return future
+
+    def submit(self, seqs: list[Sequence]) -> Future:
+        return self.call(lambda: self.waiting.extend(seqs))
+
+    def abort(self, rid: str = "", abort_all: bool = False, message: str = "aborted") -> Future:
+        return self.call(lambda: self._abort(rid, abort_all, message))
+
+    def pause(self, mode: str) -> Future:
+        return self.call(lambda: self._pause(mode))
+
+    def resume(self) -> Future:
+        return self.call(self._resume)
+
+    def flush_cache(self) -> Future:
+        return self.call(self._flush)
+
+    def load_weights(self, named_tensors: list, weight_version: str | None) -> Future:
+        return self.call(lambda: self._load(named_tensors, weight_version))
+
+    def set_weight_version(self, weight_version: str) -> Future:
+        return self.call(lambda: self._set_version(weight_version))
+
+    def digest(self) -> Future:
+        return self.call(lambda: (self.weight_version, *self.runner.weights_digest()))
+
+    def load(self) -> dict[str, Any]:
+        """A racy but harmless snapshot of queue sizes for /get_server_info."""
+        return {
+            "num_running_reqs": sum(not s.finished for s in self.running),
+            "num_waiting_reqs": len(self.waiting),
+            "paused": self.paused_mode,
+            "kv_cache_bytes": self.runner.kv.nbytes(),
+            **self.stats,
+        }
+
+    # -- commands (scheduler thread) --------------------------------------------------------
+
+    def _abort(self, rid: str, abort_all: bool, message: str) -> int:
+        count = 0
+        for seq in [*self.running, *self.waiting]:
+            if seq.finished or not (abort_all or rid in (seq.rid, seq.parent_rid)):
+                continue
+            seq.finish_reason = finish_reason_json(FINISH_ABORT, message=message)
+            count += 1
+            seq.on_event(seq, True)
+        self.waiting = deque(s for s in self.waiting if not s.finished)
+        self._splice([])
+        return count
+
+    def _pause(self, mode: str) -> int:
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode {mode!r}; accepted: abort, retract, in_place")
+        self.paused_mode = mode
+        if mode == "abort":
+            return self._abort("", True, "aborted by pause_generation(mode=abort)")
+        if mode == "retract":
+            live = [s for s in self.running if not s.finished]
+            for seq in live:
+                seq.retractions += 1
+            self.waiting.extendleft(reversed(live))
+            self.running = []
+            self.runner.kv.clear()
+            self._set_rows()
+            return len(live)
+        return len(self.running)
+
+    def _resume(self) -> None:
+        self.paused_mode = None
+
+    def _flush(self) -> bool:
+        self._splice([])
+        if self.running or (self.waiting and self.paused_mode is None):
+            return False
+        self.runner.kv.clear()
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
+
+    def _load(self, named_tensors: list, weight_version: str | None) -> int:
+        count = self.runner.load_weights(named_tensors)
+        if weight_version is not None:
+            self._set_version(weight_version)
+        return count
+
+    def _set_version(self, weight_version: str) -> None:
+        self.weight_version = weight_version
+        self._version_int = policy_version_of(weight_version)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _run_commands(self) -> None:
+        while True:
+            with self._cond:
+                if not self._commands:
+                    return
+                fn, future = self._commands.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except Exception as err:  # handed to the caller through the future
+                future.set_exception(err)
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cond:
+                while not self._stop and not self._commands and not self._has_work():
+                    self._cond.wait(IDLE_WAIT_S)
+                if self._stop:
+                    break
+            self._run_commands()
+            if not self._has_work():
+                continue
+            try:
+                self._step()
+            except Exception as err:  # service boundary: fail the batch, keep serving
+                self.stats["step_errors"] += 1
+                log.exception(
+                    "%s: step failed; aborting %d running sequences", self.name, len(self.running)
+                )
+                for seq in self.running:
+                    if not seq.finished:
+                        seq.finish_reason = finish_reason_json(
+                            FINISH_ABORT, message=f"engine error: {err}"
+                        )
+                        seq.on_event(seq, True)
+                self.running = []
+                self.runner.kv.clear()
+                self._set_rows()
+        for seq in [*self.running, *self.waiting]:
+            if not seq.finished:
+                seq.finish_reason = finish_reason_json(FINISH_ABORT, message="engine stopped")
+                seq.on_event(seq, True)
+
+    def _has_work(self) -> bool:
+        if self.paused_mode is not None:
+            return False
+        return bool(self.running or self.waiting)
+
+    def _step(self) -> None:
+        admitted = self._admit()
+        self._splice(self._prefill(admitted) if admitted else [])
+        if self.running:
+            self._decode()
+
+    def _splice(self, new_kv: list[tuple[list[Sequence], list, list]]) -> None:
+        """Drop finished rows and append newly prefilled ones (one cache rebuild, if any)."""
+        keep = [i for i, s in enumerate(self.running) if not s.finished]
+        if not new_kv and len(keep) == len(self.running):
+            return
+        new_rows = [s for seqs, _, _ in new_kv for s in seqs]
+        if not keep and not new_rows:
+            self.runner.kv.clear()
+        else:
+            self.runner.kv.rebuild(keep, [(k, v) for _, k, v in new_kv])
+        self.running = [self.running[i] for i in keep] + new_rows
+        self._set_rows()
+
+    def _set_rows(self) -> None:
+        self._next_tokens = torch.tensor(
+            [s.output_ids[-1] for s in self.running], dtype=torch.long, device=self.runner.device
+        )
+        self._batch_sampling = (
+            BatchSampling([s.sampling for s in self.running], self.runner.device)
+            if self.running
+            else None
+        )
+
+    def _admit(self) -> list[Sequence]:
+        free = self.max_running_requests - len([s for s in self.running if not s.finished])
+        admitted = []
+        while self.waiting and free > 0:
+            admitted.append(self.waiting.popleft())
+            free -= 1
+        return admitted
+
+    def _prefill(self, seqs: list[Sequence]) -> list[tuple[list[Sequence], list, list]]:
+        """Prefill admitted sequences; returns (sequences, keys, values) for those still live."""
+        # Identical (share_key, tokens) share one prefill row; equal lengths share one forward.
+        unique: dict[tuple, list[Sequence]] = {}
+        for seq in seqs:
+            unique.setdefault((seq.share_key, tuple(seq.known_tokens())), []).append(seq)
+        by_length: dict[int, list[tuple[tuple, list[Sequence]]]] = {}
+        for key, group in unique.items():
+            by_length.setdefault(len(key[1]), []).append((key, group))
+        result = []
+        for groups in by_length.values():
+            prompts = torch.tensor([key[1] for key, _ in groups], dtype=torch.long)
+            logits, keys, values = self.runner.prefill(prompts)
+            self.stats["prefills"] += 1
+            counts = torch.tensor([len(g) for _, g in groups], device=logits.device)
+            flat = [s for _, g in groups for s in g]
+            for _, group in groups:
+                for j, seq in enumerate(group):
+                    seq.cached_tokens = len(seq.prompt_ids) if j > 0 else 0
+            row_logits = logits.repeat_interleave(counts, dim=0)
+            tokens, logprobs = sample_next_tokens(
+                row_logits, BatchSampling([s.sampling for s in flat], self.runner.device)
+            )
+            self._record(flat, tokens.tolist(), logprobs.tolist())
+            live_mask = torch.tensor([not s.finished for s in flat], device=logits.device)
+            if bool(live_mask.any()):
+                keys = [k.repeat_interleave(counts, dim=0)[live_mask] for k in keys]
+                values = [v.repeat_interleave(counts, dim=0)[live_mask] for v in values]
+                result.append(([s for s in flat if not s.finished], keys, values))
+        return result
+
+    def _decode(self) -> None:
+        assert self._batch_sampling is not None
+        logits = self.runner.decode(self._next_tokens)
+        tokens, logprobs = sample_next_tokens(logits, self._batch_sampling)
+        self._next_tokens = tokens
+        self.stats["decode_steps"] += 1
+        self.last_step_at = time.monotonic()
+        self._record(self.running, tokens.tolist(), logprobs.tolist())
+
+    def _record(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> None:
+        """Append one sampled token to each sequence and finish those that should stop."""
+        version = self._version_int
+        max_context = self.runner.max_context
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+            seq.output_ids.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(version)
+            n_out = len(seq.output_ids)
+            if token in seq.stop_token_ids:
+                seq.finish_reason = finish_reason_json(FINISH_STOP, matched=token)
+            elif seq.stop_strings and (matched := self._matched_stop(seq)) is not None:
+                seq.finish_reason = finish_reason_json(FINISH_STOP, matched=matched)
+            elif n_out >= seq.max_new_tokens or len(seq.prompt_ids) + n_out >= max_context:
+                seq.finish_reason = finish_reason_json(FINISH_LENGTH, length=seq.max_new_tokens)
+            if seq.finished:
+                seq.on_event(seq, True)
+            elif seq.stream:
+                seq.on_event(seq, False)
+        self.stats["generated_tokens"] += len(tokens)
+
+    def _matched_stop(self, seq: Sequence) -> str | None:
+        window = max(len(s) for s in seq.stop_strings) + 1
+        tail = self.runner.tokenizer.decode(seq.output_ids[-window:], skip_special_tokens=False)
+        for stop in seq.stop_strings:
+            if stop in tail:
+                return stop
+        return None

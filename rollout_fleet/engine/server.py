@@ -1,0 +1,594 @@
+"""The embedded engine's HTTP server: SGLang's native API over aiohttp.
+
+``EmbeddedEngine`` = a ``ModelRunner`` + its ``Scheduler`` thread + an aiohttp
+app. The event loop only parses, validates, renders and waits; all model work
+happens on the scheduler thread, weight receives on one dedicated worker thread.
+
+Endpoints (SGLang names; request/response fields in ``rollout_fleet.protocol``):
+``POST /generate`` (non-streaming, or SSE ``data: {...}`` chunks then
+``data: [DONE]``), ``POST /pause_generation``, ``POST /continue_generation``,
+``POST /abort_request``, ``GET|POST /flush_cache`` (400 while requests are
+pending), ``GET /get_weight_version``, ``POST /update_weight_version``,
+``GET /health``, ``GET /health_generate``, ``GET /get_model_info``,
+``GET /get_server_info``, ``POST /init_weights_update_group``,
+``POST /update_weights_from_distributed``, ``POST /destroy_weights_update_group``
+and the fleetrl extension ``GET /fleetrl/weights_digest[?per_param=1]``.
+
+Security: binds 127.0.0.1 by default. A non-loopback host requires an API key
+(``--api-key`` or ``FLEETRL_API_KEY``); with a key, every request except
+``/health*`` (as in SGLang) must carry ``Authorization: Bearer <key>`` or gets 401.
+Bodies are size-limited and decoded into typed Structs: a bad field is a 400
+naming it, never a crash.
+
+Run: ``fleetrl engine --model DIR --port 30000`` or
+``python -m rollout_fleet.engine.server --model DIR --port 30000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import ipaddress
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from fleetrl.log import get_logger
+from rollout_fleet import protocol as P
+from rollout_fleet.engine.requests import (
+    ModelLimits,
+    RequestError,
+    ResponseOptions,
+    expand_generate,
+    response_object,
+)
+from rollout_fleet.engine.runner import ModelRunner
+from rollout_fleet.engine.scheduler import Scheduler, Sequence
+
+log = get_logger(__name__)
+
+API_KEY_ENV = "FLEETRL_API_KEY"
+MAX_BODY_BYTES = 256 * 1024 * 1024
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+class EngineStartupError(ValueError):
+    """The engine cannot start with the given options (e.g. off loopback without a key)."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_api_key(host: str, api_key: str | None, require_api_key: bool = False) -> str | None:
+    """The key to enforce (argument, else ``FLEETRL_API_KEY``); refuses an open non-loopback bind."""
+    key = api_key or os.environ.get(API_KEY_ENV) or None
+    if key is None and (require_api_key or not is_loopback(host)):
+        raise EngineStartupError(
+            f"refusing to serve on {host!r} without an API key: pass --api-key or set {API_KEY_ENV}"
+            " (only loopback addresses may be served without one)"
+        )
+    return key
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(data), status=status, content_type="application/json"
+    )
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return _json({"error": {"message": message, "code": status}}, status)
+
+
+async def _body(request: web.Request, struct: type, *, optional: bool = False) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        if optional:
+            return struct()
+        raise RequestError(f"{request.path} needs a JSON body")
+    return msgspec.json.decode(raw, type=struct)
+
+
+class EmbeddedEngine:
+    """An SGLang-compatible generation server over a Hugging Face causal LM."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        engine_id: str = "engine-0",
+        device: str = "cpu",
+        max_running_requests: int = 64,
+        dtype: str = "float32",
+        api_key: str | None = None,
+        require_api_key: bool = False,
+        num_threads: int | None = 1,
+        weight_version: str = P.INITIAL_WEIGHT_VERSION,
+        receiver_factory: Any = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
+        import torch
+
+        if device == "cpu" and num_threads:
+            torch.set_num_threads(num_threads)
+        self.engine_id = engine_id
+        self.model_path = str(model_path)
+        self.device = device
+        self.dtype = dtype
+        self.api_key = api_key
+        self.require_api_key = require_api_key
+        self.max_body_bytes = max_body_bytes
+        self.runner = ModelRunner(model_path, device=device, dtype=dtype)
+        self.scheduler = Scheduler(
+            self.runner,
+            max_running_requests=max_running_requests,
+            weight_version=weight_version,
+            name=engine_id,
+        )
+        self.limits = ModelLimits(
+            vocab_size=self.runner.vocab_size,
+            max_context=self.runner.max_context,
+            eos_token_ids=frozenset(self.runner.eos_token_ids),
+            device=self.runner.device,
+        )
+        self._receiver_factory = receiver_factory
+        self._receiver: Any = None
+        self._weight_pool = ThreadPoolExecutor(1, thread_name_prefix=f"{engine_id}-weights")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner_web: web.AppRunner | None = None
+        self.base_url: str | None = None
+        self.scheduler.start()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def app(self, api_key: str | None) -> web.Application:
+        app = web.Application(
+            client_max_size=self.max_body_bytes,
+            middlewares=[self._auth_middleware(api_key), self._error_middleware],
+        )
+        r = app.router
+        r.add_post("/generate", self.generate)
+        r.add_put("/generate", self.generate)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/get_model_info", self.get_model_info)
+        r.add_get("/get_server_info", self.get_server_info)
+        r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_get("/flush_cache", self.flush_cache)
+        r.add_post("/flush_cache", self.flush_cache)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        r.add_get("/fleetrl/weights_digest", self.weights_digest)
+        return app
+
+    async def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Start serving on the running loop; returns the base URL (``port=0`` picks one)."""
+        key = resolve_api_key(host, self.api_key, self.require_api_key)
+        self._loop = asyncio.get_running_loop()
+        self._runner_web = web.AppRunner(self.app(key), handler_cancellation=True, access_log=None)
+        await self._runner_web.setup()
+        site = web.TCPSite(self._runner_web, host, port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url_host = f"[{host}]" if ":" in host else host
+        self.base_url = f"http://{url_host}:{bound}"
+        log.info(
+            "%s serving %s at %s (auth %s)",
+            self.engine_id,
+            self.model_path,
+            self.base_url,
+            "on" if key else "off",
+        )
+        return self.base_url
+
+    def start_server(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve from a background thread with its own event loop; returns the base URL."""
+        resolve_api_key(host, self.api_key, self.require_api_key)  # fail here, not in the thread
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                result["url"] = loop.run_until_complete(self.serve(host, port))
+            except OSError as err:
+                result["error"] = err
+            ready.set()
+            if "url" in result:
+                loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name=f"{self.engine_id}-http", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if "error" in result:
+            raise EngineStartupError(f"cannot bind {host}:{port}: {result['error']}")
+        return result["url"]
+
+    async def shutdown(self) -> None:
+        if self._runner_web is not None:
+            await self._runner_web.cleanup()
+            self._runner_web = None
+
+    def stop(self) -> None:
+        """Stop serving and the scheduler thread (in-flight requests finish as abort)."""
+        loop = self._loop
+        if loop is not None and self._thread is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.shutdown(), loop).result(10)
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(10)
+        self.scheduler.stop()
+        self._weight_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- middlewares -----------------------------------------------------------------------
+
+    @staticmethod
+    def _auth_middleware(api_key: str | None):
+        expected = f"Bearer {api_key}".encode() if api_key else None
+
+        @web.middleware
+        async def auth(request: web.Request, handler):
+            if expected is not None and not request.path.startswith("/health"):
+                got = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(got, expected):
+                    return _error("missing or wrong API key (Authorization: Bearer <key>)", 401)
+            return await handler(request)
+
+        return auth
+
+    @web.middleware
+    async def _error_middleware(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except (msgspec.ValidationError, msgspec.DecodeError) as err:
+            return _error(f"invalid body for {request.path}: {err}")
+        except RequestError as err:
+            return _error(f"{request.path}: {err}")
+        except web.HTTPException:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # service boundary: log with context, answer 500, keep serving
+            log.exception("%s: %s %s failed", self.engine_id, request.method, request.path)
+            return _error(f"internal error in {request.path}: {type(err).__name__}: {err}", 500)
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        req = await _body(request, P.GenerateRequest)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def on_event(seq: Sequence, done: bool) -> None:
+            # Called on the scheduler thread: snapshot what the loop needs.
+            snapshot = (
+                seq,
+                done,
+                len(seq.output_ids),
+                seq.finish_reason,
+                self.scheduler.weight_version,
+            )
+            loop.call_soon_threadsafe(events.put_nowait, snapshot)
+
+        items, batched = expand_generate(req, self.runner.tokenizer, self.limits, on_event)
+        options = {id(seq): opt for seq, opt in items}
+        await asyncio.wrap_future(self.scheduler.submit([seq for seq, _ in items]))
+        try:
+            if req.stream:
+                return await self._stream(request, items, options, events)
+            finals: dict[int, dict[str, Any]] = {}
+            while len(finals) < len(items):
+                seq, done, n, finish, version = await events.get()
+                if done:
+                    finals[options[id(seq)].index] = self._render(
+                        seq, options[id(seq)], n, finish, version
+                    )
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client went away: free the batch rows its samples hold.
+            for rid in {seq.parent_rid for seq, _ in items}:
+                self.scheduler.abort(rid=rid, message="client disconnected")
+            raise
+        ordered = [finals[i] for i in range(len(items))]
+        return _json(ordered if batched or len(items) > 1 else ordered[0])
+
+    def _render(
+        self, seq: Sequence, opt: ResponseOptions, n: int, finish: Any, version: str
+    ) -> dict:
+        return response_object(
+            seq,
+            opt,
+            self.runner.tokenizer,
+            n_tokens=n,
+            finish_reason=finish,
+            weight_version=version,
+        )
+
+    async def _stream(self, request, items, options, events: asyncio.Queue) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        indexed = len(items) > 1
+        remaining = len(items)
+        while remaining:
+            seq, done, n, finish, version = await events.get()
+            opt = options[id(seq)]
+            obj = self._render(seq, opt, n, finish if done else None, version)
+            if indexed:
+                obj["index"] = opt.index
+            await resp.write(b"data: " + msgspec.json.encode(obj) + b"\n\n")
+            remaining -= int(done)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # -- control ---------------------------------------------------------------------------
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        req = await _body(request, P.PauseGenerationRequest, optional=True)
+        count = await asyncio.wrap_future(self.scheduler.pause(req.mode))
+        log.info("%s paused (%s): %d sequences affected", self.engine_id, req.mode, count)
+        return _json({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await asyncio.wrap_future(self.scheduler.resume())
+        return _json({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        req = await _body(request, P.AbortRequest)
+        if not req.rid and not req.abort_all:
+            raise RequestError("give rid or abort_all=true")
+        await asyncio.wrap_future(
+            self.scheduler.abort(req.rid, req.abort_all, "aborted by abort_request")
+        )
+        return web.Response(status=200)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        ok = await asyncio.wrap_future(self.scheduler.flush_cache())
+        if ok:
+            return web.Response(text="Cache flushed.\n", status=200)
+        return web.Response(
+            text="Cache not flushed: there are running or waiting requests.\n", status=400
+        )
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return _json({"weight_version": self.scheduler.weight_version})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        req = await _body(request, P.UpdateWeightVersionRequest)
+        if req.abort_all_requests:
+            await asyncio.wrap_future(self.scheduler.abort(abort_all=True))
+        await asyncio.wrap_future(self.scheduler.set_weight_version(req.new_version))
+        return _json(
+            {
+                "success": True,
+                "message": f"Weight version updated to {req.new_version}",
+                "new_version": req.new_version,
+            }
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.scheduler.alive else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        sched = self.scheduler
+        if not sched.alive:
+            return web.Response(status=503)
+        if sched.paused_mode is not None or sched.running:
+            return web.Response(status=200)  # busy or paused: a probe would only queue
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        body = P.GenerateRequest(
+            input_ids=[0],
+            rid=f"HEALTH_CHECK_{time.time()}",
+            sampling_params=P.SamplingParams(max_new_tokens=1, temperature=0.0),
+        )
+
+        def on_event(seq: Sequence, finished: bool) -> None:
+            if finished:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(seq.finish_reason))
+
+        ((seq, _),), _ = expand_generate(body, self.runner.tokenizer, self.limits, on_event)
+        await asyncio.wrap_future(sched.submit([seq]))
+        try:
+            await asyncio.wait_for(done, HEALTH_GENERATE_TIMEOUT_S)
+        except TimeoutError:
+            sched.abort(rid=seq.rid)
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def get_model_info(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.scheduler.weight_version,
+            }
+        )
+
+    async def get_server_info(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "engine": "fleetrl-embedded",
+                "engine_id": self.engine_id,
+                "model_path": self.model_path,
+                "device": self.device,
+                "dtype": self.dtype,
+                "max_running_requests": self.scheduler.max_running_requests,
+                "context_length": self.runner.max_context,
+                "weight_version": self.scheduler.weight_version,
+                "internal_states": [self.scheduler.load()],
+            }
+        )
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def _get_receiver(self) -> Any:
+        if self._receiver is None:
+            if self._receiver_factory is not None:
+                self._receiver = self._receiver_factory()
+            else:
+                from weight_sync.receiver import WeightReceiver
+
+                self._receiver = WeightReceiver()
+        return self._receiver
+
+    async def _weight_call(self, fn, *args) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._weight_pool, fn, *args)
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        req = await _body(request, P.InitWeightsUpdateGroupRequest)
+        try:
+            receiver = await self._weight_call(self._get_receiver)
+            await self._weight_call(
+                lambda: receiver.init_group(
+                    req.master_address,
+                    req.master_port,
+                    req.rank_offset,
+                    req.world_size,
+                    req.group_name,
+                    req.backend,
+                )
+            )
+        except (ImportError, RuntimeError, ValueError, OSError, TimeoutError) as err:
+            log.error("%s: init_weights_update_group failed: %s", self.engine_id, err)
+            return _json(
+                {"success": False, "message": f"init_weights_update_group failed: {err}"}, 400
+            )
+        return _json(
+            {
+                "success": True,
+                "message": f"joined group {req.group_name!r} at rank {req.rank_offset}",
+            }
+        )
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        req = await _body(request, P.UpdateWeightsFromDistributedRequest)
+        try:
+            req.check()
+        except ValueError as err:
+            raise RequestError(str(err)) from err
+        if self._receiver is None:
+            return _json(
+                {
+                    "success": False,
+                    "message": "no weight update group: call /init_weights_update_group first",
+                },
+                400,
+            )
+        if req.abort_all_requests:
+            await asyncio.wrap_future(self.scheduler.abort(abort_all=True))
+        receiver = self._receiver
+        try:
+            tensors = await self._weight_call(
+                receiver.receive, req.names, req.dtypes, req.shapes, req.group_name, req.load_format
+            )
+            count = await asyncio.wrap_future(
+                self.scheduler.load_weights(tensors, req.weight_version)
+            )
+        except (RuntimeError, ValueError, OSError, TimeoutError) as err:
+            log.error("%s: update_weights_from_distributed failed: %s", self.engine_id, err)
+            return _json(
+                {"success": False, "message": f"update_weights_from_distributed failed: {err}"}, 400
+            )
+        message = f"Succeeded to update {count} tensors."
+        if req.weight_version is not None:
+            message += f" Weight version updated to {req.weight_version}."
+        return _json({"success": True, "message": message})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        req = await _body(request, P.DestroyWeightsUpdateGroupRequest, optional=True)
+        if self._receiver is None:
+            return _json(
+                {"success": False, "message": f"no weight update group {req.group_name!r}"}, 400
+            )
+        try:
+            await self._weight_call(self._receiver.destroy, req.group_name)
+        except (RuntimeError, ValueError, OSError) as err:
+            return _json(
+                {"success": False, "message": f"destroy_weights_update_group failed: {err}"}, 400
+            )
+        return _json({"success": True, "message": f"destroyed group {req.group_name!r}"})
+
+    async def weights_digest(self, request: web.Request) -> web.Response:
+        version, digest, per_param = await asyncio.wrap_future(self.scheduler.digest())
+        body: dict[str, Any] = {"weight_version": version, "digest": digest}
+        if request.query.get("per_param", "") in ("1", "true"):
+            body["per_param"] = per_param
+        return _json(body)
+
+
+# -- entry points ----------------------------------------------------------------------------
+
+
+def main(args: argparse.Namespace) -> int:
+    """``fleetrl engine``: serve until interrupted. Returns the exit status."""
+    try:
+        resolve_api_key(args.host, args.api_key)
+        engine = EmbeddedEngine(
+            args.model,
+            engine_id=args.engine_id,
+            device=args.device,
+            max_running_requests=args.max_running_requests,
+            api_key=args.api_key,
+        )
+    except (EngineStartupError, FileNotFoundError, ValueError) as err:
+        log.error("engine: %s", err)
+        return 2
+
+    async def run() -> None:
+        await engine.serve(args.host, args.port)
+        await asyncio.Event().wait()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    except OSError as err:
+        log.error("engine: cannot serve on %s:%s: %s", args.host, args.port, err)
+        return 2
+    finally:
+        engine.stop()
+    return 0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m rollout_fleet.engine.server", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--model", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--engine-id", default="engine-0")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-running-requests", type=int, default=64)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    from fleetrl.log import setup_logging
+
+    setup_logging("engine")
+    sys.exit(main(_parse(None)))

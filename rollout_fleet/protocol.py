@@ -1,0 +1,196 @@
+"""The engine HTTP protocol: SGLang's native API field names, as typed msgspec Structs.
+
+Field names and defaults mirror SGLang's ``python/sglang/srt/managers/io_struct.py``
+(``GenerateReqInput``, ``SamplingParams``, ``PauseGenerationReqInput``, ``AbortReq``,
+``InitWeightsUpdateGroupReqInput``, ``UpdateWeightsFromDistributedReqInput``,
+``DestroyWeightsUpdateGroupReqInput``, ``UpdateWeightVersionReqInput``) and its
+native-API docs, so the embedded engine and a real SGLang server are
+interchangeable behind ``rollout_fleet.client.EngineClient``.
+
+The embedded engine decodes request bodies into these Structs: a wrong type or
+an unknown field is a 400 whose message names the field (``$.sampling_params.top_p``).
+SGLang request fields the embedded engine does not implement are either absent
+(unknown field -> 400) or accepted only at their neutral value (e.g.
+``frequency_penalty`` must be 0); the message says so.
+
+Generate response (one object per sample; a list for batched input or n > 1)::
+
+    {"text": str, "output_ids": [int],
+     "meta_info": {"id": str, "finish_reason": {"type": "stop"|"length"|"abort", ...},
+                   "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int,
+                   "weight_version": str, "e2e_latency": float,
+                   "output_token_logprobs": [[logprob, token_id, text|null], ...],  # if return_logprob
+                   "output_token_versions": [int, ...]}}                            # fleetrl extension
+
+``finish_reason``: ``{"type": "stop", "matched": <token id int | stop string>}``,
+``{"type": "length", "length": max_new_tokens}`` or ``{"type": "abort", "message": str}``.
+
+fleetrl extensions (inside ``meta_info`` / under ``/fleetrl/``, so SGLang clients ignore them):
+``meta_info.output_token_versions`` — the policy version of the weights that
+produced each output token (an in-place weight update can land mid-sequence);
+``GET /fleetrl/weights_digest`` — ``{"weight_version", "digest", "per_param"?}``.
+
+Left out: multimodal inputs, LoRA, sessions, top-logprobs, input (prompt) logprobs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default group_name
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+# Default SGLang weight version is "default"; fleetrl policy versions are integers and
+# version 0 is the initial weights (DESIGN section 2).
+INITIAL_WEIGHT_VERSION = "0"
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``sampling_params`` of ``/generate`` (SGLang ``SamplingParams`` names and defaults)."""
+
+    max_new_tokens: Annotated[int, Meta(ge=0)] = 128
+    temperature: Annotated[float, Meta(ge=0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    top_k: int = -1
+    min_p: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: Annotated[int, Meta(ge=1, le=1024)] = 1
+    sampling_seed: int | None = None
+    # Accepted only at their neutral values (not implemented by the embedded engine).
+    min_new_tokens: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def check(self, where: str) -> None:
+        """Value checks msgspec's types cannot express; raises ``ValueError`` naming the field."""
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"{where}.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        neutral = {
+            "min_new_tokens": (self.min_new_tokens, 0),
+            "frequency_penalty": (self.frequency_penalty, 0.0),
+            "presence_penalty": (self.presence_penalty, 0.0),
+            "repetition_penalty": (self.repetition_penalty, 1.0),
+            "json_schema": (self.json_schema, None),
+            "regex": (self.regex, None),
+            "ebnf": (self.ebnf, None),
+        }
+        for name, (value, default) in neutral.items():
+            if value != default:
+                raise ValueError(
+                    f"{where}.{name}={value!r} is not supported by the embedded engine"
+                    f" (only {default!r})"
+                )
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Body of ``POST /generate`` (SGLang ``GenerateReqInput``, the fields fleetrl uses)."""
+
+    text: str | list[str] | None = None
+    # list[int] for one prompt, list[list[int]] for a batch (checked in ``prompts``).
+    input_ids: list[int | list[int]] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    log_metrics: bool = True
+    # SGLang fields accepted when null (multimodal, LoRA, sessions are not supported).
+    image_data: None = None
+    lora_path: None = None
+    custom_logit_processor: None = None
+    session_params: None = None
+
+
+class PauseGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class AbortRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class InitWeightsUpdateGroupRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    master_address: str
+    master_port: Annotated[int, Meta(ge=1, le=65535)]
+    rank_offset: Annotated[int, Meta(ge=1)]
+    world_size: Annotated[int, Meta(ge=2)]
+    group_name: str = DEFAULT_GROUP_NAME
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_GROUP_NAME
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: Literal["flattened_bucket"] | None = None
+    torch_empty_cache: bool = False
+
+    def check(self) -> None:
+        if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
+            raise ValueError(
+                f"names, dtypes and shapes must have equal lengths, got"
+                f" {len(self.names)}, {len(self.dtypes)}, {len(self.shapes)}"
+            )
+
+
+class DestroyWeightsUpdateGroupRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    group_name: str = DEFAULT_GROUP_NAME
+
+
+class UpdateWeightVersionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    new_version: str
+    abort_all_requests: bool = False
+
+
+class SuccessResponse(msgspec.Struct):
+    """Response of the weight-update endpoints (HTTP 200 on success, 400 otherwise)."""
+
+    success: bool
+    message: str
+
+
+def finish_reason_json(
+    kind: str, *, matched: int | str | None = None, length: int = 0, message: str = ""
+) -> dict[str, Any]:
+    """SGLang's ``finish_reason`` JSON for a finished sample."""
+    if kind == FINISH_STOP:
+        return {"type": FINISH_STOP, "matched": matched}
+    if kind == FINISH_LENGTH:
+        return {"type": FINISH_LENGTH, "length": length}
+    return {"type": FINISH_ABORT, "message": message}
+
+
+def policy_version_of(weight_version: str) -> int:
+    """The integer policy version a ``weight_version`` string denotes (-1 if not an integer)."""
+    try:
+        return int(weight_version)
+    except (TypeError, ValueError):
+        return -1
