@@ -138,22 +138,19 @@ class EngineActor:
         return ray.util.get_node_ip_address()
 
     def _start_embedded(self, host: str) -> str:
-        import torch
-
         from rollout_fleet.engine.server import EmbeddedEngine
 
-        torch.set_num_threads(self.spec.torch_threads)
         engine = EmbeddedEngine(
             self.spec.model_path,
             engine_id=self.spec.name,
             device=self.spec.device,
             max_running_requests=self.spec.max_running_requests,
             dtype=self.spec.dtype,
+            api_key=self.spec.api_key,
+            require_api_key=self.spec.expose_on_node_ip,
+            num_threads=self.spec.torch_threads,
         )
-        kwargs: dict[str, Any] = {"host": host, "port": self.spec.port}
-        if self.spec.api_key:
-            kwargs["api_key"] = self.spec.api_key
-        url = engine.start_server(**kwargs)
+        url = engine.start_server(host=host, port=self.spec.port)
         self._engine = engine
         return url
 

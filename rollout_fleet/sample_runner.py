@@ -118,6 +118,15 @@ class SampleRunner:
                 self.router.unsubscribe(self._on_engine_event)
             self._loop = None
 
+    async def aclose(self) -> None:
+        """Detach and close every client's HTTP session."""
+        self.detach()
+        for client in list(self.clients.values()):
+            self._close_later(client)
+        self.clients.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
     def set_client(self, name: str, client: GenerateClient) -> None:
         self.clients[name] = client
 

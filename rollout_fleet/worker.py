@@ -228,9 +228,9 @@ class RolloutWorker:
         else:
             await self._drain(self._stop_deadline_s)
 
-    def close(self) -> None:
-        """Release threads and the router subscription (after ``stop``)."""
-        self.runner.detach()
+    async def aclose(self) -> None:
+        """Release engine clients, threads and the router subscription (after ``stop``)."""
+        await self.runner.aclose()
         self._send_thread.shutdown(wait=False, cancel_futures=True)
         self._admission_thread.shutdown(wait=False, cancel_futures=True)
 

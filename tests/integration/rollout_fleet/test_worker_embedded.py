@@ -1,0 +1,261 @@
+"""RolloutWorker against real embedded engines over HTTP (tiny model, loopback).
+
+Proves on the real stack (EngineClient -> EmbeddedEngine -> scheduler): exact
+trajectory counts with whole groups; an in-place weight update landing
+mid-sequence tags tokens before and after with the right versions; abort-mode
+pauses make the worker resubmit partials and still deliver prompts x n; a
+stopped engine's groups are regenerated on the other engine with no loss and
+no duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from fleetrl.data.reader import PromptItem
+from rollout_fleet.client import EngineClient
+from rollout_fleet.config import RolloutConfig
+from rollout_fleet.engine.server import EmbeddedEngine
+from rollout_fleet.rewards.runner import RewardRunner
+from rollout_fleet.router import Router
+from rollout_fleet.worker import RolloutWorker
+
+MAX_NEW_TOKENS = 8
+
+
+def parity_reward(data_source, solution_str, ground_truth, extra_info=None):
+    return float(len(solution_str) % 2)
+
+
+class Sink:
+    def __init__(self):
+        self.trajectories = []
+        self._lock = threading.Lock()
+
+    def send(self, traj):
+        with self._lock:
+            self.trajectories.append(traj)
+
+
+class Counters:
+    policy_version = 0
+    accepted_groups = 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def engines(tiny_model_dir):
+    started = []
+
+    def start(count):
+        for i in range(count):
+            engine = EmbeddedEngine(tiny_model_dir, engine_id=f"e{i}", max_running_requests=16)
+            engine.start_server()
+            started.append(engine)
+        return started
+
+    yield start
+    for engine in started:
+        engine.stop()
+
+
+def prompts(tokenizer, count):
+    items = []
+    for i in range(count):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{i}+{i}="}], add_generation_prompt=True, tokenize=False
+        )
+        ids = np.asarray(tokenizer.encode(text, add_special_tokens=False), dtype=np.int32)
+        items.append(PromptItem(i, ids, "synth/parity", "0", {}, []))
+    return items
+
+
+def make_worker(engines, tokenizer, *, n, count, **config):
+    router = Router()
+    for engine in engines:
+        router.add_engine(engine.engine_id, engine.base_url)
+    sink = Sink()
+    cfg = RolloutConfig(
+        n=n,
+        max_new_tokens=MAX_NEW_TOKENS,
+        retry_backoff_s=0.05,
+        admission_poll_interval_s=0.02,
+        request_timeout_s=60,
+        **config,
+    )
+    worker = RolloutWorker(
+        cfg,
+        engines={e.engine_id: EngineClient(e.base_url, timeout_s=60) for e in engines},
+        router=router,
+        reader=iter(prompts(tokenizer, count)),
+        sender=sink,
+        admission_source=Counters,
+        reward_runner=RewardRunner(timeout_s=5, max_workers=2, custom_fn=parity_reward),
+        tokenizer=tokenizer,
+        groups_per_version=1000,
+        max_staleness=0,
+    )
+    return worker, router, sink
+
+
+def run_then_close(worker, coro):
+    """Run ``coro`` on a fresh loop, then close the worker's HTTP sessions on that loop."""
+
+    async def main():
+        try:
+            return await coro
+        finally:
+            await worker.aclose()
+
+    return asyncio.run(main())
+
+
+def check_exact(trajectories, groups, n):
+    assert len(trajectories) == groups * n
+    per_group = Counter(t.group_id for t in trajectories)
+    assert len(per_group) == groups and set(per_group.values()) == {n}
+    assert len({t.uid for t in trajectories}) == len(trajectories)
+    for t in trajectories:
+        t.validate()
+        assert 1 <= len(t.response_ids) <= MAX_NEW_TOKENS
+        assert np.all(np.isfinite(t.behavior_logprobs.numpy()))
+        assert np.all(t.behavior_logprobs.numpy() <= 0)
+
+
+def call_when_midway(engine, action, timeout_s=30.0):
+    """Run ``action(scheduler)`` on the scheduler thread between steps, at a moment when
+    some sequence has generated part (not all) of its tokens; retry until that happens."""
+    scheduler = engine.scheduler
+
+    def attempt():
+        live = [s for s in scheduler.running if not s.finished]
+        if any(0 < len(s.output_ids) < s.max_new_tokens for s in live):
+            action(scheduler)
+            return True
+        return False
+
+    deadline = time.monotonic() + timeout_s
+    while not scheduler.call(attempt).result(timeout_s):
+        if time.monotonic() > deadline:
+            raise AssertionError("no sequence was ever seen mid-generation")
+        time.sleep(0.001)
+
+
+def test_worker_on_two_embedded_engines_sends_prompts_times_n_whole(engines, tokenizer):
+    started = engines(2)
+    worker, _, sink = make_worker(started, tokenizer, n=3, count=6)
+    run_then_close(worker, worker.run(num_groups=6))
+    check_exact(sink.trajectories, 6, 3)
+    for t in sink.trajectories:
+        assert set(t.token_versions.numpy().tolist()) == {0}
+        assert (
+            t.prompt_ids.numpy().tolist()
+            == prompts(tokenizer, 6)[t.prompt_index].prompt_ids.tolist()
+        )
+    assert {t.engine_id for t in sink.trajectories} == {"e0", "e1"}
+    assert worker.metrics()["rollout/tokens_generated"] == sum(
+        len(t.response_ids) for t in sink.trajectories
+    )
+
+
+def test_in_place_update_mid_sequence_tags_tokens_before_and_after(engines, tokenizer):
+    (engine,) = engines(1)
+    worker, _, sink = make_worker([engine], tokenizer, n=4, count=4, max_concurrent_groups=4)
+
+    def update(scheduler):
+        scheduler._pause("in_place")  # what POST /pause_generation {"mode": "in_place"} does
+        scheduler._set_version("1")  # ... then the weight load of version 1
+        scheduler._resume()
+
+    async def scenario():
+        task = asyncio.create_task(worker.run(num_groups=4))
+        await asyncio.to_thread(call_when_midway, engine, update)
+        await task
+
+    run_then_close(worker, scenario())
+    check_exact(sink.trajectories, 4, 4)
+    mixed = 0
+    for t in sink.trajectories:
+        versions = t.token_versions.numpy().tolist()
+        assert versions == sorted(versions) and set(versions) <= {0, 1}
+        mixed += versions[0] == 0 and versions[-1] == 1
+    assert mixed >= 1  # at least one sequence straddles the update
+    assert worker.metrics()["rollout/abort_resubmits"] == 0
+
+
+def test_abort_mode_pause_resubmits_partials_and_keeps_counts_exact(engines, tokenizer):
+    (engine,) = engines(1)
+    worker, _, sink = make_worker([engine], tokenizer, n=4, count=4, max_concurrent_groups=4)
+
+    def abort_and_update(scheduler):
+        scheduler._pause("abort")  # running requests return partial output, finish_reason abort
+        scheduler._set_version("1")
+        scheduler._resume()
+
+    async def scenario():
+        task = asyncio.create_task(worker.run(num_groups=4))
+        await asyncio.to_thread(call_when_midway, engine, abort_and_update)
+        await task
+
+    run_then_close(worker, scenario())
+    check_exact(sink.trajectories, 4, 4)
+    assert worker.metrics()["rollout/abort_resubmits"] >= 1
+    straddling = [t for t in sink.trajectories if set(t.token_versions.numpy().tolist()) == {0, 1}]
+    assert straddling  # a partial from version 0 completed on version 1
+    for t in sink.trajectories:
+        versions = t.token_versions.numpy().tolist()
+        assert versions == sorted(versions)
+        assert t.finish_reason in ("stop", "length")
+
+
+def test_dead_engine_groups_regenerate_on_the_other_without_loss_or_duplicates(engines, tokenizer):
+    first, second = engines(2)
+    worker, router, sink = make_worker([first, second], tokenizer, n=2, count=8)
+
+    def crash(scheduler):
+        scheduler._stop = True  # the scheduler thread exits after this command: engine dead
+
+    async def scenario():
+        task = asyncio.create_task(worker.run(num_groups=8))
+        await asyncio.to_thread(call_when_midway, first, crash)
+        async with EngineClient(first.base_url, timeout_s=5) as probe:
+            while await probe.health():  # the fleet's health check: 503 once the engine died
+                await asyncio.sleep(0.01)
+        router.mark_dead("e0", "health check failed")  # ... and its verdict
+        await task
+
+    run_then_close(worker, scenario())
+    check_exact(sink.trajectories, 8, 2)
+    metrics = worker.metrics()
+    moved = metrics["rollout/requests_lost_to_dead_engines"] + metrics["rollout/abort_resubmits"]
+    assert moved >= 1
+    # every group that was not finished on e0 before the crash was completed by e1
+    assert all(t.engine_id in ("e0", "e1", "e0+e1") for t in sink.trajectories)
+    assert any("e1" in t.engine_id for t in sink.trajectories)
+
+
+def test_validate_runs_greedy_through_the_fleet(engines, tokenizer):
+    started = engines(2)
+    worker, _, sink = make_worker(started, tokenizer, n=4, count=0)
+
+    async def twice():
+        return [await worker.validate(prompts(tokenizer, 5)) for _ in range(2)]
+
+    result, again = run_then_close(worker, twice())
+    assert result["val/num_samples"] == 5 and result["val/num_failed"] == 0
+    assert 0.0 <= result["val/score/mean"] <= 1.0
+    assert "val/score/synth/parity" in result
+    assert again["val/score/mean"] == result["val/score/mean"]  # greedy is deterministic
+    assert sink.trajectories == []
