@@ -1,4 +1,4 @@
-"""Weight-sync section of the run config."""
+"""Weight-sync section of the run config (used by ``weight_sync.sender.WeightSender``)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,10 @@ class WeightSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         ),
     ] = 60.0
     verify: Annotated[
-        bool, Meta(description="Engines check a digest per bucket against the learner's.")
+        bool,
+        Meta(
+            description="After each publish, compare every engine's weights digest (GET /fleetrl/weights_digest) and version with the learner's; a mismatch is an error naming the engine. Costs one sha256 pass over the weights on learner rank 0."
+        ),
     ] = True
     group_name: Annotated[str, Meta(description="Name of the weight-update process group.")] = (
         "fleetrl_weights"

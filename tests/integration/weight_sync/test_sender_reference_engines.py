@@ -1,0 +1,165 @@
+"""WeightSender against reference engines in this process (gloo on loopback): the protocol end to end.
+
+Each engine is a ``ReferenceEngine`` serving HTTP from a thread, so these run in
+seconds; the multi-process FSDP and crash tests live next to this file.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from weight_sync.config import WeightSyncConfig
+from weight_sync.reference_engine import ReferenceEngine
+from weight_sync.sender import EngineEndpoint, WeightSender, WeightSyncError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(50, 16, generator=gen),
+        "layers.0.proj.weight": torch.randn(16, 16, generator=gen).to(torch.bfloat16),
+        "layers.0.norm.weight": torch.randn(16, generator=gen),
+        "layers.1.proj.weight": torch.randn(16, 16, generator=gen).to(torch.bfloat16),
+        "head.weight": torch.randn(50, 16, generator=gen),
+    }
+
+
+class _Engines:
+    def __init__(self) -> None:
+        self.engines: dict[str, ReferenceEngine] = {}
+
+    def start(self, name: str, engine_cls=ReferenceEngine, **kwargs) -> EngineEndpoint:
+        zeros = {n: torch.zeros_like(t) for n, t in _weights(0).items()}
+        engine = engine_cls(zeros, group_timeout_s=kwargs.pop("group_timeout_s", 10.0), **kwargs)
+        self.engines[name] = engine
+        return EngineEndpoint(name, engine.start_server(), engine.api_key)
+
+    def stop(self) -> None:
+        for engine in self.engines.values():
+            engine.stop()
+
+
+@pytest.fixture
+def engines():
+    pool = _Engines()
+    yield pool
+    pool.stop()
+
+
+def _assert_holds(engine: ReferenceEngine, weights: dict[str, torch.Tensor], version: int) -> None:
+    assert engine.weight_version == str(version)
+    for name, tensor in weights.items():
+        held = engine.tensors[name]
+        assert held.dtype == tensor.dtype
+        assert torch.equal(held.view(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), (
+            name
+        )
+
+
+def test_publish_delivers_every_version_bit_exact_in_several_buckets(engines):
+    endpoints = [engines.start("e0"), engines.start("e1", api_key="secret")]
+    config = WeightSyncConfig(bucket_mb=2048 / 2**20, timeout_s=10)  # 2 KiB buckets
+    with WeightSender(config) as sender:
+        sender.connect(endpoints)
+        for version in range(3):
+            weights = _weights(version + 1)
+            metrics = sender.publish(weights.items(), version)
+            for engine in engines.engines.values():
+                _assert_holds(engine, weights, version)
+                assert engine.paused_mode is None  # continued after the update
+            assert metrics.bytes == sum(t.numel() * t.element_size() for t in weights.values())
+            assert metrics.num_tensors == len(weights) and metrics.num_buckets > 2
+            assert all(s.ok and s.digest_ok for s in metrics.engines.values())
+        assert sender.latest_version == 2 and sender.engines == ["e0", "e1"]
+
+
+def test_engine_added_mid_run_gets_the_full_weights_at_the_next_publish(engines):
+    with WeightSender(WeightSyncConfig(timeout_s=10)) as sender:
+        sender.connect([engines.start("e0")])
+        sender.publish(_weights(1).items(), 0)
+        first_group = sender.group_name
+        sender.add_engine(engines.start("late"))
+        assert (
+            engines.engines["late"].weight_version == "default"
+        )  # nothing before the next version
+        sender.publish(_weights(2).items(), 1)
+        assert sender.group_name != first_group  # the group was rebuilt with the new member
+        for engine in engines.engines.values():
+            _assert_holds(engine, _weights(2), 1)
+
+
+def test_removed_engine_keeps_its_last_version(engines):
+    with WeightSender(WeightSyncConfig(timeout_s=10)) as sender:
+        sender.connect([engines.start("e0"), engines.start("e1")])
+        sender.publish(_weights(1).items(), 0)
+        sender.remove_engine("e1")
+        sender.publish(_weights(2).items(), 1)
+        _assert_holds(engines.engines["e0"], _weights(2), 1)
+        _assert_holds(engines.engines["e1"], _weights(1), 0)
+        with pytest.raises(ValueError, match="'e1' is not a weight-sync member"):
+            sender.remove_engine("e1")
+
+
+class _CorruptingEngine(ReferenceEngine):
+    def update(self, body):
+        reply = super().update(body)
+        with self._lock:
+            self.tensors["embed.weight"].view(-1)[0] += 1.0
+        return reply
+
+
+def test_verification_names_an_engine_whose_weights_differ(engines):
+    with WeightSender(WeightSyncConfig(timeout_s=10)) as sender:
+        sender.connect([engines.start("good"), engines.start("bad", _CorruptingEngine)])
+        with pytest.raises(WeightSyncError, match=r"engine bad: .*differ.*embed.weight") as info:
+            sender.publish(_weights(1).items(), 0)
+        assert info.value.engines == ["bad"]
+        assert info.value.metrics.engines["good"].digest_ok is True
+
+
+class _HungEngine(ReferenceEngine):
+    def update(self, body):
+        time.sleep(6)  # never joins the broadcast within the sender's timeout
+        return {"success": False, "message": "too late"}
+
+
+def test_hung_engine_times_out_is_named_and_dropped_and_the_others_continue(engines):
+    with WeightSender(WeightSyncConfig(timeout_s=2)) as sender:
+        sender.connect([engines.start("ok"), engines.start("hung", _HungEngine)])
+        with pytest.raises(WeightSyncError, match="engine hung") as info:
+            sender.publish(_weights(1).items(), 0)
+        assert info.value.engines == ["hung"]
+        assert sender.engines == ["ok"] and "hung" in sender.dropped
+        # the survivor got part of v0 at most: it stays paused until a full publish
+        assert info.value.needs_resend == sender.needs_resend
+        sender.publish(_weights(2).items(), 1)
+        _assert_holds(engines.engines["ok"], _weights(2), 1)
+        assert not sender.needs_resend
+
+
+def test_unreachable_engine_at_connect_is_named_and_the_group_forms_without_it(engines):
+    dead = EngineEndpoint("dead", "http://127.0.0.1:9", None)  # discard port: refused
+    with WeightSender(WeightSyncConfig(timeout_s=5)) as sender:
+        with pytest.raises(WeightSyncError, match="engine dead: .*cannot connect"):
+            sender.connect([engines.start("e0"), dead])
+        assert sender.engines == ["e0"]
+        sender.publish(_weights(1).items(), 0)
+        _assert_holds(engines.engines["e0"], _weights(1), 0)
+
+
+def test_bad_inputs_are_rejected_with_clear_messages(engines):
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        WeightSender(WeightSyncConfig(backend="nccl"), device="cpu")
+    with pytest.raises(ValueError, match="url must start with http"):
+        EngineEndpoint("x", "127.0.0.1:1", None)
+    with WeightSender(WeightSyncConfig()) as sender:
+        sender.add_engine(engines.start("e0"))
+        with pytest.raises(ValueError, match="already a weight-sync member"):
+            sender.add_engine(EngineEndpoint("e0", "http://127.0.0.1:1", None))
+        with pytest.raises(ValueError, match="version must be >= 0"):
+            sender.publish([], -1)

@@ -1,0 +1,216 @@
+"""Packing named tensors into flat byte buckets and unpacking them again.
+
+Wire format of one bucket (SGLang's ``load_format="flattened_bucket"``): the raw
+bytes of each tensor (contiguous, native byte order) concatenated in the order
+of the request's ``names`` and broadcast as one ``uint8`` tensor. The metadata
+that travels over HTTP is ``names``, ``dtypes`` (torch dtype names without the
+``torch.`` prefix, e.g. ``"bfloat16"``) and ``shapes``.
+
+The sender groups buckets by dtype (every bucket holds one dtype, so each
+tensor's offset is a multiple of its item size and the receiver's views need no
+copy); the receiver also accepts mixed-dtype buckets, as newer SGLang senders
+produce them, copying only a tensor whose offset is misaligned.
+
+Packing copies each tensor into the open bucket of its dtype as soon as it
+arrives, so a gathered full tensor can be freed at once. A tensor at least as
+large as a bucket is sent alone, as a zero-copy byte view of itself.
+
+Left out: compression, quantisation on the wire, and bucket reuse (each bucket
+is a fresh allocation, because the previous one may still be in flight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    )
+    if hasattr(torch, name)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the spelling SGLang's endpoints use)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str, *, where: str = "dtype") -> torch.dtype:
+    """``"bfloat16"`` or ``"torch.bfloat16"`` -> ``torch.bfloat16``; anything else is a ValueError."""
+    key = str(name).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"{where}: unknown dtype {name!r}; accepted: {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[key]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Name, dtype and shape of one tensor inside a bucket."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def metas_from_wire(
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+) -> list[TensorMeta]:
+    """Validate the HTTP metadata of one update and turn it into ``TensorMeta`` rows."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(
+            f"update metadata lengths differ: {len(names)} names, {len(dtypes)} dtypes, "
+            f"{len(shapes)} shapes"
+        )
+    metas = []
+    for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"names[{i}]: expected a non-empty string, got {name!r}")
+        dims = tuple(int(d) for d in shape)
+        if any(d < 0 for d in dims):
+            raise ValueError(f"shapes[{i}] ({name}): negative dimension in {list(shape)}")
+        metas.append(TensorMeta(name, parse_dtype(dtype, where=f"dtypes[{i}] ({name})"), dims))
+    return metas
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D ``uint8`` view of a tensor's bytes (a copy only if it is not contiguous)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class Bucket:
+    """One flat byte buffer and the tensors packed into it, in order."""
+
+    index: int
+    metas: list[TensorMeta]
+    flat: torch.Tensor  # 1-D uint8
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.flat.numel())
+
+    def wire_fields(self) -> dict[str, list]:
+        """The ``names``/``dtypes``/``shapes`` fields of the update request for this bucket."""
+        return {
+            "names": [m.name for m in self.metas],
+            "dtypes": [dtype_name(m.dtype) for m in self.metas],
+            "shapes": [list(m.shape) for m in self.metas],
+        }
+
+
+@dataclass
+class _OpenBucket:
+    buffer: torch.Tensor
+    used: int = 0
+    metas: list[TensorMeta] = field(default_factory=list)
+
+
+class BucketPacker:
+    """Streams ``(name, tensor)`` pairs into dtype-grouped flat buckets of at most ``bucket_bytes``.
+
+    ``add`` returns the buckets that became full (zero, one or two); ``finish``
+    returns the partly filled ones, oldest first. ``device`` is where bucket
+    buffers live (the broadcast device); tensors elsewhere are copied there.
+    """
+
+    def __init__(self, bucket_bytes: int, device: torch.device | str = "cpu") -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.bucket_bytes = int(bucket_bytes)
+        self.device = torch.device(device)
+        self._open: dict[torch.dtype, _OpenBucket] = {}
+        self._next_index = 0
+        self._seen: set[str] = set()
+
+    def _emit(self, metas: list[TensorMeta], flat: torch.Tensor) -> Bucket:
+        bucket = Bucket(self._next_index, metas, flat)
+        self._next_index += 1
+        return bucket
+
+    def _close(self, dtype: torch.dtype) -> Bucket:
+        ob = self._open.pop(dtype)
+        return self._emit(ob.metas, ob.buffer[: ob.used])
+
+    def add(self, name: str, tensor: torch.Tensor) -> list[Bucket]:
+        if name in self._seen:
+            raise ValueError(f"tensor {name!r} appears twice in one weight stream")
+        self._seen.add(name)
+        meta = TensorMeta(name, tensor.dtype, tuple(tensor.shape))
+        ready: list[Bucket] = []
+        if meta.nbytes >= self.bucket_bytes:
+            # Its own bucket, sent as a byte view of the tensor itself.
+            ready.append(self._emit([meta], tensor_bytes(tensor.to(self.device))))
+            return ready
+        ob = self._open.get(meta.dtype)
+        if ob is not None and ob.used + meta.nbytes > self.bucket_bytes:
+            ready.append(self._close(meta.dtype))
+            ob = None
+        if ob is None:
+            buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
+            ob = self._open[meta.dtype] = _OpenBucket(buffer)
+        ob.buffer[ob.used : ob.used + meta.nbytes].copy_(tensor_bytes(tensor))
+        ob.used += meta.nbytes
+        ob.metas.append(meta)
+        return ready
+
+    def finish(self) -> list[Bucket]:
+        return [self._close(dtype) for dtype in list(self._open)]
+
+
+def pack_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    device: torch.device | str = "cpu",
+) -> Iterator[Bucket]:
+    """Lazily pack a stream of named tensors into buckets (see ``BucketPacker``)."""
+    packer = BucketPacker(bucket_bytes, device)
+    for name, tensor in named_tensors:
+        yield from packer.add(name, tensor)
+    yield from packer.finish()
+
+
+def unpack_bucket(
+    flat: torch.Tensor, metas: Sequence[TensorMeta]
+) -> list[tuple[str, torch.Tensor]]:
+    """Split a received flat ``uint8`` buffer back into named tensors (views where aligned)."""
+    if flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise ValueError(f"bucket buffer must be 1-D uint8, got {flat.dtype} {tuple(flat.shape)}")
+    expected = sum(m.nbytes for m in metas)
+    if expected != flat.numel():
+        raise ValueError(f"bucket holds {flat.numel()} bytes but its metadata describes {expected}")
+    out: list[tuple[str, torch.Tensor]] = []
+    offset = 0
+    for meta in metas:
+        chunk = flat[offset : offset + meta.nbytes]
+        if offset % meta.dtype.itemsize:
+            chunk = chunk.clone()  # a view would be misaligned for this dtype
+        out.append((meta.name, chunk.view(meta.dtype).reshape(meta.shape)))
+        offset += meta.nbytes
+    return out

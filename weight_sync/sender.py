@@ -1,0 +1,613 @@
+"""Learner side of weight sync: publish versioned weights to every rollout engine.
+
+One ``WeightSender`` lives on learner rank 0. Per version, every FSDP rank walks
+``LearnerWorker.named_full_tensors()`` (a collective); rank 0 hands its stream
+to ``publish``, the other ranks drain theirs (``drain_stream``):
+
+    sender = WeightSender(cfg.weight_sync, master_address="127.0.0.1", device="cpu")
+    sender.connect([EngineEndpoint("engine-0", "http://127.0.0.1:30000", None)])
+    metrics = sender.publish(worker.named_full_tensors(), version=v)   # rank 0
+    drain_stream(worker.named_full_tensors())                          # ranks > 0
+
+``publish`` in order:
+  1. pause every engine (``config.pause_mode``) - concurrently;
+  2. (re)form the group if membership changed: rank 0 serves a TCPStore, POSTs
+     ``/init_weights_update_group`` to each engine with its ``rank_offset``
+     (threads) while joining as rank 0 (see ``group``);
+  3. pack the stream into dtype-grouped flat buckets of ``bucket_mb``; per
+     bucket: POST ``/update_weights_from_distributed`` (``load_format=
+     "flattened_bucket"``) to every engine in threads, start the broadcast,
+     then gather and pack the next bucket while it is in flight (one-bucket
+     lookahead), then wait for the broadcast and every reply;
+  4. continue every engine;
+  5. if ``config.verify``: compare each engine's ``/fleetrl/weights_digest``
+     (and version) with the digest of what was sent.
+
+Failures: any call or broadcast that fails or exceeds ``config.timeout_s``
+drops the engine(s) it names; ``publish`` finishes for the others where it can
+and then raises ``WeightSyncError`` naming the dropped engines, carrying the
+metrics. If a broadcast fails mid-stream the group is aborted (no collective
+can hang), the rest of the stream is drained (so the other FSDP ranks never
+block), and the surviving engines, which now hold partial weights, stay paused
+with ``needs_resend`` set: the caller must publish again (the same version is
+fine) - the next ``publish`` rebuilds the group without the dead engine.
+
+Membership: ``add_engine`` / ``remove_engine`` take effect at the next
+``publish`` (the group is destroyed and rebuilt), which sends the new engine
+the full weights like everyone else: every publish sends everything, so
+"resend the latest" is simply another ``publish`` of the current weights.
+
+Resume: after restoring a checkpoint at version v, the launcher calls
+``publish_restored(worker.named_full_tensors(), v)`` (all ranks driving the
+stream) before any engine generates - engines otherwise serve their initial
+weights tagged with a version they do not hold.
+
+Left out: sending only changed tensors, and CUDA-IPC for co-located engines.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+
+from fleetrl.log import get_logger
+from weight_sync.buckets import Bucket, pack_buckets
+from weight_sync.config import WeightSyncConfig
+from weight_sync.digest import StreamDigest
+from weight_sync.engine_client import EngineCallError, EngineClient, EngineEndpoint
+from weight_sync.group import GroupError, MasterStore, WeightGroup, resolve_backend
+from weight_sync.metrics import EngineSyncStatus, SyncMetrics
+
+__all__ = [
+    "EngineEndpoint",
+    "EngineSyncStatus",
+    "SyncMetrics",
+    "WeightSender",
+    "WeightSyncError",
+    "drain_stream",
+]
+
+log = get_logger(__name__)
+
+HEALTH_PROBE_S = 5.0
+_MAX_HTTP_THREADS = 64
+
+
+class WeightSyncError(RuntimeError):
+    """Weight sync failed for the named engines (they were dropped unless only verification failed).
+
+    ``needs_resend``: surviving engines hold partial weights and stay paused
+    until the next ``publish``. ``metrics``: what was measured before failing.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        engines: list[str],
+        version: int | None = None,
+        metrics: SyncMetrics | None = None,
+        needs_resend: bool = False,
+    ) -> None:
+        self.engines = engines
+        self.version = version
+        self.metrics = metrics
+        self.needs_resend = needs_resend
+        super().__init__(message)
+
+
+def drain_stream(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Consume a weight stream on a learner rank other than 0 (drives its collectives); returns the count."""
+    count = 0
+    for _ in named_tensors:
+        count += 1
+    return count
+
+
+class _BucketFailure(Exception):
+    """Internal: a bucket's broadcast or update call failed (the group must be aborted)."""
+
+    def __init__(self, reason: str, errors: dict[str, EngineCallError]) -> None:
+        self.reason = reason
+        self.errors = errors
+        super().__init__(reason)
+
+
+class WeightSender:
+    """Owns the weight-update group on learner rank 0 and the HTTP clients of every engine."""
+
+    def __init__(
+        self,
+        config: WeightSyncConfig,
+        *,
+        master_address: str = "127.0.0.1",
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.config = config
+        self.master_address = master_address
+        self.device = torch.device(device)
+        self.backend = resolve_backend(config.backend, self.device)
+        self.bucket_bytes = max(1, int(config.bucket_mb * 2**20))
+        self._lock = threading.Lock()  # guards _clients (membership may change from other threads)
+        self._clients: dict[str, EngineClient] = {}
+        self._group: WeightGroup | None = None
+        self._store: MasterStore | None = None
+        self._group_clients: list[EngineClient] = []
+        self._generation = 0
+        self._pool = ThreadPoolExecutor(_MAX_HTTP_THREADS, thread_name_prefix="weight-sync-http")
+        self._stale: set[str] = set()
+        self.dropped: dict[str, str] = {}
+        self.latest_version: int | None = None
+
+    # ------------------------------------------------------------------ membership
+
+    @property
+    def engines(self) -> list[str]:
+        with self._lock:
+            return list(self._clients)
+
+    @property
+    def needs_resend(self) -> bool:
+        """True while some engine holds partial weights (a mid-stream failure); publish again."""
+        return bool(self._stale)
+
+    @property
+    def group_name(self) -> str | None:
+        return self._group.group_name if self._group else None
+
+    def add_engine(self, endpoint: EngineEndpoint) -> None:
+        """Add an engine; it joins the group and receives full weights at the next ``publish``."""
+        with self._lock:
+            if endpoint.name in self._clients:
+                raise ValueError(f"engine {endpoint.name!r} is already a weight-sync member")
+            self._clients[endpoint.name] = EngineClient(endpoint, self.config.timeout_s)
+        self.dropped.pop(endpoint.name, None)
+        log.info("engine %s (%s) will join at the next version", endpoint.name, endpoint.url)
+
+    def remove_engine(self, name: str) -> None:
+        """Remove an engine; the group is rebuilt without it at the next ``publish``."""
+        with self._lock:
+            if name not in self._clients:
+                raise ValueError(
+                    f"engine {name!r} is not a weight-sync member; members: {list(self._clients)}"
+                )
+            del self._clients[name]
+        self._stale.discard(name)
+        log.info("engine %s leaves weight sync at the next version", name)
+
+    def connect(self, engines: Iterable[EngineEndpoint]) -> None:
+        """Add engines and form the group now. Engines that cannot join are dropped and named in a WeightSyncError."""
+        for endpoint in engines:
+            self.add_engine(endpoint)
+        errors = self._ensure_group()
+        if errors:
+            raise WeightSyncError(
+                _describe(errors, "could not join the weight group"), engines=sorted(errors)
+            )
+
+    # ------------------------------------------------------------------ publish
+
+    def publish_restored(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> SyncMetrics:
+        """The call after resuming from a checkpoint at ``version``: publish (verified) before any generation."""
+        log.info("publishing restored weights as version %d before generation resumes", version)
+        return self.publish(named_tensors, version, verify=True)
+
+    def publish(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        verify: bool | None = None,
+    ) -> SyncMetrics:
+        """Send one version of the weights to every member engine (see the module docstring)."""
+        if version < 0:
+            raise ValueError(f"weight version must be >= 0, got {version}")
+        verify = self.config.verify if verify is None else verify
+        started = time.perf_counter()
+        stream = iter(named_tensors)
+        errors: dict[str, str] = {}
+        metrics = SyncMetrics(
+            version=version, engines={n: EngineSyncStatus(n) for n in self.engines}
+        )
+
+        t0 = time.perf_counter()
+        errors.update(self._call_all(lambda c: c.pause(self.config.pause_mode), "pause"))
+        metrics.pause_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        errors.update(self._ensure_group())
+        metrics.group_setup_s = time.perf_counter() - t0
+
+        digest = StreamDigest() if verify else None
+        if digest is not None:
+            stream = _digesting(stream, digest, metrics)
+        if self._group is None:
+            drain_stream(stream)
+        else:
+            try:
+                self._stream_buckets(stream, version, metrics)
+            except _BucketFailure as failure:
+                errors.update(self._after_bucket_failure(failure))
+                drain_stream(stream)
+                metrics.total_s = time.perf_counter() - started
+                self._record(metrics, errors)
+                raise WeightSyncError(
+                    _describe(errors, f"version {version} broadcast failed ({failure.reason})")
+                    + (
+                        f"; engines {sorted(self._stale)} hold partial weights, paused until the next publish"
+                        if self._stale
+                        else ""
+                    ),
+                    engines=sorted(errors),
+                    version=version,
+                    metrics=metrics,
+                    needs_resend=bool(self._stale),
+                ) from None
+            except BaseException:
+                # The learner's own stream failed mid-version: abort whatever is in flight;
+                # every member got part of this version and must get all of the next one.
+                self._stale.update(c.name for c in self._group_clients)
+                self._teardown_group(notify=True, abort=True)
+                raise
+        self._stale.clear()
+
+        t0 = time.perf_counter()
+        errors.update(self._call_all(lambda c: c.resume(), "continue"))
+        metrics.resume_s = time.perf_counter() - t0
+        self.latest_version = version
+
+        mismatched: dict[str, str] = {}
+        if digest is not None and self._group_clients:
+            t0 = time.perf_counter()
+            mismatched = self._verify(digest, version, metrics)
+            metrics.verify_s += time.perf_counter() - t0
+        metrics.total_s = time.perf_counter() - started
+        self._record(metrics, {**errors, **mismatched})
+        log.info("%s", metrics.summary())
+        if errors or mismatched:
+            message = "; ".join(
+                part
+                for part in (
+                    _describe(errors, f"dropped during version {version}") if errors else "",
+                    _describe(mismatched, "weights differ from the learner's")
+                    if mismatched
+                    else "",
+                )
+                if part
+            )
+            raise WeightSyncError(
+                message, engines=sorted({**errors, **mismatched}), version=version, metrics=metrics
+            )
+        return metrics
+
+    def _stream_buckets(
+        self, stream: Iterator[tuple[str, torch.Tensor]], version: int, metrics: SyncMetrics
+    ) -> None:
+        group = self._group
+        assert group is not None
+        clients = list(self._group_clients)
+        buckets = pack_buckets(stream, self.bucket_bytes, self.device)
+        flush_cache = self.config.pause_mode != "in_place"
+
+        def fetch() -> Bucket | None:
+            t = time.perf_counter()
+            bucket = next(buckets, None)
+            metrics.gather_s += time.perf_counter() - t
+            return bucket
+
+        bucket = fetch()
+        stream_started = time.perf_counter()
+        while bucket is not None:
+            bucket_started = time.perf_counter()
+            deadline = time.monotonic() + self.config.timeout_s
+            replies = {
+                c.name: self._pool.submit(
+                    self._post_update, c, bucket, group.group_name, version, flush_cache
+                )
+                for c in clients
+            }
+            try:
+                work = group.broadcast(bucket.flat)
+            except (RuntimeError, GroupError) as err:
+                raise _BucketFailure(
+                    f"bucket {bucket.index}: {err}", self._gather_calls(replies, deadline)
+                ) from None
+            done_at: list[float] = []
+            work.get_future().add_done_callback(lambda _f, d=done_at: d.append(time.perf_counter()))
+            next_bucket = fetch()  # overlaps with the broadcast in flight
+            try:
+                group.wait(
+                    work, f"broadcast of bucket {bucket.index} ({bucket.nbytes} bytes)", deadline
+                )
+            except GroupError as err:
+                raise _BucketFailure(str(err), self._gather_calls(replies, deadline)) from None
+            broadcast_done = done_at[0] if done_at else time.perf_counter()
+            metrics.broadcast_s += broadcast_done - bucket_started
+            bucket_errors = self._gather_calls(replies, deadline)
+            if bucket_errors:
+                raise _BucketFailure(f"update of bucket {bucket.index}", bucket_errors)
+            for name, future in replies.items():
+                status = metrics.engines.setdefault(name, EngineSyncStatus(name))
+                status.load_s += max(0.0, future.result() - broadcast_done)
+            metrics.bytes += bucket.nbytes
+            metrics.num_buckets += 1
+            metrics.num_tensors += len(bucket.metas)
+            bucket = next_bucket
+        stream_s = time.perf_counter() - stream_started
+        metrics.gbps = metrics.bytes / stream_s / 1e9 if stream_s > 0 else 0.0
+        metrics.engine_load_s = max((s.load_s for s in metrics.engines.values()), default=0.0)
+
+    @staticmethod
+    def _post_update(
+        client: EngineClient, bucket: Bucket, group_name: str, version: int, flush_cache: bool
+    ) -> float:
+        client.update_weights(
+            bucket.wire_fields(),
+            group_name=group_name,
+            weight_version=str(version),
+            flush_cache=flush_cache,
+            load_format="flattened_bucket",
+        )
+        return time.perf_counter()
+
+    def _gather(self, futures: dict[str, Future], deadline: float) -> dict[str, str]:
+        """Wait for every future until ``deadline``; return ``{engine: error}`` for those that failed."""
+        return {name: str(err) for name, err in self._gather_calls(futures, deadline).items()}
+
+    def _gather_calls(
+        self, futures: dict[str, Future], deadline: float
+    ) -> dict[str, EngineCallError]:
+        errors: dict[str, EngineCallError] = {}
+        for name, future in futures.items():
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+            except EngineCallError as err:
+                errors[name] = err
+            except FutureTimeout:
+                errors[name] = EngineCallError(
+                    name,
+                    "request",
+                    f"no reply within {self.config.timeout_s:.1f}s",
+                    unreachable=True,
+                )
+        return errors
+
+    def _after_bucket_failure(self, failure: _BucketFailure) -> dict[str, str]:
+        """Abort the group, decide which engines are to blame, drop them; the rest become stale."""
+        members = list(self._group_clients)
+        group_name = self._group.group_name if self._group else ""
+        self._teardown_group(notify=False, abort=True)
+        errors = self._blame(members, failure.errors, failure.reason)
+        blamed = set(errors)
+        for name in blamed:
+            self._drop(name, errors[name])
+        self._stale = {c.name for c in members if c.name not in blamed}
+        for client in members:
+            if client.name not in blamed:
+                self._best_effort_destroy(client, group_name)
+        return errors
+
+    def _verify(self, sent: StreamDigest, version: int, metrics: SyncMetrics) -> dict[str, str]:
+        """Compare each engine's digest with what was sent; ``{engine: why}`` for those that differ.
+
+        Fast path: the total digest. If it differs (the engine may hash another
+        order, or tied aliases), compare per-tensor hashes of every tensor sent.
+        """
+        expected = sent.hexdigest()
+        results = {c.name: (c, self._pool.submit(c.weights_digest)) for c in self._group_clients}
+        mismatched: dict[str, str] = {}
+        for name, (client, future) in results.items():
+            status = metrics.engines.setdefault(name, EngineSyncStatus(name))
+            try:
+                engine_version, engine_digest, _ = future.result()
+                problem = ""
+                if engine_version != str(version):
+                    problem = f"holds version {engine_version!r}, learner sent {version}"
+                elif engine_digest != expected:
+                    held = client.weights_digest(per_param=True)[2]
+                    problem = _per_tensor_problem(sent.per_tensor, held)
+            except EngineCallError as err:
+                problem = str(err).removeprefix(f"engine {name}: ")
+            status.digest_ok = not problem
+            if problem:
+                mismatched[name] = f"engine {name}: {problem}"
+        return mismatched
+
+    # ------------------------------------------------------------------ group lifecycle
+
+    def _ensure_group(self) -> dict[str, str]:
+        """Form the group with the current members if it is missing or stale; return dropped engines."""
+        with self._lock:
+            wanted = list(self._clients.values())
+        if self._group is not None and [c.name for c in self._group_clients] == [
+            c.name for c in wanted
+        ]:
+            return {}
+        self._teardown_group(notify=True, abort=False)
+        errors: dict[str, str] = {}
+        while wanted:
+            failed = self._form_group(wanted)
+            if not failed:
+                break
+            errors.update(failed)
+            for name, reason in failed.items():
+                self._drop(name, reason)
+            wanted = [c for c in wanted if c.name not in failed]
+        return errors
+
+    def _form_group(self, members: list[EngineClient]) -> dict[str, str]:
+        self._generation += 1
+        group_name = f"{self.config.group_name}-{self._generation}"
+        world_size = 1 + sum(c.endpoint.world_size for c in members)
+        store = MasterStore(self.master_address, self.config.timeout_s)
+        deadline = time.monotonic() + self.config.timeout_s
+        futures: dict[str, Future] = {}
+        rank_offset = 1
+        for client in members:
+            futures[client.name] = self._pool.submit(
+                client.init_group,
+                master_address=self.master_address,
+                master_port=store.port,
+                rank_offset=rank_offset,
+                world_size=world_size,
+                group_name=group_name,
+                backend=self.backend,
+            )
+            rank_offset += client.endpoint.world_size
+        group: WeightGroup | None = None
+        join_error = ""
+        try:
+            assert store.store is not None
+            group = WeightGroup(
+                store.store,
+                group_name=group_name,
+                rank=0,
+                world_size=world_size,
+                backend=self.backend,
+                timeout_s=self.config.timeout_s,
+                master_address=self.master_address,
+                device=self.device,
+            )
+        except RuntimeError as err:  # DistError / gloo timeouts: some rank never joined
+            join_error = str(err).splitlines()[0] if str(err) else type(err).__name__
+            store.close()  # engines still waiting in the rendezvous fail now, not at their timeout
+        call_errors = self._gather_calls(futures, deadline)
+        if group is not None and not call_errors:
+            self._group, self._store, self._group_clients = group, store, list(members)
+            log.info(
+                "weight group %s formed: %s, world %d, engines %s",
+                group_name,
+                self.backend,
+                world_size,
+                [c.name for c in members],
+            )
+            return {}
+        if group is not None:
+            group.close(abort=True)
+        store.close()
+        failed = self._blame(members, call_errors, f"group {group_name} did not form: {join_error}")
+        for client in members:  # engines that did join this attempt forget it
+            if client.name not in failed:
+                self._best_effort_destroy(client, group_name)
+        return failed
+
+    def _blame(
+        self, members: list[EngineClient], call_errors: dict[str, EngineCallError], reason: str
+    ) -> dict[str, str]:
+        """Which engines a failed group operation is blamed on, with why.
+
+        Most certain first: engines that no longer answer ``/health``; then those
+        whose call got no reply (dead or hung); then those that replied with an
+        error (possibly only collateral of another's failure); else everyone.
+        """
+        unhealthy = {c.name for c in members if not c.healthy(HEALTH_PROBE_S)}
+        silent = {n for n, err in call_errors.items() if err.unreachable}
+        blamed = unhealthy or silent or set(call_errors) or {c.name for c in members}
+        errors = {}
+        for name in blamed:
+            call_error = call_errors.get(name)
+            errors[name] = (str(call_error) if call_error else f"engine {name}: {reason}") + (
+                " (engine does not answer /health)" if name in unhealthy else ""
+            )
+        return errors
+
+    def _teardown_group(self, *, notify: bool, abort: bool) -> None:
+        group, store, clients = self._group, self._store, self._group_clients
+        self._group, self._store, self._group_clients = None, None, []
+        if group is None:
+            return
+        if notify:
+            with self._lock:
+                alive = [c for c in clients if c.name not in self.dropped]
+            for client in alive:
+                self._best_effort_destroy(client, group.group_name)
+        group.close(abort=abort)
+        if store is not None:
+            store.close()
+
+    def _best_effort_destroy(self, client: EngineClient, group_name: str) -> None:
+        try:
+            client.call(
+                "/destroy_weights_update_group",
+                {"group_name": group_name},
+                timeout_s=HEALTH_PROBE_S,
+            )
+        except EngineCallError as err:
+            log.warning("could not destroy group %s on %s: %s", group_name, client.name, err)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _call_all(self, fn: Any, what: str) -> dict[str, str]:
+        """Call ``fn(client)`` on every member concurrently; drop and return those that fail."""
+        with self._lock:
+            clients = list(self._clients.values())
+        futures = {c.name: self._pool.submit(fn, c) for c in clients}
+        errors = self._gather(futures, time.monotonic() + self.config.timeout_s)
+        for name, reason in errors.items():
+            log.warning("%s failed: %s", what, reason)
+            self._drop(name, reason)
+        return errors
+
+    def _drop(self, name: str, reason: str) -> None:
+        with self._lock:
+            client = self._clients.pop(name, None)
+        self._stale.discard(name)
+        self.dropped[name] = reason
+        if client is not None:
+            log.error("dropping engine %s from weight sync: %s", name, reason)
+
+    @staticmethod
+    def _record(metrics: SyncMetrics, errors: dict[str, str]) -> None:
+        for name, reason in errors.items():
+            status = metrics.engines.setdefault(name, EngineSyncStatus(name))
+            status.ok = False
+            status.error = reason
+
+    def close(self) -> None:
+        """Destroy the group on every engine (best effort) and release sockets and threads."""
+        self._teardown_group(notify=True, abort=False)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _digesting(
+    stream: Iterator[tuple[str, torch.Tensor]], digest: StreamDigest, metrics: SyncMetrics
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass the stream through, adding each tensor to ``digest`` (timed as verify_s)."""
+    for name, tensor in stream:
+        t = time.perf_counter()
+        digest.add(name, tensor)
+        metrics.verify_s += time.perf_counter() - t
+        yield name, tensor
+
+
+def _per_tensor_problem(sent: dict[str, str], held: dict[str, str] | None) -> str:
+    """'' if every tensor sent is held with the same hash, else which ones differ."""
+    held = held or {}
+    missing = [n for n in sent if n not in held]
+    differ = [n for n in sent if n in held and held[n] != sent[n]]
+    parts = []
+    if differ:
+        parts.append(f"{len(differ)} tensors differ from the learner's (e.g. {differ[:3]})")
+    if missing:
+        parts.append(f"{len(missing)} tensors sent are not in its digest (e.g. {missing[:3]})")
+    return "; ".join(parts)
+
+
+def _describe(errors: dict[str, str], what: str) -> str:
+    return f"{what}: " + "; ".join(errors[name] for name in sorted(errors))
