@@ -12,16 +12,15 @@ here locks. Two forward kinds:
 Weights: ``load_weights(named_tensors)`` copies received tensors into the
 parameters by Hugging Face name (validated first: unknown names or shape
 mismatches fail before anything is copied); ``weights_digest()`` is the
-verification hash (see ``weights_digest`` below for its exact definition).
+verification hash, computed by ``weight_sync.digest.module_digest`` so the
+engine and the learner share one definition.
 
 Left out: tensor parallelism, CUDA graphs, quantisation.
 """
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ import torch
 from fleetrl.log import get_logger
 from fleetrl.models.loading import load_causal_lm, load_tokenizer
 from rollout_fleet.engine.kv_cache import BatchKVCache
+from weight_sync.digest import module_digest
 
 log = get_logger(__name__)
 
@@ -37,22 +37,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class WeightLoadError(ValueError):
     """Received tensors do not match the model (unknown name, shape or dtype)."""
-
-
-def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, dict[str, str]]:
-    """The fleetrl weights digest: sha256 over, for each tensor in the given order,
-    ``name`` (UTF-8) then the tensor's raw bytes (its own dtype, C-contiguous,
-    native little-endian). Returns ``(hex digest, {name: per-tensor sha256 hex})``.
-    The engine hashes ``model.state_dict()`` in its order (tied weights appear
-    under each of their names)."""
-    total = hashlib.sha256()
-    per_param: dict[str, str] = {}
-    for name, tensor in named_tensors:
-        raw = tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-        total.update(name.encode("utf-8"))
-        total.update(raw)
-        per_param[name] = hashlib.sha256(raw).hexdigest()
-    return total.hexdigest(), per_param
 
 
 class ModelRunner:
@@ -176,4 +160,6 @@ class ModelRunner:
         return len(named_tensors)
 
     def weights_digest(self) -> tuple[str, dict[str, str]]:
-        return weights_digest(self.model.state_dict().items())
+        """``(digest, per-tensor digests)`` by ``weight_sync.digest`` (the learner's definition)."""
+        digest = module_digest(self.model)
+        return digest.hexdigest(), digest.per_tensor

@@ -237,7 +237,9 @@ class EmbeddedEngine:
             loop.call_soon_threadsafe(loop.stop)
             self._thread.join(10)
         self.scheduler.stop()
-        self._weight_pool.shutdown(wait=False, cancel_futures=True)
+        if self._receiver is not None and hasattr(self._receiver, "close"):
+            self._weight_pool.submit(self._receiver.close)
+        self._weight_pool.shutdown(wait=False, cancel_futures=False)
 
     # -- middlewares -----------------------------------------------------------------------
 
@@ -451,7 +453,7 @@ class EmbeddedEngine:
             else:
                 from weight_sync.receiver import WeightReceiver
 
-                self._receiver = WeightReceiver()
+                self._receiver = WeightReceiver(device=self.runner.device)
         return self._receiver
 
     async def _weight_call(self, fn, *args) -> Any:

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from rollout_fleet.engine.requests import ModelLimits, expand_generate
-from rollout_fleet.engine.runner import ModelRunner, WeightLoadError, weights_digest
+from rollout_fleet.engine.runner import ModelRunner, WeightLoadError
 from rollout_fleet.engine.scheduler import Scheduler, Sequence
 from rollout_fleet.protocol import GenerateRequest, SamplingParams
+from weight_sync.digest import module_named_tensors, state_digest
 
 SHARPEN = 30.0
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20], [21, 22], [7, 7, 7, 7]]
@@ -159,7 +160,7 @@ def test_load_weights_copies_by_name_changes_digest_and_rejects_mismatches(tiny_
     assert after != before
     assert [k for k in per_param if per_param[k] != per_param_after[k]] == [name]
     assert torch.equal(runner.model.state_dict()[name], new)
-    expected, _ = weights_digest(runner.model.state_dict().items())
+    expected = state_digest(module_named_tensors(runner.model))
     assert after == expected
     with pytest.raises(WeightLoadError, match="not a parameter"):
         runner.load_weights([("model.nope.weight", new)])
