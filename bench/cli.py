@@ -1,0 +1,327 @@
+"""``fleetrl bench SUITE --out DIR [--quick] [size flags]``: run suites, write JSON, table, plots.
+
+One suite runs in this process: its module's ``run(out_dir, quick, reps, ...)`` is
+called with the size flags it accepts (matched by name, see ``SIZE_PARAMETERS``;
+flags it does not take are recorded as ``ignored_flags``), and its result is
+written to ``DIR/<suite>.json`` inside the standard envelope of
+``bench.common.suite_record``. ``all`` runs each suite in a child process of its
+own (``python -m launcher.cli bench SUITE ...``) so a crash, a hang or leaked
+state (Ray, process groups) in one cannot spoil the next; with ``--quick`` the
+children share a deadline that keeps the whole run under ten minutes. A suite
+that is missing, fails or times out still gets its JSON, with ``status: error``
+and a one-line ``error`` (``suite unavailable: ...``), and the table shows it.
+Either way ``bench.report`` then writes ``report.md`` and the plots.
+
+Exit status: 0 when every requested suite succeeded, 1 otherwise (files are
+written either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from bench.common import (
+    REPO_ROOT,
+    Progress,
+    now_iso,
+    read_json,
+    suite_json_path,
+    suite_record,
+    write_json,
+)
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+
+# CLI suite name -> module whose ``run`` measures it
+SUITE_MODULES: dict[str, str] = {
+    "transport": "bench.transport",
+    "weight-sync": "bench.weight_sync",
+    "rollout": "bench.rollout",
+    "learner": "bench.learner",
+    "e2e": "bench.e2e",
+}
+# harness flag -> parameter names a suite's ``run`` may use for it (first match wins)
+SIZE_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "hidden": ("hidden", "hidden_sizes", "sizes"),
+    "layers": ("layers", "num_layers"),
+    "engines": ("engines", "num_engines"),
+    "learner_ranks": ("learner_ranks", "num_ranks", "ranks", "world_size"),
+    "batch": ("batch", "batch_size"),
+    "max_new_tokens": ("max_new_tokens",),
+    "device": ("device",),
+}
+# --quick: seconds each child may run in `all` (unused time passes on to the next suite)
+QUICK_BUDGET_S: dict[str, float] = {
+    "transport": 60.0,
+    "weight-sync": 60.0,
+    "rollout": 80.0,
+    "learner": 80.0,
+    "e2e": 290.0,
+}
+DEFAULT_REPS = {True: 3, False: 5}
+
+
+class SuiteUnavailable(ValueError):
+    """The suite's module or its ``run`` cannot be used."""
+
+
+def size_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The size flags the user set (None / empty = the suite's own default)."""
+    flags = {name: getattr(args, name, None) for name in SIZE_PARAMETERS}
+    if flags.get("hidden") == []:
+        flags["hidden"] = None
+    if flags.get("device") == "cpu":
+        flags["device"] = None  # the parser default: let the suite pick
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+def bind_run_arguments(
+    run: Callable[..., Any], out_dir: Path, quick: bool, reps: int, flags: Mapping[str, Any]
+) -> tuple[dict[str, Any], list[str]]:
+    """Keyword arguments for ``run`` from the harness's values; also the flags it cannot take."""
+    try:
+        params = inspect.signature(run).parameters
+    except (TypeError, ValueError) as err:
+        raise SuiteUnavailable(f"cannot inspect run(): {err}") from err
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs: dict[str, Any] = {}
+    for name, aliases in (("out_dir", ("out_dir", "out")), ("quick", ("quick",))):
+        match = next((a for a in aliases if a in params), None)
+        if match is None and not takes_any:
+            raise SuiteUnavailable(f"run() takes no {name!r} parameter (has {list(params)})")
+        kwargs[match or name] = out_dir if name == "out_dir" else quick
+    if "reps" in params or takes_any:
+        kwargs["reps"] = reps
+    ignored: list[str] = []
+    for flag, value in flags.items():
+        match = next((a for a in SIZE_PARAMETERS[flag] if a in params), None)
+        if match is None and takes_any:
+            match = flag
+        if match is None:
+            ignored.append(flag)
+            continue
+        if flag == "hidden" and isinstance(value, list):
+            default = params[match].default if match in params else None
+            if isinstance(default, int) and not isinstance(default, bool):
+                if len(value) > 1:
+                    ignored.append(f"hidden[1:]={value[1:]}")
+                value = value[0]
+        kwargs[match] = value
+    missing = [
+        n
+        for n, p in params.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and n not in kwargs
+    ]
+    if missing:
+        raise SuiteUnavailable(f"run() requires parameters the harness does not know: {missing}")
+    return kwargs, ignored
+
+
+def _load_run(suite: str) -> Callable[..., Any]:
+    module_name = SUITE_MODULES[suite]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise SuiteUnavailable(f"cannot import {module_name}: {err}") from err
+    run = getattr(module, "run", None)
+    if not callable(run):
+        raise SuiteUnavailable(f"{module_name} has no run() function")
+    return run
+
+
+def _envelope(
+    suite: str,
+    returned: Any,
+    *,
+    config: dict[str, Any],
+    started_at: str,
+    wall_s: float,
+) -> dict[str, Any]:
+    """The suite's own dict inside the standard envelope (its own keys win, except status)."""
+    if not isinstance(returned, Mapping):
+        raise SuiteUnavailable(f"run() returned {type(returned).__name__}, expected a dict")
+    results = returned.get("results", {k: v for k, v in returned.items() if k != "summary"})
+    record = suite_record(
+        suite,
+        config={**config, **(returned.get("config") or {})},
+        results=results,
+        summary=returned.get("summary") or {},
+        sweep=returned.get("sweep"),
+        started_at=started_at,
+        wall_s=wall_s,
+    )
+    for key, value in returned.items():
+        if key not in record or key in ("machine",):
+            record[key] = value
+    if returned.get("status") == "error" or returned.get("error"):
+        record["status"] = "error"
+        record["error"] = str(returned.get("error") or "suite reported an error")
+    headlines = [key for key, _, _ in report.HEADLINES[suite]]
+    absent = [k for k in headlines if record["summary"].get(k) is None]
+    if absent and record["status"] == "ok":
+        record["missing_headlines"] = absent
+    return record
+
+
+def run_suite(
+    suite: str, out_dir: Path, *, quick: bool, reps: int, flags: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Run one suite here and write ``DIR/<suite>.json``; a failure becomes an error record."""
+    started_at = now_iso()
+    t0 = time.monotonic()
+    config: dict[str, Any] = {"quick": quick, "reps": reps, "flags": dict(flags)}
+    progress = Progress(suite)
+    progress.note(f"starting (quick={quick}, reps={reps}, flags={dict(flags)})")
+    try:
+        run = _load_run(suite)
+        kwargs, ignored = bind_run_arguments(run, out_dir, quick, reps, flags)
+        config["ignored_flags"] = ignored
+        if ignored:
+            progress.note(f"flags this suite does not take: {ignored}")
+        returned = run(**kwargs)
+        record = _envelope(
+            suite, returned, config=config, started_at=started_at, wall_s=time.monotonic() - t0
+        )
+    except SuiteUnavailable as err:
+        log.error("bench %s unavailable: %s", suite, err)
+        record = suite_record(
+            suite,
+            config=config,
+            error=f"suite unavailable: {err}",
+            started_at=started_at,
+            wall_s=time.monotonic() - t0,
+        )
+    except Exception as err:  # service boundary: one suite's failure must not lose the others
+        log.exception("bench %s failed", suite)
+        record = suite_record(
+            suite,
+            config=config,
+            error=f"suite failed: {type(err).__name__}: {err}",
+            started_at=started_at,
+            wall_s=time.monotonic() - t0,
+        )
+    path = write_json(suite_json_path(out_dir, suite), record)
+    progress.note(f"{record['status']} in {time.monotonic() - t0:.1f}s -> {path}")
+    return record
+
+
+def _child_command(suite: str, args: argparse.Namespace, reps: int) -> list[str]:
+    cmd = [sys.executable, "-m", "launcher.cli", "bench", suite, "--out", str(args.out)]
+    cmd += ["--reps", str(reps)]
+    if args.quick:
+        cmd.append("--quick")
+    if args.hidden:
+        cmd += ["--hidden", *[str(h) for h in args.hidden]]
+    for flag in ("layers", "engines", "learner_ranks", "batch", "max_new_tokens"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            cmd += [f"--{flag.replace('_', '-')}", str(value)]
+    cmd += ["--device", str(args.device or "cpu")]
+    return cmd
+
+
+def _end_process_group(proc: subprocess.Popen[bytes]) -> None:
+    """Stop the child we started (and what it started in its session), by its pid."""
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_suite_in_child(
+    suite: str, args: argparse.Namespace, reps: int, timeout_s: float | None
+) -> dict[str, Any]:
+    """Run one suite in a child process; its JSON (or an error record) is the result."""
+    out_dir = Path(args.out)
+    path = suite_json_path(out_dir, suite)
+    path.unlink(missing_ok=True)
+    started_at = now_iso()
+    t0 = time.monotonic()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.Popen(_child_command(suite, args, reps), env=env, start_new_session=True)
+    error = None
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        error = f"suite timed out after {timeout_s:.0f} s (the --quick deadline) and was stopped"
+        _end_process_group(proc)
+    except KeyboardInterrupt:
+        _end_process_group(proc)
+        raise
+    if error is None and path.is_file():
+        return read_json(path)
+    if error is None:
+        error = f"suite process exited with status {proc.returncode} without writing {path.name}"
+    log.error("bench %s: %s", suite, error)
+    record = suite_record(
+        suite,
+        config={"quick": bool(args.quick), "reps": reps},
+        error=error,
+        started_at=started_at,
+        wall_s=time.monotonic() - t0,
+    )
+    write_json(path, record)
+    return record
+
+
+def main(args: argparse.Namespace) -> int:
+    """Handler of ``fleetrl bench``."""
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    quick = bool(args.quick)
+    reps = args.reps if args.reps is not None else DEFAULT_REPS[quick]
+    if reps < 1:
+        from launcher.cli import UsageError
+
+        raise UsageError(f"--reps must be >= 1, got {reps}")
+    suites = list(SUITE_MODULES) if args.suite == "all" else [args.suite]
+    records: dict[str, dict[str, Any]] = {}
+    t0 = time.monotonic()
+    if args.suite == "all":
+        slack = 0.0
+        for index, suite in enumerate(suites):
+            log.info("[bench all] suite %d/%d: %s", index + 1, len(suites), suite)
+            timeout = QUICK_BUDGET_S[suite] + slack if quick else None
+            started = time.monotonic()
+            records[suite] = run_suite_in_child(suite, args, reps, timeout)
+            if timeout is not None:
+                slack = max(0.0, timeout - (time.monotonic() - started))
+    else:
+        records[args.suite] = run_suite(
+            args.suite, out_dir, quick=quick, reps=reps, flags=size_flags(args)
+        )
+    written = report.write_report(out_dir)
+    failed = [s for s, r in records.items() if r.get("status") != "ok"]
+    rows = [r for r in report.headline_rows(report.load_records(out_dir)) if r["suite"] in suites]
+    for row in rows:
+        value = report.fmt(row["value"])
+        note = "" if row["status"] == "ok" else f"  ({row['status']})"
+        print(f"{row['suite']:>11} {row['ratio']:<18} {value}{note}")
+    print(
+        f"bench: {len(suites) - len(failed)}/{len(suites)} suites ok in {time.monotonic() - t0:.0f}s;"
+        f" table {written['report.md']}"
+    )
+    return 1 if failed else 0

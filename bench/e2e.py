@@ -1,0 +1,475 @@
+"""End-to-end suite: the real training loop at staleness bound η = 1, 2, 4 against η = 0.
+
+Every run is ``launcher.train.run`` on the same base config (``configs/demo_cpu.yaml``),
+the same resources (engines, learner ranks, concurrency cap) and the same data;
+only ``buffer.max_staleness`` changes, so η = 0 is the synchronous trainer (the
+pattern of verl's default trainer) on exactly the code path of the async runs.
+At the largest η a second run swaps the decoupled correction for the bypass
+loss, so the score the correction buys is visible beside it.
+
+Long-tailed response lengths (what makes a synchronous trainer wait on
+stragglers): the train prompts carry ``extra_info.max_new_tokens``, drawn from
+a lognormal and capped at ``rollout.max_new_tokens``, with
+``extra_info.ignore_eos = true`` so each sample generates its whole budget (the
+"response budget" workload of serving benchmarks). A rollout worker that
+honours these fields scores the text up to the first stop token; one that does
+not generates ordinary (short) answers. The measured mean response length is
+recorded beside the requested one (``long_tail.honoured``), so the record says
+which case was measured. Validation prompts carry no budget.
+
+Figures per run, from its ``metrics.jsonl``: samples/s = trajectories trained
+per second of wall time after ``warmup_steps`` (validation time excluded when
+the run reports it), the validation score curve against wall time, trainer and
+rollout idle fractions, the largest staleness seen. Headline: ``async_vs_sync``
+= samples/s at the best η among 1, 2, 4 ÷ samples/s at η = 0.
+
+Left out: repetitions under ``--quick`` (each repetition is a whole training
+run; one per η), and any claim about final accuracy beyond the scores measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import Progress, median, ratio, suite_json_path, suite_record, write_json
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+
+SUITE = "e2e"
+ETAS: tuple[int, ...] = (0, 1, 2, 4)
+DEFAULT_BASE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo_cpu.yaml"
+# metrics.jsonl keys (the launcher's contract), with the alternatives accepted for each
+ELAPSED_KEYS = ("time/elapsed_s", "timing_s/elapsed", "elapsed_s", "wall_s")
+STEP_TIME_KEYS = ("timing_s/step",)
+VALIDATION_TIME_KEYS = ("timing_s/validate", "timing_s/val", "timing_s/validation")
+SAMPLES_KEYS = ("batch/samples", "samples", "train/samples", "perf/samples")
+SCORE_KEYS = ("val/score/mean",)
+RESPONSE_LENGTH_KEYS = (
+    "response_length/mean",
+    "response/length_mean",
+    "batch/response_length_mean",
+)
+TrainFn = Callable[..., dict[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class E2ESizes:
+    """What one e2e run trains on; every run of a suite shares it."""
+
+    total_steps: int
+    warmup_steps: int
+    test_freq: int
+    train_batch_size: int  # prompts (groups) per learner step
+    group_size: int  # rollout.n
+    max_new_tokens: int  # cap of the long-tailed budgets
+    budget_median: float  # median of the lognormal budget
+    budget_sigma: float  # its log-space standard deviation
+    train_size: int
+    val_size: int
+    hidden: int
+    layers: int
+    engines: int
+    learner_ranks: int
+    device: str
+    task: str = "add"
+    seed: int = 0
+
+
+QUICK_SIZES = E2ESizes(
+    total_steps=16,
+    warmup_steps=3,
+    test_freq=8,
+    train_batch_size=4,
+    group_size=4,
+    max_new_tokens=32,
+    budget_median=4.0,
+    budget_sigma=1.0,
+    train_size=400,
+    val_size=20,
+    hidden=64,
+    layers=2,
+    engines=1,
+    learner_ranks=1,
+    device="cpu",
+)
+FULL_SIZES = dataclasses.replace(
+    QUICK_SIZES,
+    total_steps=60,
+    warmup_steps=5,
+    test_freq=10,
+    train_batch_size=8,
+    group_size=8,
+    max_new_tokens=96,
+    budget_median=8.0,
+    train_size=2000,
+    val_size=100,
+)
+
+
+def sizes_from_flags(
+    quick: bool,
+    *,
+    hidden: int | Sequence[int] | None = None,
+    layers: int | None = None,
+    engines: int | None = None,
+    learner_ranks: int | None = None,
+    batch: int | None = None,
+    max_new_tokens: int | None = None,
+    device: str | None = None,
+) -> E2ESizes:
+    """The quick or full sizes with the harness's size flags applied (first hidden size only)."""
+    sizes = QUICK_SIZES if quick else FULL_SIZES
+    if isinstance(hidden, Sequence):
+        hidden = hidden[0] if hidden else None
+    changes = {
+        "hidden": hidden,
+        "layers": layers,
+        "engines": engines,
+        "learner_ranks": learner_ranks,
+        "train_batch_size": batch,
+        "max_new_tokens": max_new_tokens,
+        "device": device,
+    }
+    sizes = dataclasses.replace(sizes, **{k: v for k, v in changes.items() if v is not None})
+    if sizes.max_new_tokens < 2:
+        raise ValueError(f"e2e: max_new_tokens must be >= 2, got {sizes.max_new_tokens}")
+    return sizes
+
+
+def long_tail_budgets(count: int, sizes: E2ESizes, seed: int) -> np.ndarray:
+    """Per-prompt response budgets: lognormal(log median, sigma), rounded, in [2, cap]."""
+    rng = np.random.default_rng([seed, 7])
+    draws = rng.lognormal(math.log(sizes.budget_median), sizes.budget_sigma, size=count)
+    return np.clip(np.rint(draws), 2, sizes.max_new_tokens).astype(np.int64)
+
+
+def write_long_tail_data(data_dir: Path, sizes: E2ESizes) -> tuple[Path, Path, dict[str, Any]]:
+    """Train Parquet with per-prompt budgets, validation Parquet without; plus budget stats."""
+    from fleetrl.data.schema import write_rows
+    from fleetrl.data.synth import get_task, make_rows
+
+    task = get_task(sizes.task)
+    train_rows = make_rows(task, "train", sizes.train_size, sizes.seed)
+    budgets = long_tail_budgets(len(train_rows), sizes, sizes.seed)
+    for row, budget in zip(train_rows, budgets, strict=True):
+        row["extra_info"] = {**row["extra_info"], "max_new_tokens": int(budget), "ignore_eos": True}
+    train = write_rows(train_rows, data_dir / "train.parquet")
+    val = write_rows(make_rows(task, "test", sizes.val_size, sizes.seed), data_dir / "val.parquet")
+    stats = {
+        "distribution": f"lognormal(median={sizes.budget_median}, sigma={sizes.budget_sigma}),"
+        f" clipped to [2, {sizes.max_new_tokens}]",
+        "mean": float(budgets.mean()),
+        "p50": float(np.percentile(budgets, 50)),
+        "p90": float(np.percentile(budgets, 90)),
+        "p99": float(np.percentile(budgets, 99)),
+        "max": int(budgets.max()),
+    }
+    return train, val, stats
+
+
+def run_overrides(
+    sizes: E2ESizes,
+    *,
+    eta: int,
+    correction: str,
+    run_dir: Path,
+    model_dir: Path,
+    train_file: Path,
+    val_file: Path,
+    max_eta: int,
+) -> list[str]:
+    """Dotted overrides on the base config for one run (only ``eta`` and ``correction`` vary)."""
+    return [
+        f"trainer.output_dir={run_dir}",
+        f"trainer.total_steps={sizes.total_steps}",
+        f"trainer.test_freq={sizes.test_freq}",
+        "trainer.save_freq=-1",
+        "trainer.resume=disable",
+        f"trainer.device={sizes.device}",
+        f"trainer.seed={sizes.seed}",
+        f"model.path={model_dir}",
+        "model.create_tiny=true",
+        f"model.tiny.hidden={sizes.hidden}",
+        f"model.tiny.layers={sizes.layers}",
+        f"data.train_files=[{train_file}]",
+        f"data.val_files=[{val_file}]",
+        "data.synth_task=''",
+        f"data.train_batch_size={sizes.train_batch_size}",
+        f"rollout.n={sizes.group_size}",
+        f"rollout.max_new_tokens={sizes.max_new_tokens}",
+        f"rollout.num_engines={sizes.engines}",
+        # the same concurrency cap for every η: what the largest bound can use
+        f"rollout.max_concurrent_groups={(max_eta + 1) * sizes.train_batch_size}",
+        f"learner.num_ranks={sizes.learner_ranks}",
+        f"learner.correction.mode={correction}",
+        f"buffer.max_staleness={eta}",
+        f"buffer.bank_dir={run_dir / 'rollout_bank'}",
+        "logging.wandb=false",
+    ]
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a metrics.jsonl (a torn last line from a killed run is skipped)."""
+    rows = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("%s:%d is not JSON; skipped", path, number)
+    return rows
+
+
+def _first(row: dict[str, Any], keys: Sequence[str]) -> float | None:
+    for key in keys:
+        value = row.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    return None
+
+
+def analyse_run(
+    rows: list[dict[str, Any]], *, samples_per_step: int, warmup_steps: int
+) -> dict[str, Any]:
+    """Throughput, score curve, idle fractions and staleness of one run's metrics rows.
+
+    Wall time at each row is the run's own elapsed clock when it logs one, else the
+    running sum of ``timing_s/step``. Training rows after the first ``warmup_steps``
+    are measured. When the run times its validations, samples/s is their samples
+    over the window's wall time less validation time ("window"); otherwise steps
+    that validated, and the last step (final validation and checkpoint), are left
+    out of both sums ("steps"). Trainer idle is the share of measured step time
+    spent waiting for a batch (``timing_s/gen``); rollout idle is the run's
+    cumulative figure at the last measured step.
+    """
+    clock, elapsed = 0.0, []
+    for row in rows:
+        logged = _first(row, ELAPSED_KEYS)
+        clock = logged if logged is not None else clock + (_first(row, STEP_TIME_KEYS) or 0.0)
+        elapsed.append(clock)
+    train_index = [i for i, r in enumerate(rows) if _first(r, STEP_TIME_KEYS) is not None]
+    measured_index = train_index[warmup_steps:]
+    measured = [rows[i] for i in measured_index]
+    timed_validation = any(_first(r, VALIDATION_TIME_KEYS) is not None for r in rows)
+    samples_per_s, method = None, "window" if timed_validation else "steps"
+    if measured and timed_validation:
+        start = elapsed[train_index[warmup_steps - 1]] if warmup_steps else 0.0
+        validation_s = sum(_first(r, VALIDATION_TIME_KEYS) or 0.0 for r in measured)
+        samples = sum(_first(r, SAMPLES_KEYS) or samples_per_step for r in measured)
+        samples_per_s = ratio(samples, elapsed[measured_index[-1]] - start - validation_s)
+    elif measured:
+        plain = [r for r in measured[:-1] if _first(r, SCORE_KEYS) is None]
+        samples = sum(_first(r, SAMPLES_KEYS) or samples_per_step for r in plain)
+        samples_per_s = ratio(samples, sum(_first(r, STEP_TIME_KEYS) or 0.0 for r in plain))
+    curve = [
+        [elapsed[i], _first(row, SCORE_KEYS)]
+        for i, row in enumerate(rows)
+        if _first(row, SCORE_KEYS) is not None
+    ]
+    scores = [s for _, s in curve]
+    step_s = sum(_first(r, STEP_TIME_KEYS) or 0.0 for r in measured)
+    waited_s = sum(_first(r, ("timing_s/gen",)) or 0.0 for r in measured)
+    has_wait = any(_first(r, ("timing_s/gen",)) is not None for r in measured)
+    staleness = [s for r in rows if (s := _first(r, ("staleness/max",))) is not None]
+    lengths = [m for r in measured if (m := _first(r, RESPONSE_LENGTH_KEYS)) is not None]
+    last = measured[-1] if measured else {}
+    return {
+        "steps": len(train_index),
+        "measured_steps": len(measured),
+        "throughput_method": method,
+        "samples_per_s": samples_per_s,
+        "curve": curve,
+        "final_val_score": scores[-1] if scores else None,
+        "best_val_score": max(scores) if scores else None,
+        "trainer_idle_fraction": ratio(waited_s, step_s)
+        if has_wait
+        else _first(last, ("trainer/idle_fraction",)),
+        "rollout_idle_fraction": _first(last, ("rollout/idle_fraction",)),
+        "staleness_max": max(staleness, default=None),
+        "response_length_mean": sum(lengths) / len(lengths) if lengths else None,
+        "wall_s": elapsed[-1] if elapsed else None,
+    }
+
+
+def summarise(runs: list[dict[str, Any]], etas: Sequence[int]) -> dict[str, Any]:
+    """Headline ratio, best η, and per-η score / idle fractions (medians over repetitions)."""
+    summary: dict[str, Any] = {}
+    per_eta: dict[int, dict[str, float | None]] = {}
+    for eta in etas:
+        mine = [r for r in runs if r["eta"] == eta and r["correction"] == "decoupled"]
+        per_eta[eta] = {
+            key: median([r[key] for r in mine if r.get(key) is not None])
+            if any(r.get(key) is not None for r in mine)
+            else None
+            for key in (
+                "samples_per_s",
+                "final_val_score",
+                "trainer_idle_fraction",
+                "rollout_idle_fraction",
+            )
+        }
+    sync = per_eta.get(0, {}).get("samples_per_s")
+    async_rates = {
+        eta: f["samples_per_s"]
+        for eta, f in per_eta.items()
+        if eta > 0 and f["samples_per_s"] is not None
+    }
+    best_eta = max(async_rates, key=async_rates.__getitem__) if async_rates else None
+    summary["async_vs_sync"] = ratio(async_rates.get(best_eta), sync) if best_eta else None
+    summary["best_eta"] = best_eta
+    for eta, figures in per_eta.items():
+        summary[f"samples_per_s_eta{eta}"] = figures["samples_per_s"]
+        summary[f"val_score_eta{eta}"] = figures["final_val_score"]
+        summary[f"trainer_idle_eta{eta}"] = figures["trainer_idle_fraction"]
+        summary[f"rollout_idle_eta{eta}"] = figures["rollout_idle_fraction"]
+    bypass = [
+        r for r in runs if r["correction"] == "bypass" and r.get("final_val_score") is not None
+    ]
+    if bypass:
+        top = bypass[0]["eta"]
+        summary[f"val_score_bypass_eta{top}"] = median([r["final_val_score"] for r in bypass])
+        decoupled = per_eta.get(top, {}).get("final_val_score")
+        bypass_score = summary[f"val_score_bypass_eta{top}"]
+        summary["correction_score_gain"] = (
+            decoupled - bypass_score if decoupled is not None else None
+        )
+    return summary
+
+
+def _default_train_fn() -> TrainFn:
+    from launcher.train import run as train_run  # the integrator's training loop
+
+    return train_run
+
+
+def run(
+    out_dir: str | Path,
+    quick: bool = False,
+    reps: int = 1,
+    *,
+    hidden: int | Sequence[int] | None = None,
+    layers: int | None = None,
+    engines: int | None = None,
+    learner_ranks: int | None = None,
+    batch: int | None = None,
+    max_new_tokens: int | None = None,
+    device: str | None = None,
+    etas: Sequence[int] = ETAS,
+    base_config: str | Path | None = None,
+    train_fn: TrainFn | None = None,
+    sizes: E2ESizes | None = None,
+) -> dict[str, Any]:
+    """Train once per η (and once with the bypass loss at the largest η); write ``e2e.json``."""
+    from launcher.config import load_run_config
+
+    if 0 not in etas or len(etas) < 2:
+        raise ValueError(f"e2e: etas must include 0 and at least one async bound, got {list(etas)}")
+    started = time.monotonic()
+    sizes = sizes or sizes_from_flags(
+        quick,
+        hidden=hidden,
+        layers=layers,
+        engines=engines,
+        learner_ranks=learner_ranks,
+        batch=batch,
+        max_new_tokens=max_new_tokens,
+        device=device,
+    )
+    base = Path(base_config) if base_config is not None else DEFAULT_BASE_CONFIG
+    train = train_fn or _default_train_fn()
+    work = Path(out_dir) / "e2e"
+    train_file, val_file, budget_stats = write_long_tail_data(work / "data", sizes)
+    model_dir = work / f"model-h{sizes.hidden}-l{sizes.layers}"
+    max_eta = max(etas)
+    reps = 1 if quick else max(1, reps)
+    plan = [(eta, "decoupled") for eta in etas] + [(max_eta, "bypass")]
+    progress = Progress(SUITE, total=len(plan) * reps)
+    runs: list[dict[str, Any]] = []
+    for rep in range(reps):
+        order = plan if rep % 2 == 0 else list(reversed(plan))
+        for eta, correction in order:
+            label = f"η={eta}" + (" bypass" if correction == "bypass" else "")
+            run_dir = work / "runs" / f"rep{rep}-eta{eta}-{correction}"
+            overrides = run_overrides(
+                sizes,
+                eta=eta,
+                correction=correction,
+                run_dir=run_dir,
+                model_dir=model_dir,
+                train_file=train_file,
+                val_file=val_file,
+                max_eta=max_eta,
+            )
+            cfg = load_run_config(base if base.is_file() else None, overrides)
+            progress.note(f"training {label} (rep {rep + 1}/{reps}) -> {run_dir}")
+            result = train(cfg)
+            rows = read_metrics(result["metrics_path"])
+            figures = analyse_run(
+                rows,
+                samples_per_step=sizes.train_batch_size * sizes.group_size,
+                warmup_steps=sizes.warmup_steps,
+            )
+            runs.append(
+                {
+                    "label": label,
+                    "eta": eta,
+                    "correction": correction,
+                    "rep": rep,
+                    "run_dir": str(result.get("run_dir", run_dir)),
+                    "train_summary": {
+                        k: v for k, v in result.items() if isinstance(v, int | float | str)
+                    },
+                    **figures,
+                }
+            )
+            progress.step(
+                f"{label}: {figures['samples_per_s'] or float('nan'):.3g} samples/s,"
+                f" val score {figures['final_val_score']}, trainer idle"
+                f" {figures['trainer_idle_fraction']}, rollout idle {figures['rollout_idle_fraction']}"
+            )
+    summary = summarise(runs, etas)
+    lengths = [r["response_length_mean"] for r in runs if r["response_length_mean"] is not None]
+    measured_length = median(lengths) if lengths else None
+    long_tail = {
+        "requested_budget": budget_stats,
+        "measured_response_length_mean": measured_length,
+        # the worker honours the budgets when responses are about as long as requested
+        "honoured": None
+        if measured_length is None
+        else bool(measured_length >= 0.5 * budget_stats["mean"]),
+    }
+    summary["long_tail_honoured"] = long_tail["honoured"]
+    sweep_rows = [
+        {"x": eta, "series": {"samples/s (decoupled)": summary[f"samples_per_s_eta{eta}"]}}
+        for eta in etas
+    ]
+    config = {
+        "base_config": str(base),
+        "etas": list(etas),
+        "reps": reps,
+        "sizes": dataclasses.asdict(sizes),
+    }
+    results = {"runs": runs, "long_tail": long_tail}
+    sweep = {"x": "max_staleness η", "unit": "samples/s", "rows": sweep_rows}
+    write_json(
+        suite_json_path(out_dir, SUITE),
+        suite_record(
+            SUITE,
+            config=config,
+            results=results,
+            summary=summary,
+            sweep=sweep,
+            wall_s=time.monotonic() - started,
+        ),
+    )
+    return {"config": config, "results": results, "summary": summary, "sweep": sweep}

@@ -1,0 +1,344 @@
+"""Markdown table and PNG plots from the suite records in a bench output folder.
+
+``write_report(out_dir)`` reads every ``DIR/<suite>.json`` there and writes:
+
+- ``report.md``: the machine, then one row per headline ratio (ours ÷ the
+  baseline a peer system uses), a failed or missing suite shown as its error
+  (``suite unavailable: ...``), then each suite's other summary figures and,
+  for e2e, one row per run (η, correction, samples/s, score, idle fractions).
+- ``summary.png``: every headline ratio as a bar (1.0 = parity with the baseline).
+- ``<suite>_throughput.png``: throughput against size for each suite that sweeps
+  sizes (the record's ``sweep``, see ``bench.common``).
+- ``e2e_score.png``: validation score against wall time, one line per η (and the
+  bypass-loss run beside the decoupled correction at the largest η).
+
+Plots use matplotlib's Agg backend (no display). Left out: comparisons across
+output folders (each folder is one run on one machine; compare JSONs yourself).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from bench.common import read_json, suite_json_path
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+
+# suite -> [(summary key, what the ratio compares, the baseline's pattern and who uses it)]
+HEADLINES: dict[str, list[tuple[str, str, str]]] = {
+    "transport": [
+        (
+            "vs_ray_queue",
+            "ZMQ+msgspec trajectories/s ÷ Ray actor queue of cloudpickled samples",
+            "verl fully-async MessageQueue, OpenRLHF async queue",
+        ),
+        (
+            "vs_raw_zmq",
+            "ZMQ+msgspec trajectories/s ÷ raw ZMQ bytes of the same payload",
+            "transport limit (serialisation overhead)",
+        ),
+    ],
+    "weight-sync": [
+        (
+            "vs_raw_broadcast",
+            "bucketed GB/s ÷ one raw broadcast of the same bytes",
+            "transport limit",
+        ),
+        (
+            "vs_per_param",
+            "bucketed GB/s ÷ one broadcast per parameter",
+            "OpenRLHF, PipelineRL",
+        ),
+    ],
+    "rollout": [
+        (
+            "vs_hf_generate",
+            "embedded engine tokens/s ÷ transformers generate (same batch and lengths)",
+            "naive rollout",
+        ),
+    ],
+    "learner": [
+        (
+            "packed_vs_padded",
+            "packed tokens/s ÷ padded micro-batches",
+            "no packing",
+        ),
+    ],
+    "e2e": [
+        (
+            "async_vs_sync",
+            "samples/s at the best η in {1, 2, 4} ÷ η = 0 (long-tailed lengths)",
+            "synchronous trainer (verl default)",
+        ),
+    ],
+}
+SUITES: tuple[str, ...] = tuple(HEADLINES)
+
+
+def load_records(out_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """Every suite record present in ``out_dir`` (an unreadable file becomes an error record)."""
+    records: dict[str, dict[str, Any]] = {}
+    for suite in SUITES:
+        path = suite_json_path(out_dir, suite)
+        if not path.is_file():
+            continue
+        try:
+            records[suite] = read_json(path)
+        except (OSError, ValueError) as err:
+            records[suite] = {
+                "suite": suite,
+                "status": "error",
+                "error": f"unreadable {path}: {err}",
+            }
+    return records
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return "—"
+        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+            return f"{value:.{digits}g}"
+        return f"{value:.{digits}g}" if abs(value) >= 100 else f"{value:.{digits}f}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _machine_lines(records: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    machine = next((r["machine"] for r in records.values() if r.get("machine")), None)
+    if not machine:
+        return ["Machine: unknown (no suite recorded it)."]
+    versions = machine.get("versions") or {}
+    shown = ", ".join(f"{k} {v}" for k, v in versions.items() if v)
+    accel = ", ".join(machine.get("accelerators") or []) or "none"
+    return [
+        f"Machine: {machine.get('cpu_model')} — {machine.get('cpu_cores_usable')} usable cores"
+        f" of {machine.get('cpu_cores')}, {machine.get('memory_gib')} GiB, accelerators: {accel},"
+        f" load {machine.get('load_average_1m')} at start.",
+        f"Commit {machine.get('git_commit')}; {shown}.",
+    ]
+
+
+def headline_rows(records: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (suite, headline ratio); a missing or failed suite gives rows with its error."""
+    rows = []
+    for suite, headlines in HEADLINES.items():
+        record = records.get(suite)
+        for key, meaning, baseline in headlines:
+            row: dict[str, Any] = {
+                "suite": suite,
+                "ratio": key,
+                "meaning": meaning,
+                "baseline": baseline,
+                "value": None,
+                "status": "not run",
+            }
+            if record is not None:
+                ok = record.get("status", "ok") == "ok"
+                row["value"] = (record.get("summary") or {}).get(key)
+                row["status"] = "ok" if ok else str(record.get("error") or "error")
+                if ok and row["value"] is None:
+                    row["status"] = "ratio missing from the suite's summary"
+            rows.append(row)
+    return rows
+
+
+def _e2e_lines(record: Mapping[str, Any]) -> list[str]:
+    runs = (record.get("results") or {}).get("runs") or []
+    if not runs:
+        return []
+    lines = [
+        "",
+        "| run | η | correction | samples/s | final val score | best val score | trainer idle | rollout idle | staleness max | mean response tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        lines.append(
+            "| "
+            + " | ".join(
+                fmt(run.get(k))
+                for k in (
+                    "label",
+                    "eta",
+                    "correction",
+                    "samples_per_s",
+                    "final_val_score",
+                    "best_val_score",
+                    "trainer_idle_fraction",
+                    "rollout_idle_fraction",
+                    "staleness_max",
+                    "response_length_mean",
+                )
+            )
+            + " |"
+        )
+    return lines
+
+
+def markdown(records: Mapping[str, Mapping[str, Any]]) -> str:
+    """The report: machine, headline ratios, then each suite's other summary figures."""
+    lines = ["# fleetrl bench", "", *_machine_lines(records), ""]
+    lines += [
+        "Each ratio is ours ÷ the baseline, measured side by side in the same run"
+        " (> 1 means fleetrl is faster).",
+        "",
+        "| suite | ratio | value | compares | baseline stands for | status |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in headline_rows(records):
+        status = row["status"] if row["status"] != "ok" else "ok"
+        lines.append(
+            f"| {row['suite']} | `{row['ratio']}` | {fmt(row['value'])} | {fmt(row['meaning'])}"
+            f" | {fmt(row['baseline'])} | {fmt(status)} |"
+        )
+    for suite in SUITES:
+        record = records.get(suite)
+        if record is None:
+            continue
+        headline_keys = {key for key, _, _ in HEADLINES[suite]}
+        extra = {k: v for k, v in (record.get("summary") or {}).items() if k not in headline_keys}
+        lines += ["", f"## {suite}", ""]
+        if record.get("status", "ok") != "ok":
+            lines.append(f"Error: {fmt(record.get('error'))}")
+            continue
+        wall = record.get("wall_s")
+        lines.append(f"Wall time {fmt(wall)} s; config: `{fmt(record.get('config'))}`")
+        if extra:
+            lines += ["", "| figure | value |", "|---|---|"]
+            lines += [f"| {k} | {fmt(v)} |" for k, v in extra.items()]
+        if suite == "e2e":
+            lines += _e2e_lines(record)
+    return "\n".join(lines) + "\n"
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_summary(records: Mapping[str, Mapping[str, Any]], path: Path) -> Path:
+    """Bar per headline ratio; missing ones drawn as an empty slot labelled n/a."""
+    plt = _pyplot()
+    rows = headline_rows(records)
+    labels = [f"{r['suite']}\n{r['ratio']}" for r in rows]
+    values = [r["value"] if isinstance(r["value"], int | float) else 0.0 for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows)), 4.0))
+    bars = ax.bar(range(len(rows)), values, color="tab:blue")
+    for bar, row in zip(bars, rows, strict=True):
+        text = fmt(row["value"], 2) if row["status"] == "ok" else "n/a"
+        ax.annotate(
+            text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom"
+        )
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("ours ÷ baseline")
+    ax.set_title("fleetrl bench: headline ratios (1.0 = parity)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(suite: str, sweep: Mapping[str, Any], path: Path) -> Path | None:
+    """Throughput against size, one line per series (log x when sizes span > 10x)."""
+    rows = [r for r in sweep.get("rows") or [] if isinstance(r.get("series"), Mapping)]
+    if not rows:
+        return None
+    plt = _pyplot()
+    series_names: list[str] = []
+    for row in rows:
+        series_names += [n for n in row["series"] if n not in series_names]
+    xs = [row["x"] for row in rows]
+    numeric_x = all(isinstance(x, int | float) for x in xs)
+    positions = xs if numeric_x else list(range(len(xs)))
+    fig, ax = plt.subplots(figsize=(6.0, 4.0))
+    for name in series_names:
+        points = [
+            (p, row["series"][name])
+            for p, row in zip(positions, rows, strict=True)
+            if isinstance(row["series"].get(name), int | float)
+        ]
+        if points:
+            ax.plot([p for p, _ in points], [v for _, v in points], marker="o", label=name)
+    if numeric_x and min(xs) > 0 and max(xs) / min(xs) > 10:
+        ax.set_xscale("log")
+    if not numeric_x:
+        ax.set_xticks(positions, [str(x) for x in xs])
+    ax.set_xlabel(str(sweep.get("x", "size")))
+    ax.set_ylabel(str(sweep.get("unit", "throughput")))
+    ax.set_title(f"{suite}: throughput vs size")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_e2e_scores(record: Mapping[str, Any], path: Path) -> Path | None:
+    """Validation score against wall time since the run started, one line per run."""
+    runs = [r for r in (record.get("results") or {}).get("runs") or [] if r.get("curve")]
+    if not runs:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    for run in runs:
+        curve = [(t, s) for t, s in run["curve"] if t is not None and s is not None]
+        if not curve:
+            continue
+        style = "--" if run.get("correction") == "bypass" else "-"
+        ax.plot(
+            [t for t, _ in curve],
+            [s for _, s in curve],
+            style,
+            marker="o",
+            markersize=3,
+            label=str(run.get("label")),
+        )
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("validation score")
+    ax.set_title("e2e: validation score vs wall time per η")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(out_dir: str | Path) -> dict[str, Path]:
+    """Write report.md and every plot the records allow; returns {name: path}."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    records = load_records(out)
+    written: dict[str, Path] = {}
+    table = out / "report.md"
+    table.write_text(markdown(records))
+    written["report.md"] = table
+    written["summary.png"] = plot_summary(records, out / "summary.png")
+    for suite, record in records.items():
+        sweep = record.get("sweep")
+        if record.get("status", "ok") == "ok" and isinstance(sweep, Mapping):
+            path = plot_sweep(suite, sweep, out / f"{suite}_throughput.png")
+            if path is not None:
+                written[path.name] = path
+    e2e = records.get("e2e")
+    if e2e is not None and e2e.get("status", "ok") == "ok":
+        path = plot_e2e_scores(e2e, out / "e2e_score.png")
+        if path is not None:
+            written[path.name] = path
+    log.info("bench report: %s", ", ".join(str(p) for p in written.values()))
+    return written
