@@ -120,8 +120,10 @@ class EngineActor:
     def ping(self) -> dict[str, Any]:
         """Liveness of the actor process (the fleet checks the engine's HTTP health apart)."""
         alive = self._url != ""
-        if self.spec.backend == "sglang" and self._engine is not None:
+        if self._engine is not None and self.spec.backend == "sglang":
             alive = alive and self._engine.alive()
+        elif self._engine is not None:
+            alive = alive and self._engine.scheduler.alive
         return {"name": self.spec.name, "pid": os.getpid(), "url": self._url, "alive": alive}
 
     def stop(self) -> None:

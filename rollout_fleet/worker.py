@@ -205,8 +205,9 @@ class RolloutWorker:
                 capacity = await self._capacity()
                 if budget is not None:
                     capacity = min(capacity, budget)
-                for _ in range(capacity):
-                    self._start_group(next(self._prompts), sampling)
+                if not self._start_groups(capacity, sampling):
+                    log.info("the prompt reader is exhausted: no more groups start")
+                    break
                 await self._sleep_until_woken(self.config.admission_poll_interval_s)
             if self._fatal is not None:
                 await self._drain(0.0)
@@ -332,6 +333,15 @@ class RolloutWorker:
         self._wake.clear()
 
     # ---- groups ---------------------------------------------------------------------------
+
+    def _start_groups(self, count: int, sampling: dict[str, Any]) -> bool:
+        """Start ``count`` groups; False when the reader ran out of prompts."""
+        for _ in range(count):
+            prompt = next(self._prompts, None)
+            if prompt is None:
+                return False
+            self._start_group(prompt, sampling)
+        return True
 
     def _start_group(self, prompt: PromptItem, sampling: dict[str, Any]) -> None:
         group_id = f"p{prompt.index}"

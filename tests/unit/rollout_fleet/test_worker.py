@@ -295,3 +295,10 @@ def test_a_crashing_group_stops_the_worker_loudly():
     worker._reward = Broken()
     with pytest.raises(RuntimeError, match="rollout group crashed"):
         asyncio.run(worker.run(num_groups=3))
+
+
+def test_an_exhausted_reader_ends_the_run_after_its_groups_finish():
+    worker, _, sender = make_worker([FakeEngine("a")], n=2, prompts=[prompt(0), prompt(1)])
+    asyncio.run(worker.run())
+    assert len(sender.trajectories) == 4
+    check_groups_whole(sender.trajectories, 2)
