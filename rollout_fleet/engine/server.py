@@ -31,6 +31,7 @@ import asyncio
 import hmac
 import ipaddress
 import os
+import signal
 import sys
 import threading
 import time
@@ -560,13 +561,17 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
     async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
         await engine.serve(args.host, args.port)
-        await asyncio.Event().wait()
+        await stop.wait()
+        log.info("%s: shutting down", engine.engine_id)
+        await engine.shutdown()
 
     try:
         asyncio.run(run())
-    except KeyboardInterrupt:
-        pass
     except OSError as err:
         log.error("engine: cannot serve on %s:%s: %s", args.host, args.port, err)
         return 2
