@@ -1,4 +1,9 @@
-"""Learner section of the run config: group, optimizer, algorithm, corrections, batching."""
+"""Learner section of the run config: group, optimizer, algorithm, corrections, batching.
+
+Defaults follow verl (``ppo_trainer.yaml``) unless a field says otherwise. Every
+batch-size knob is in sequences or prompt groups and is *global* unless it says
+"per rank"; token budgets are per rank.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,22 @@ from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
+
+AdvEstimator = Literal["grpo", "drgrpo", "gae", "rloo", "reinforce_pp"]
+CorrectionMode = Literal[
+    "bypass",
+    "decoupled",
+    "token_tis",
+    "token_mis",
+    "seq_tis",
+    "seq_tis_geo",
+    "seq_mis",
+    "seq_mis_geo",
+]
+KLKind = Literal["k1", "k2", "k3", "low_var_kl", "kl", "abs", "mse"]
+LossAggMode = Literal[
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
 
 
 class OptimConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -20,7 +41,114 @@ class OptimConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     min_lr_ratio: Annotated[
         float, Meta(ge=0, le=1, description="Cosine floor as a fraction of lr.")
     ] = 0.0
+    total_steps: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Steps the cosine schedule spans (0 = the launcher's trainer.total_steps).",
+        ),
+    ] = 0
     grad_clip: Annotated[float, Meta(gt=0, description="Max global gradient norm.")] = 1.0
+
+
+class AlgorithmConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    adv_estimator: Annotated[
+        AdvEstimator,
+        Meta(
+            description="Advantage estimator: grpo, drgrpo (GRPO without std division), gae (needs the critic), rloo, reinforce_pp."
+        ),
+    ] = "grpo"
+    norm_by_std: Annotated[
+        bool, Meta(description="GRPO: divide group-centred scores by the group std.")
+    ] = True
+    gamma: Annotated[float, Meta(ge=0, le=1, description="Discount (GAE, REINFORCE++).")] = 1.0
+    lam: Annotated[float, Meta(ge=0, le=1, description="GAE lambda.")] = 1.0
+    whiten_advantages: Annotated[
+        bool, Meta(description="GAE: whiten advantages over the global batch.")
+    ] = True
+
+
+class PolicyLossConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    clip_ratio_low: Annotated[float, Meta(ge=0, description="PPO clip ε_low.")] = 0.2
+    clip_ratio_high: Annotated[float, Meta(ge=0, description="PPO clip ε_high.")] = 0.2
+    clip_ratio_c: Annotated[
+        float, Meta(gt=1, description="Dual-clip bound c for negative advantages.")
+    ] = 3.0
+    loss_agg_mode: Annotated[
+        LossAggMode, Meta(description="How per-token losses reduce to a scalar (verl names).")
+    ] = "token-mean"
+    entropy_coeff: Annotated[
+        float, Meta(ge=0, description="Entropy bonus coefficient (0 = off).")
+    ] = 0.0
+
+
+class CorrectionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    mode: Annotated[
+        CorrectionMode,
+        Meta(
+            description="Off-policy correction: bypass (π_prox = behaviour logprobs, no recompute), decoupled PPO (AReaL), token/sequence truncated (tis) or masked (mis) importance sampling. All but bypass recompute π_prox."
+        ),
+    ] = "decoupled"
+    is_cap: Annotated[float, Meta(gt=0, description="TIS cap C on π_prox/π_behav.")] = 2.0
+    is_low: Annotated[float, Meta(ge=0, description="MIS: weights below this are masked.")] = 0.5
+    is_high: Annotated[float, Meta(gt=0, description="MIS: weights above this are masked.")] = 2.0
+    decoupled_cap: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="Decoupled: tokens with π_prox/π_behav above this get weight 0 (AReaL's behav_imp_weight_cap; 0 = no cap).",
+        ),
+    ] = 0.0
+
+
+class KLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    use_kl_in_reward: Annotated[
+        bool, Meta(description="Subtract β·KL(π_behav‖π_ref) from the token rewards.")
+    ] = False
+    kl_in_reward_kind: Annotated[KLKind, Meta(description="KL estimator used in the reward.")] = (
+        "k1"
+    )
+    kl_coef: Annotated[float, Meta(ge=0, description="Initial β of the in-reward KL.")] = 0.001
+    kl_ctrl: Annotated[
+        Literal["fixed", "adaptive"], Meta(description="In-reward KL controller.")
+    ] = "fixed"
+    target_kl: Annotated[float, Meta(gt=0, description="Adaptive controller target KL.")] = 0.1
+    horizon: Annotated[int, Meta(gt=0, description="Adaptive controller horizon.")] = 10000
+    use_kl_loss: Annotated[
+        bool, Meta(description="Add kl_loss_coef·KL(π_θ‖π_ref) to the policy loss.")
+    ] = False
+    kl_loss_coef: Annotated[float, Meta(ge=0, description="KL loss coefficient.")] = 0.001
+    kl_kind: Annotated[
+        KLKind, Meta(description="KL estimator of the KL loss (low_var_kl = clipped k3).")
+    ] = "low_var_kl"
+
+
+class CriticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    enabled: Annotated[
+        Literal["auto", "on", "off"],
+        Meta(description="auto: a critic is built exactly when adv_estimator is gae."),
+    ] = "auto"
+    optim: Annotated[OptimConfig, Meta(description="Critic optimizer.")] = msgspec.field(
+        default_factory=lambda: OptimConfig(lr=1e-5)
+    )
+    cliprange_value: Annotated[
+        float, Meta(gt=0, description="Value clipping range around the old values.")
+    ] = 0.5
+    loss_agg_mode: Annotated[LossAggMode, Meta(description="Value loss aggregation.")] = (
+        "token-mean"
+    )
+    value_head_init_std: Annotated[
+        float,
+        Meta(
+            ge=0, description="Std of the value head's normal init (0 = zeros: values start at 0)."
+        ),
+    ] = 0.0
+
+
+class ReferenceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    param_offload: Annotated[
+        bool, Meta(description="Keep the frozen reference's parameters on CPU (GPU runs).")
+    ] = False
 
 
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -34,3 +162,62 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cpus_per_rank: Annotated[float, Meta(ge=0, description="Ray CPUs per learner rank.")] = 1.0
     gpus_per_rank: Annotated[float, Meta(ge=0, description="Ray GPUs per learner rank.")] = 0.0
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+    algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    policy_loss: PolicyLossConfig = msgspec.field(default_factory=PolicyLossConfig)
+    correction: CorrectionConfig = msgspec.field(default_factory=CorrectionConfig)
+    kl: KLConfig = msgspec.field(default_factory=KLConfig)
+    critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
+    reference: ReferenceConfig = msgspec.field(default_factory=ReferenceConfig)
+    ppo_epochs: Annotated[int, Meta(ge=1, description="Passes over each batch.")] = 1
+    ppo_mini_batch_size: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Prompt groups per optimizer step (0 = the whole batch: one step per batch per epoch).",
+        ),
+    ] = 0
+    use_dynamic_bsz: Annotated[
+        bool,
+        Meta(description="Cut micro-batches by token budget (max_tokens_per_micro_batch)."),
+    ] = True
+    max_tokens_per_micro_batch: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Per-rank token budget of one micro-batch (padded tokens when packing is off). A longer sequence gets a micro-batch of its own.",
+        ),
+    ] = 16384
+    micro_batch_size: Annotated[
+        int, Meta(ge=1, description="Sequences per micro-batch when use_dynamic_bsz is off.")
+    ] = 4
+    packing: Annotated[
+        bool,
+        Meta(
+            description="Pack a micro-batch's sequences into one row with restarting position ids (no padding); off = right padding."
+        ),
+    ] = True
+    param_offload: Annotated[
+        bool, Meta(description="FSDP2 CPUOffloadPolicy for the policy and critic (GPU runs).")
+    ] = False
+    optimizer_offload: Annotated[
+        bool,
+        Meta(
+            description="Keep optimizer state on CPU (implied by param_offload with FSDP2; GPU runs)."
+        ),
+    ] = False
+    mixed_precision: Annotated[
+        Literal["auto", "fp32", "bf16"],
+        Meta(description="auto: bf16 parameters with fp32 gradient reduction on GPU, fp32 on CPU."),
+    ] = "auto"
+    grad_checkpointing: Annotated[
+        bool,
+        Meta(
+            description="Recompute activations in backward (also on when model.gradient_checkpointing is set)."
+        ),
+    ] = False
+    reshard_after_forward: Annotated[
+        bool, Meta(description="FSDP2: free gathered parameters after forward (less memory).")
+    ] = True
+    distributed_timeout_s: Annotated[
+        float, Meta(gt=0, description="Timeout of the learner group's collectives.")
+    ] = 1800.0

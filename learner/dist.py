@@ -1,0 +1,94 @@
+"""The learner group's process group: init from an explicit rendezvous, and the few
+collectives the learner needs beyond FSDP's own.
+
+Ranks meet at ``master_addr:master_port`` through a ``TCPStore`` that rank 0
+hosts (no environment variables, so the Ray wrapper, ``torch.multiprocessing``
+tests and a hand-started process all init the same way). Backend: gloo on CPU,
+nccl on CUDA. ``broadcast_bytes`` moves an opaque byte string (Arrow IPC) from
+rank 0 as a uint8 tensor: no pickle crosses the group.
+
+Left out: multi-group layouts (tensor/sequence parallel meshes); the learner is
+pure FSDP over one flat group.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_group(
+    *,
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    timeout_s: float = 1800.0,
+) -> None:
+    """Join (rank 0: host) the learner group. Raises ValueError on inconsistent arguments."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"learner rank {rank} is outside world_size {world_size}")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a default process group already exists in this process; call close_group() first"
+        )
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout
+    )
+    backend = backend_for(device)
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs
+    )
+    log.info(
+        "learner rank %d/%d joined %s:%d (%s)", rank, world_size, master_addr, master_port, backend
+    )
+
+
+def close_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_bytes(payload: bytes | None, device: torch.device, src: int = 0) -> bytes:
+    """Rank ``src`` passes bytes, the others None; every rank returns the bytes."""
+    rank = dist.get_rank()
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    if rank == src:
+        if payload is None:
+            raise ValueError(f"broadcast_bytes: rank {src} must pass the payload")
+        size[0] = len(payload)
+    dist.broadcast(size, src=src)
+    n = int(size.item())
+    if rank == src:
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8, device=device)
+    if n:
+        dist.broadcast(buf, src=src)
+    return payload if rank == src else bytes(buf.cpu().numpy())
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """In-place sum over the group (a no-op with one rank); returns the tensor."""
+    if dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
+    if dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values

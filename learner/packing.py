@@ -1,0 +1,181 @@
+"""Model inputs for one micro-batch, packed or padded, and the forward passes over them.
+
+Packed (``packing: true``): the micro-batch's sequences (prompt + response) are
+concatenated into one row whose ``position_ids`` restart at 0 for every
+sequence, with no attention mask. transformers 5.x detects the restarts
+(``masking_utils.find_packed_sequence_indices``) and builds a block-diagonal
+causal mask for sdpa/eager, or uses varlen kernels for flash attention, so no
+token attends across a sequence boundary; ``tests/unit/learner/test_packing.py``
+pins packed == padded logprobs for Qwen2 and Llama. No padding tokens are
+computed.
+
+Padded (``packing: false``): one right-padded row per sequence with an
+``attention_mask``; the fallback for models whose attention ignores
+position-id boundaries.
+
+Only the positions that predict a response token reach the LM head
+(``logits_to_keep`` as an index tensor), so prompt positions cost no
+``[tokens, vocab]`` logits. Logprobs are taken at each sequence's rollout
+temperature (logits / T), or every importance ratio would be biased.
+
+Outputs are flat per-token tensors in micro-batch order (sequence by sequence,
+response token by token) with ``response_offsets`` marking each sequence.
+
+Left out: fused/chunked cross-entropy for very large vocabularies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from learner.algorithms import entropy_from_logits, logprobs_from_logits
+from learner.batching import GlobalBatch
+
+
+@dataclass
+class MicroBatchInputs:
+    """Tensors for one forward pass over the sequences ``indices`` of the global batch."""
+
+    indices: np.ndarray  # global sequence indices, in order
+    input_ids: torch.Tensor  # [rows, length]
+    position_ids: torch.Tensor  # [rows, length]
+    attention_mask: torch.Tensor | None  # [rows, length] when padded
+    rows: torch.Tensor  # [N] row of the position predicting each response token
+    cols: torch.Tensor  # [N] its column
+    labels: torch.Tensor  # [N] the response token ids
+    temperature: torch.Tensor  # [N] rollout temperature of each token's sequence
+    response_offsets: np.ndarray  # [n+1] into the N response tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.labels.numel())
+
+    @property
+    def is_empty(self) -> bool:
+        return len(self.indices) == 0
+
+
+def build_inputs(
+    batch: GlobalBatch, indices: np.ndarray, *, packing: bool, device: torch.device
+) -> MicroBatchInputs:
+    """Packed or padded inputs for ``indices`` (an empty set yields a one-token dummy row)."""
+    response_lens = batch.response_lens[indices]
+    response_offsets = np.zeros(len(indices) + 1, dtype=np.int64)
+    np.cumsum(response_lens, out=response_offsets[1:])
+    if len(indices) == 0:
+        zero = torch.zeros(1, 1, dtype=torch.long, device=device)
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        return MicroBatchInputs(
+            indices, zero, zero.clone(), None, none, none, none,
+            torch.ones(0, device=device), response_offsets,
+        )  # fmt: skip
+    seqs = [np.concatenate([batch.prompt(i), batch.response(i)]) for i in indices]
+    prompt_lens = batch.prompt_lens[indices]
+    # Column of the token that predicts response token t of sequence j: start_j + P_j - 1 + t.
+    within = np.concatenate(
+        [np.arange(p - 1, p - 1 + r) for p, r in zip(prompt_lens, response_lens, strict=True)]
+    ).astype(np.int64)
+    seq_of_token = np.repeat(np.arange(len(indices)), response_lens)
+    if packing:
+        lens = np.array([len(s) for s in seqs])
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        ids = np.concatenate(seqs)[None, :]
+        positions = np.concatenate([np.arange(n) for n in lens])[None, :]
+        rows = np.zeros_like(within)
+        cols = starts[seq_of_token] + within
+        attention_mask = None
+    else:
+        width = max(len(s) for s in seqs)
+        ids = np.zeros((len(seqs), width), dtype=np.int64)
+        mask = np.zeros((len(seqs), width), dtype=np.int64)
+        for r, s in enumerate(seqs):
+            ids[r, : len(s)] = s
+            mask[r, : len(s)] = 1
+        positions = np.broadcast_to(np.arange(width), ids.shape)
+        rows, cols = seq_of_token, within
+        attention_mask = torch.from_numpy(mask).to(device)
+    labels = batch.response_values[
+        np.concatenate(
+            [np.arange(batch.response_offsets[i], batch.response_offsets[i + 1]) for i in indices]
+        )
+    ]
+    as_long = lambda a: torch.from_numpy(np.array(a, dtype=np.int64)).to(device)  # noqa: E731  (a writable copy)
+    return MicroBatchInputs(
+        indices=indices,
+        input_ids=as_long(ids),
+        position_ids=as_long(positions),
+        attention_mask=attention_mask,
+        rows=as_long(rows),
+        cols=as_long(cols),
+        labels=as_long(labels),
+        temperature=torch.from_numpy(batch.temperature[indices][seq_of_token]).to(device),
+        response_offsets=response_offsets,
+    )
+
+
+@dataclass
+class TokenOutputs:
+    logprobs: torch.Tensor  # [N]
+    entropy: torch.Tensor | None  # [N]
+    anchor: (
+        torch.Tensor
+    )  # 0-valued scalar tied to the whole graph (keeps FSDP's backward hooks firing)
+
+
+def policy_forward(
+    model: nn.Module, mb: MicroBatchInputs, *, entropy: str = "none"
+) -> TokenOutputs:
+    """Per-response-token logprobs at the rollout temperatures, and entropies.
+
+    ``entropy``: "none" (not computed), "metric" (computed without grad, for
+    logging) or "grad" (differentiable, for an entropy bonus).
+    """
+    keep_cols, inverse = torch.unique(mb.cols, sorted=True, return_inverse=True)
+    if keep_cols.numel() == 0:
+        keep_cols = torch.zeros(1, dtype=torch.long, device=mb.input_ids.device)
+    out = model(
+        input_ids=mb.input_ids,
+        position_ids=mb.position_ids,
+        attention_mask=mb.attention_mask,
+        use_cache=False,
+        logits_to_keep=keep_cols,
+    )
+    logits = out.logits  # [rows, K, vocab]
+    anchor = logits[..., :1].sum() * 0.0
+    selected = logits[mb.rows, inverse].float() / mb.temperature[:, None]
+    logprobs = logprobs_from_logits(selected, mb.labels)
+    token_entropy = None
+    if entropy == "grad":
+        token_entropy = entropy_from_logits(selected)
+    elif entropy == "metric":
+        with torch.no_grad():
+            token_entropy = entropy_from_logits(selected.detach())
+    return TokenOutputs(logprobs=logprobs, entropy=token_entropy, anchor=anchor)
+
+
+def value_forward(critic: nn.Module, mb: MicroBatchInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [N], anchor): V(state before each response token) from a token-classification head."""
+    out = critic(
+        input_ids=mb.input_ids,
+        position_ids=mb.position_ids,
+        attention_mask=mb.attention_mask,
+        use_cache=False,
+    )
+    scores = out.logits[..., 0]  # [rows, length]
+    return scores[mb.rows, mb.cols].float(), scores.sum() * 0.0
+
+
+def split_by_sequence(flat: torch.Tensor, mb: MicroBatchInputs) -> torch.Tensor:
+    """Flat per-token values -> right-padded ``[n, max_response_len]`` (zeros in padding)."""
+    lens = np.diff(mb.response_offsets)
+    width = max(int(lens.max(initial=0)), 1)
+    out = flat.new_zeros((len(lens), width))
+    rows = torch.from_numpy(np.repeat(np.arange(len(lens)), lens)).to(flat.device)
+    cols = torch.from_numpy(
+        np.concatenate([np.arange(n) for n in lens]) if len(lens) else np.zeros(0, np.int64)
+    ).to(flat.device)
+    return out.index_put((rows, cols), flat)
