@@ -1,0 +1,164 @@
+"""Per-token training targets of one global batch: rewards, advantages, IS weights.
+
+Runs identically on every rank over the *whole* batch (each rank holds it, and
+the per-token π_prox / π_ref / V(s) have already been all-reduced into global
+tensors), so group statistics, GAE whitening and the KL controller see the
+global batch exactly as a single process would, whatever the number of ranks.
+
+Tensors are right-padded ``[B, T]`` over response tokens (``T`` = the longest
+response), the layout of ``learner.algorithms``.
+
+Left out: process rewards (one score per step); multi-turn loss masks (every
+response token is trained on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from learner import algorithms as alg
+from learner.batching import GlobalBatch, padded, response_mask
+from learner.config import LearnerConfig
+
+
+@dataclass
+class Targets:
+    mask: torch.Tensor  # [B, T] float
+    old_logprob: torch.Tensor  # π_prox (bypass: π_behav)
+    advantages: torch.Tensor
+    is_weights: torch.Tensor | None
+    ref_logprob: torch.Tensor | None
+    old_values: torch.Tensor | None
+    returns: torch.Tensor | None
+
+
+def ragged_to_padded(flat: torch.Tensor, batch: GlobalBatch) -> torch.Tensor:
+    """Flat per-response-token values (batch order) -> ``[B, T]`` (zeros in padding)."""
+    lens = batch.response_lens
+    width = max(int(lens.max(initial=0)), 1)
+    rows = torch.from_numpy(np.repeat(np.arange(batch.size), lens)).to(flat.device)
+    cols = torch.from_numpy(
+        np.concatenate([np.arange(n) for n in lens]) if len(lens) else np.zeros(0, np.int64)
+    ).to(flat.device)
+    return flat.new_zeros((batch.size, width)).index_put((rows, cols), flat)
+
+
+def make_kl_controller(cfg: LearnerConfig) -> alg.FixedKLController | alg.AdaptiveKLController:
+    if cfg.kl.kl_ctrl == "adaptive":
+        return alg.AdaptiveKLController(cfg.kl.kl_coef, cfg.kl.target_kl, cfg.kl.horizon)
+    return alg.FixedKLController(cfg.kl.kl_coef)
+
+
+def prepare_targets(
+    batch: GlobalBatch,
+    cfg: LearnerConfig,
+    *,
+    prox_logprob: torch.Tensor | None,
+    ref_logprob: torch.Tensor | None,
+    values: torch.Tensor | None,
+    kl_ctrl: alg.FixedKLController | alg.AdaptiveKLController,
+    device: torch.device,
+) -> tuple[Targets, dict[str, float]]:
+    """Targets from the global batch; the three model outputs are ``[B, T]`` or None."""
+    mask = torch.from_numpy(response_mask(batch)).to(device)
+    width = mask.shape[1]
+    behavior = torch.from_numpy(padded(batch.behavior_logprobs, batch.response_offsets, width)).to(
+        device
+    )
+    old_logprob = behavior if prox_logprob is None else prox_logprob
+    scores = torch.from_numpy(batch.scores).to(device)
+    metrics: dict[str, float] = {}
+
+    token_rewards = alg.scores_to_token_rewards(scores, mask)
+    if cfg.kl.use_kl_in_reward:
+        if ref_logprob is None:
+            raise ValueError("use_kl_in_reward needs the reference model's logprobs")
+        token_rewards, kl_metrics = alg.apply_kl_penalty_to_rewards(
+            token_rewards, old_logprob, ref_logprob, mask, kl_ctrl, cfg.kl.kl_in_reward_kind
+        )
+        metrics.update(kl_metrics)
+
+    algo = cfg.algorithm
+    group = torch.from_numpy(batch.group_index).to(device)
+    returns = None
+    if algo.adv_estimator == "gae":
+        if values is None:
+            raise ValueError("adv_estimator gae needs the critic's values")
+        advantages, returns = alg.compute_gae(
+            token_rewards, values, mask, algo.gamma, algo.lam, whiten=algo.whiten_advantages
+        )
+    elif algo.adv_estimator in ("grpo", "drgrpo"):
+        sequence_rewards = (token_rewards * mask).sum(dim=-1)
+        advantages = alg.compute_grpo_advantages(
+            sequence_rewards,
+            group,
+            mask,
+            norm_by_std=algo.norm_by_std and algo.adv_estimator == "grpo",
+        )
+    elif algo.adv_estimator == "rloo":
+        sequence_rewards = (token_rewards * mask).sum(dim=-1)
+        advantages = alg.compute_rloo_advantages(sequence_rewards, group, mask)
+    elif algo.adv_estimator == "reinforce_pp":
+        advantages = alg.compute_reinforce_pp_advantages(token_rewards, mask, algo.gamma)
+    else:
+        raise ValueError(f"unknown adv_estimator {algo.adv_estimator!r}")
+
+    is_weights = None
+    corr = cfg.correction
+    if corr.mode != "bypass":
+        is_weights, is_metrics = alg.compute_importance_weights(
+            old_logprob,
+            behavior,
+            mask,
+            corr.mode,
+            cap=corr.is_cap,
+            low=corr.is_low,
+            high=corr.is_high,
+            decoupled_cap=corr.decoupled_cap or None,
+        )
+        for key, value in is_metrics.items():
+            metrics["is/" + key.removeprefix("is_")] = float(value)
+
+    metrics["critic/advantages/mean"] = float(alg.masked_mean(advantages, mask))
+    metrics["critic/advantages/max"] = float(advantages.masked_fill(mask == 0, -1e30).max())
+    metrics["critic/advantages/min"] = float(advantages.masked_fill(mask == 0, 1e30).min())
+    ret = returns if returns is not None else token_rewards.flip(-1).cumsum(-1).flip(-1)
+    metrics["critic/returns/mean"] = float(alg.masked_mean(ret, mask))
+    if values is not None:
+        metrics["critic/values/mean"] = float(alg.masked_mean(values, mask))
+    return (
+        Targets(mask, old_logprob, advantages, is_weights, ref_logprob, values, returns),
+        metrics,
+    )
+
+
+def batch_metrics(batch: GlobalBatch, policy_version: int) -> dict[str, float]:
+    """Scores, lengths and staleness of the global batch (verl metric names)."""
+    response_lens = batch.response_lens
+    metrics = {
+        "critic/score/mean": float(batch.scores.mean()),
+        "critic/score/max": float(batch.scores.max()),
+        "critic/score/min": float(batch.scores.min()),
+        "response_length/mean": float(response_lens.mean()),
+        "response_length/max": float(response_lens.max()),
+        "response_length/min": float(response_lens.min()),
+        "response_length/clip_ratio": float(batch.truncated.mean()),
+        "prompt_length/mean": float(batch.prompt_lens.mean()),
+        "prompt_length/max": float(batch.prompt_lens.max()),
+        "perf/tokens": float(batch.seq_lens.sum()),
+        "perf/response_tokens": float(response_lens.sum()),
+    }
+    has_tokens = response_lens > 0
+    if has_tokens.any():
+        starts = batch.response_offsets[:-1][has_tokens]
+        min_versions = np.minimum.reduceat(batch.token_versions, starts)
+        staleness = policy_version - min_versions
+        metrics["staleness/mean"] = float(staleness.mean())
+        metrics["staleness/max"] = float(staleness.max())
+        values, counts = np.unique(staleness, return_counts=True)
+        for value, count in zip(values, counts, strict=True):
+            metrics[f"staleness/hist_{int(value)}"] = float(count)
+    return metrics

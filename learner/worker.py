@@ -1,0 +1,507 @@
+"""LearnerWorker: one rank of the FSDP2 learner group (policy, optional reference and critic).
+
+The class is free of Ray: tests drive it through ``torch.multiprocessing``, the
+launcher wraps it in a Ray actor, ``train_iter`` runs it standalone on any
+iterable of Arrow batches (the "iterator seam": no buffer needed).
+
+    worker = LearnerWorker(learner_cfg, model_cfg, rank=r, world_size=w,
+                           master_addr="127.0.0.1", master_port=port, seed=1)
+    worker.setup()                                  # group, models, optimizers
+    metrics = worker.step(batch_or_None, policy_version)   # every rank, collectively
+    for name, tensor in worker.named_full_tensors(): ...   # every rank; rank 0 uses them
+    worker.save_checkpoint(root, extra_state) / worker.load_checkpoint(step_dir)
+    worker.close()
+
+One ``step`` (every rank runs the same code on the same global batch):
+
+    rank 0's Arrow batch --broadcast IPC bytes--> every rank: GlobalBatch
+      -> π_prox (unless bypass), π_ref (if any KL), V(s) (if gae): no-grad forwards over this
+         rank's share, all-reduced into global per-token tensors
+      -> prepare_targets: rewards (+KL), advantages, IS weights over the global batch
+      -> for epoch, for mini-batch (whole groups): micro-batches of this rank's share;
+         loss = policy_loss(global counts, dp_size) − c_H·H + c_KL·KL; backward (summed)
+         -> clip grad norm; optimizer step unless loss or norm is non-finite
+         -> critic: the same with value_loss
+      -> LR schedulers step once; metrics reduced over ranks (token-weighted)
+
+Metric names follow verl (``actor/pg_loss``, ``critic/vf_loss``, ...), plus
+``staleness/*``, ``is/*``, ``timing_s/*``; ``actor/skipped_nonfinite`` counts
+mini-batches whose update was skipped (the driver stops after too many in a row).
+
+Left out: building models on the meta device (each rank loads the full
+checkpoint before sharding), sequence parallelism, LoRA.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch import nn
+
+from buffer.arrow_batch import from_ipc, to_ipc
+from fleetrl.log import get_logger
+from fleetrl.models.config import ModelConfig
+from fleetrl.models.loading import check_model_dir, load_causal_lm
+from learner import algorithms as alg
+from learner import checkpoint as ckpt
+from learner import dist as ldist
+from learner.batching import GlobalBatch, global_counts, mini_batches, plan_ranks
+from learner.config import LearnerConfig
+from learner.fsdp import build_optimizer, build_scheduler, clip_grad_norm, shard_model
+from learner.packing import (
+    MicroBatchInputs,
+    build_inputs,
+    policy_forward,
+    split_by_sequence,
+    value_forward,
+)
+from learner.prepare import (
+    Targets,
+    batch_metrics,
+    make_kl_controller,
+    prepare_targets,
+    ragged_to_padded,
+)
+
+log = get_logger(__name__)
+
+
+class _MetricSums:
+    """Weighted sums reduced over ranks in one all-reduce: value = Σ num / Σ den."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, list[float]] = {}
+
+    def add(self, key: str, value: float, weight: float) -> None:
+        entry = self.sums.setdefault(key, [0.0, 0.0])
+        entry[0] += value * weight
+        entry[1] += weight
+
+    def reduce(self, device: torch.device) -> dict[str, float]:
+        keys = sorted(self.sums)
+        if not keys:
+            return {}
+        flat = torch.tensor([v for k in keys for v in self.sums[k]], dtype=torch.float64)
+        flat = ldist.all_reduce_sum(flat.to(device)).cpu()
+        return {
+            k: float(flat[2 * i] / flat[2 * i + 1]) if flat[2 * i + 1] else 0.0
+            for i, k in enumerate(keys)
+        }
+
+
+class LearnerWorker:
+    def __init__(
+        self,
+        learner_cfg: LearnerConfig,
+        model_cfg: ModelConfig,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        seed: int,
+        device: str = "cpu",
+        total_steps: int = 0,
+    ) -> None:
+        self.cfg = learner_cfg
+        self.model_cfg = model_cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.seed = seed
+        self.device = torch.device(device)
+        self.total_steps = total_steps
+        self.global_step = 0
+        self.policy_version = 0
+        self.policy: nn.Module | None = None
+        self.reference: nn.Module | None = None
+        self.critic: nn.Module | None = None
+        self.kl_ctrl = make_kl_controller(learner_cfg)
+
+    # ------------------------------------------------------------------ setup
+
+    @property
+    def uses_critic(self) -> bool:
+        mode = self.cfg.critic.enabled
+        return mode == "on" or (mode == "auto" and self.cfg.algorithm.adv_estimator == "gae")
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.cfg.kl.use_kl_in_reward or self.cfg.kl.use_kl_loss
+
+    def setup(self) -> None:
+        """Join the group, then load, shard and build optimizers for every model."""
+        if self.cfg.algorithm.adv_estimator == "gae" and not self.uses_critic:
+            raise ValueError("learner.algorithm.adv_estimator=gae needs learner.critic.enabled")
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+        ldist.init_group(
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            timeout_s=self.cfg.distributed_timeout_s,
+        )
+        torch.manual_seed(self.seed)
+        np.random.seed(self.seed % 2**32)
+        path = check_model_dir(self.model_cfg.path)
+        on_gpu = self.device.type == "cuda"
+        self.bf16 = self.cfg.mixed_precision == "bf16" or (
+            self.cfg.mixed_precision == "auto" and on_gpu
+        )
+        offload = self.cfg.param_offload and on_gpu
+        self.policy = self._shard(load_causal_lm(path, "float32"), offload, train=True)
+        self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.total_steps)
+        if self.uses_reference:
+            reference = load_causal_lm(path, "float32").requires_grad_(False)
+            self.reference = self._shard(
+                reference, self.cfg.reference.param_offload and on_gpu, train=False
+            )
+        if self.uses_critic:
+            self.critic = self._shard(self._load_critic(path), offload, train=True)
+            self.critic_optimizer = build_optimizer(self.critic.parameters(), self.cfg.critic.optim)
+            self.critic_scheduler = build_scheduler(
+                self.critic_optimizer, self.cfg.critic.optim, self.total_steps
+            )
+
+    def _load_critic(self, path: Path) -> nn.Module:
+        from transformers import AutoConfig, AutoModelForTokenClassification
+
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config.num_labels = 1
+        config.classifier_dropout = 0.0  # the HF head defaults to 0.1: values must be deterministic
+        critic = AutoModelForTokenClassification.from_pretrained(
+            str(path), config=config, dtype=torch.float32, local_files_only=True
+        )
+        with torch.no_grad():  # same init on every rank: FSDP shards each rank's local copy
+            generator = torch.Generator().manual_seed(self.seed)
+            std = self.cfg.critic.value_head_init_std
+            critic.score.weight.copy_(
+                torch.randn(critic.score.weight.shape, generator=generator) * std
+            )
+            if critic.score.bias is not None:
+                critic.score.bias.zero_()
+        return critic
+
+    def _shard(self, model: nn.Module, offload: bool, *, train: bool) -> nn.Module:
+        if train and (self.cfg.grad_checkpointing or self.model_cfg.gradient_checkpointing):
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        if not offload:
+            model.to(self.device)
+        model.train(train)
+        return shard_model(
+            model,
+            bf16=self.bf16,
+            cpu_offload=offload,
+            reshard_after_forward=self.cfg.reshard_after_forward,
+        )
+
+    def close(self) -> None:
+        ldist.close_group()
+
+    # ------------------------------------------------------------------ the step
+
+    def _plan(self, batch: GlobalBatch, indices: np.ndarray) -> list[np.ndarray]:
+        plans = plan_ranks(
+            indices,
+            batch.seq_lens,
+            self.world_size,
+            use_dynamic_bsz=self.cfg.use_dynamic_bsz,
+            max_tokens=self.cfg.max_tokens_per_micro_batch,
+            micro_batch_size=self.cfg.micro_batch_size,
+            packing=self.cfg.packing,
+        )
+        return plans[self.rank]
+
+    def _inputs(self, batch: GlobalBatch, indices: np.ndarray) -> MicroBatchInputs:
+        return build_inputs(batch, indices, packing=self.cfg.packing, device=self.device)
+
+    @torch.no_grad()
+    def _infer(self, model: nn.Module, batch: GlobalBatch, plan: list[np.ndarray], values: bool):
+        """Per-token logprobs (or values) of the whole batch: this rank's share, all-reduced."""
+        flat = torch.zeros(int(batch.response_lens.sum()), device=self.device)
+        model.eval()
+        for indices in plan:
+            mb = self._inputs(batch, indices)
+            out = value_forward(model, mb)[0] if values else policy_forward(model, mb).logprobs
+            if mb.num_tokens:
+                positions = np.concatenate(
+                    [np.arange(batch.response_offsets[i], batch.response_offsets[i + 1])
+                     for i in indices]
+                )  # fmt: skip
+                flat[torch.from_numpy(positions).to(self.device)] = out.float()
+        model.train(model is not self.reference)
+        return ragged_to_padded(ldist.all_reduce_sum(flat), batch)
+
+    def _broadcast(self, batch: pa.RecordBatch | None) -> pa.RecordBatch:
+        if self.world_size == 1:
+            if batch is None:
+                raise ValueError("LearnerWorker.step: rank 0 must pass the batch")
+            return batch
+        payload = ldist.broadcast_bytes(
+            to_ipc(batch) if self.rank == 0 and batch is not None else None, self.device
+        )
+        return batch if self.rank == 0 else from_ipc(payload)
+
+    def step(self, batch: pa.RecordBatch | None, policy_version: int) -> dict[str, float]:
+        """One training step on a global batch (rank 0 passes it, other ranks None)."""
+        if self.policy is None:
+            raise RuntimeError("LearnerWorker.step called before setup()")
+        started = time.perf_counter()
+        gb = GlobalBatch.from_arrow(self._broadcast(batch))
+        everything = np.arange(gb.size)
+        infer_plan = self._plan(gb, everything)
+        metrics = batch_metrics(gb, policy_version)
+
+        tick = time.perf_counter()
+        prox = None
+        if self.cfg.correction.mode != "bypass":
+            prox = self._infer(self.policy, gb, infer_plan, values=False)
+        ref = self._infer(self.reference, gb, infer_plan, False) if self.reference else None
+        values = self._infer(self.critic, gb, infer_plan, True) if self.critic else None
+        metrics["timing_s/forward_no_grad"] = time.perf_counter() - tick
+        targets, target_metrics = prepare_targets(
+            gb, self.cfg, prox_logprob=prox, ref_logprob=ref, values=values,
+            kl_ctrl=self.kl_ctrl, device=self.device,
+        )  # fmt: skip
+        metrics.update(target_metrics)
+
+        tick = time.perf_counter()
+        sums = _MetricSums()
+        self._update_stats: dict[str, list[float]] = defaultdict(list)
+        for _epoch in range(self.cfg.ppo_epochs):
+            for mini in mini_batches(gb.group_index, self.cfg.ppo_mini_batch_size):
+                plan = self._plan(gb, mini)
+                counts = global_counts(gb, mini)
+                self._update_policy(gb, plan, targets, counts, sums)
+                if self.critic is not None:
+                    self._update_critic(gb, plan, targets, counts, sums)
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        if self.critic is not None:
+            metrics["critic/lr"] = self.critic_scheduler.get_last_lr()[0]
+            self.critic_scheduler.step()
+        metrics.update(sums.reduce(self.device))
+        for role in ("actor", "critic") if self.critic is not None else ("actor",):
+            norms = self._update_stats[f"{role}/grad_norm"]
+            metrics[f"{role}/grad_norm"] = float(np.mean(norms)) if norms else float("nan")
+            metrics[f"{role}/skipped_nonfinite"] = float(
+                len(self._update_stats[f"{role}/skipped_nonfinite"])
+            )
+        metrics["timing_s/update"] = time.perf_counter() - tick
+        metrics["timing_s/step"] = time.perf_counter() - started
+        self.global_step += 1
+        self.policy_version = policy_version
+        return metrics
+
+    def _update_policy(
+        self,
+        batch: GlobalBatch,
+        plan: list[np.ndarray],
+        targets: Targets,
+        counts: tuple[int, int],
+        sums: _MetricSums,
+    ) -> None:
+        pl, ws = self.cfg.policy_loss, self.world_size
+        count_kwargs = dict(global_token_count=counts[0], global_seq_count=counts[1], dp_size=ws)
+        pg_loss_local = torch.zeros((), dtype=torch.float64, device=self.device)
+        kl_loss_local = torch.zeros((), dtype=torch.float64, device=self.device)
+        for indices in plan:
+            mb = self._inputs(batch, indices)
+            out = policy_forward(
+                self.policy, mb, entropy="grad" if pl.entropy_coeff > 0 else "metric"
+            )
+            logprob = split_by_sequence(out.logprobs, mb)
+            width = logprob.shape[1]
+            mask = targets.mask[indices, :width]
+            pick = _slicer(indices, width)
+            loss, m = alg.policy_loss(
+                logprob, pick(targets.old_logprob), pick(targets.advantages), mask,
+                clip_ratio_low=pl.clip_ratio_low, clip_ratio_high=pl.clip_ratio_high,
+                clip_ratio_c=pl.clip_ratio_c, is_weights=pick(targets.is_weights),
+                loss_agg_mode=pl.loss_agg_mode, **count_kwargs,
+            )  # fmt: skip
+            pg_loss_local += m["pg_loss"]
+            entropy = split_by_sequence(out.entropy, mb)
+            if pl.entropy_coeff > 0:
+                loss = loss - pl.entropy_coeff * alg.agg_loss(
+                    entropy, mask, pl.loss_agg_mode, **count_kwargs
+                )
+            if self.cfg.kl.use_kl_loss:
+                kl = alg.kl_loss(
+                    logprob, pick(targets.ref_logprob), mask, self.cfg.kl.kl_kind,
+                    pl.loss_agg_mode, **count_kwargs,
+                )  # fmt: skip
+                loss = loss + self.cfg.kl.kl_loss_coef * kl
+                kl_loss_local += kl.detach()
+            (loss + out.anchor).backward()
+            tokens = float(mb.num_tokens)
+            entropy_sum = float((entropy.detach() * mask).sum())
+            sums.add("actor/entropy", entropy_sum / max(tokens, 1.0), tokens)
+            sums.add("actor/pg_clipfrac", float(m["pg_clipfrac"]), tokens)
+            sums.add("actor/pg_clipfrac_lower", float(m["pg_clipfrac_lower"]), tokens)
+            sums.add("actor/ppo_kl", float(m["ppo_kl"]), tokens)
+        # Each micro-batch loss is (its share of the global mean) × ws: summing over
+        # micro-batches and ranks and dividing by ws gives this mini-batch's global loss.
+        # Weight 1/ws per rank makes the reduced value the mean over mini-batches.
+        sums.add("actor/pg_loss", float(pg_loss_local), 1.0 / ws)
+        if self.cfg.kl.use_kl_loss:
+            sums.add("actor/kl_loss", float(kl_loss_local), 1.0 / ws)
+        self._optimizer_step(
+            "actor", self.policy, self.optimizer, self.cfg.optim.grad_clip, pg_loss_local
+        )
+
+    def _update_critic(
+        self,
+        batch: GlobalBatch,
+        plan: list[np.ndarray],
+        targets: Targets,
+        counts: tuple[int, int],
+        sums: _MetricSums,
+    ) -> None:
+        ws, cc = self.world_size, self.cfg.critic
+        vf_loss_local = torch.zeros((), dtype=torch.float64, device=self.device)
+        for indices in plan:
+            mb = self._inputs(batch, indices)
+            flat_values, anchor = value_forward(self.critic, mb)
+            values = split_by_sequence(flat_values, mb)
+            width = values.shape[1]
+            loss, m = alg.value_loss(
+                values, targets.old_values[indices, :width], targets.returns[indices, :width],
+                targets.mask[indices, :width], cc.cliprange_value, cc.loss_agg_mode,
+                counts[0], counts[1], dp_size=ws,
+            )  # fmt: skip
+            (loss + anchor).backward()
+            vf_loss_local += loss.detach()
+            sums.add("critic/vf_clipfrac", float(m["vf_clipfrac"]), float(mb.num_tokens))
+        sums.add("critic/vf_loss", float(vf_loss_local), 1.0 / ws)
+        self._optimizer_step(
+            "critic", self.critic, self.critic_optimizer, cc.optim.grad_clip, vf_loss_local
+        )
+
+    def _optimizer_step(
+        self,
+        role: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        local_loss: torch.Tensor,
+    ) -> None:
+        """Clip and step, or skip (and count) when the loss or the gradient norm is not finite.
+
+        The global loss and the gradient norm are the same on every rank, so every
+        rank takes the same decision.
+        """
+        global_loss = float(ldist.all_reduce_sum(local_loss.clone()))
+        grad_norm = clip_grad_norm(list(model.parameters()), max_norm)
+        finite = math.isfinite(global_loss) and math.isfinite(grad_norm)
+        if finite:
+            optimizer.step()
+            self._update_stats[f"{role}/grad_norm"].append(grad_norm)
+        else:
+            self._update_stats[f"{role}/skipped_nonfinite"].append(1.0)
+            log.warning(
+                "%s update skipped at step %d: loss %s, grad norm %s",
+                role, self.global_step, global_loss, grad_norm,
+            )  # fmt: skip
+        optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ weights out
+
+    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: every rank iterates; yields (HF parameter name, full tensor) one at a time.
+
+        Order is ``policy.state_dict()`` order; tied parameters appear once (under
+        the name ``named_parameters()`` gives them); persistent buffers are included.
+        """
+        wanted = {name for name, _ in self.policy.named_parameters()}
+        wanted |= {name for name, _ in self.policy.named_buffers()}
+        seen: set[str] = set()
+        for name, tensor in self.policy.state_dict().items():
+            if name not in wanted or name in seen:
+                continue
+            seen.add(name)
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            yield name, full.detach()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _dcp_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        policy_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
+        state = {"policy": policy_sd, "policy_optim": optim_sd}
+        if self.critic is not None:
+            critic_sd, critic_optim_sd = get_state_dict(self.critic, self.critic_optimizer)
+            state.update(critic=critic_sd, critic_optim=critic_optim_sd)
+        return state
+
+    def save_checkpoint(self, root: str | Path, extra_state: dict[str, Any]) -> Path:
+        """Collective: write ``<root>/step_<global_step>`` atomically; returns its path."""
+        meta = {
+            "policy_version": self.policy_version,
+            "scheduler": _scheduler_state(self.scheduler),
+            "critic_scheduler": _scheduler_state(self.critic_scheduler) if self.critic else None,
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+            "extra_state": extra_state,
+        }
+        return ckpt.write_checkpoint(
+            root, self.global_step, self._dcp_state(), meta, self.model_cfg.path
+        )
+
+    def load_checkpoint(self, step_dir: str | Path) -> dict[str, Any]:
+        """Collective: restore models, optimizers, schedulers, RNG, step; returns extra_state."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._dcp_state()
+        meta = ckpt.read_checkpoint(step_dir, state)
+        set_state_dict(
+            self.policy, self.optimizer,
+            model_state_dict=state["policy"], optim_state_dict=state["policy_optim"],
+        )  # fmt: skip
+        if self.critic is not None:
+            set_state_dict(
+                self.critic, self.critic_optimizer,
+                model_state_dict=state["critic"], optim_state_dict=state["critic_optim"],
+            )  # fmt: skip
+            self.critic_scheduler.load_state_dict(meta["critic_scheduler"])
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.kl_ctrl.load_state_dict(meta["kl_ctrl"])
+        self.global_step = int(meta["step"])
+        self.policy_version = int(meta["policy_version"])
+        log.info("rank %d resumed from %s (step %d)", self.rank, step_dir, self.global_step)
+        return meta["extra_state"]
+
+    # ------------------------------------------------------------------ standalone
+
+    def train_iter(self, batches: Iterable[pa.RecordBatch | None]) -> Iterator[dict[str, float]]:
+        """Train on each batch in turn (rank 0's iterable holds batches, others Nones)."""
+        for batch in batches:
+            yield self.step(batch, policy_version=self.global_step)
+
+
+def _slicer(indices: np.ndarray, width: int):
+    """Rows ``indices``, first ``width`` columns of a global ``[B, T]`` target (None passes)."""
+    return lambda t: None if t is None else t[indices, :width]
+
+
+def _scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+    """A LambdaLR state as JSON (the lambdas themselves are rebuilt from config)."""
+    state = scheduler.state_dict()
+    state["lr_lambdas"] = [None] * len(state.get("lr_lambdas", []))
+    return state
