@@ -1,0 +1,134 @@
+"""Learner throughput: tokens/s with sequence packing vs right padding, same run, same model.
+
+A long-tailed mix of response lengths (lognormal) is where padding wastes the
+most compute: every row of a padded micro-batch costs the longest row. One
+single-rank ``LearnerWorker`` (CPU gloo or one GPU) trains on the same
+synthetic batches, alternating packed and padded steps over ``reps`` so drift
+in a shared machine's load hits both arms alike; reported are medians and the
+ratio ``summary.packed_vs_padded`` (> 1: packing is faster). A benchmark, not a
+test: nothing is asserted.
+
+Run: ``python -m bench.learner --out DIR [--quick] [--reps N] [--hidden 64] [--layers 2]``
+(writes ``DIR/learner.json``). ``fleetrl bench learner`` calls ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(
+    out_dir: str | Path,
+    quick: bool = False,
+    reps: int | None = None,
+    hidden: int | None = None,
+    layers: int | None = None,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    import msgspec
+    import torch
+
+    from fleetrl.models.config import ModelConfig
+    from fleetrl.models.tiny import make_tiny_model
+    from learner.config import LearnerConfig
+    from learner.synthetic import lognormal_lengths, synthetic_batch
+    from learner.worker import LearnerWorker
+
+    reps = reps or (2 if quick else 5)
+    hidden = hidden or (64 if quick else 128)
+    layers = layers or 2
+    groups, group_size = (4, 4) if quick else (8, 8)
+    median, cap = (24, 256) if quick else (64, 1024)
+    budget = 512 if quick else 4096
+    if device == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(
+            Path(tmp) / "model", layers=layers, hidden=hidden, heads=4, max_positions=cap + 64
+        )
+        cfg = msgspec.convert(
+            {
+                "optim": {"lr": 1e-6},
+                "correction": {"mode": "bypass"},
+                "max_tokens_per_micro_batch": budget,
+            },
+            LearnerConfig,
+        )
+        worker = LearnerWorker(
+            cfg, ModelConfig(path=str(model_dir)), rank=0, world_size=1,
+            master_addr="127.0.0.1", master_port=_free_port(), seed=0, device=device,
+        )  # fmt: skip
+        worker.setup()
+        n = groups * group_size
+        samples: dict[str, list[float]] = {"packed": [], "padded": []}
+        try:
+            for rep in range(reps + 1):  # rep 0 warms up both arms and is discarded
+                lens = lognormal_lengths(
+                    n, median=median, sigma=1.0, low=1, high=cap, seed=rep
+                ).tolist()
+                batch = synthetic_batch(
+                    vocab_size=60, groups=groups, group_size=group_size, prompt_lens=16,
+                    response_lens=lens, seed=rep,
+                )  # fmt: skip
+                arms = ("packed", "padded") if rep % 2 == 0 else ("padded", "packed")
+                for arm in arms:
+                    worker.cfg = msgspec.structs.replace(cfg, packing=arm == "packed")
+                    metrics = worker.step(batch, policy_version=rep)
+                    if rep:
+                        samples[arm].append(metrics["perf/tokens"] / metrics["timing_s/step"])
+        finally:
+            worker.close()
+    medians = {arm: statistics.median(v) for arm, v in samples.items()}
+    result = {
+        "suite": "learner",
+        "config": {
+            "device": device,
+            "hidden": hidden,
+            "layers": layers,
+            "reps": reps,
+            "batch": n,
+            "median_response": median,
+            "max_response": cap,
+            "max_tokens_per_micro_batch": budget,
+        },  # fmt: skip
+        "tokens_per_s": {arm: {"median": m, "samples": samples[arm]} for arm, m in medians.items()},
+        "summary": {"packed_vs_padded": medians["packed"] / medians["padded"]},
+    }
+    (out_dir / "learner.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--hidden", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    from fleetrl.log import setup_logging
+
+    setup_logging("bench")
+    result = run(args.out, args.quick, args.reps, args.hidden, args.layers, args.device)
+    json.dump(result["summary"], sys.stdout)  # entry point: the headline on stdout
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
