@@ -67,7 +67,6 @@ def test_two_ranks_equal_one_rank_and_micro_batch_split_does_not_change_token_me
         two_weights = torch.load(two_rank_run / f"train_weights_step{step + 1}.pt")
         assert_weights_close(two_weights, big_weights[step])
     # The weights really moved (the comparison above is not between two untouched models).
-    initial = procs.full_weights  # noqa: F841  (documenting intent; initial read below)
     from fleetrl.models.loading import load_causal_lm
 
     start = dict(load_causal_lm(tiny_model_dir).named_parameters())
@@ -132,3 +131,32 @@ def test_corrupt_checkpoint_falls_back_and_export_round_trips(tiny_model_dir, tm
     assert AutoTokenizer.from_pretrained(exported).encode("12+3") == AutoTokenizer.from_pretrained(
         tiny_model_dir
     ).encode("12+3")
+
+
+def test_non_finite_loss_skips_the_update_and_reports_it(tiny_model_dir):
+    import pyarrow as pa
+
+    torch.set_num_threads(1)
+    worker = procs.make_worker(
+        str(tiny_model_dir),
+        0,
+        1,
+        procs.free_port(),
+        {"algorithm": {"adv_estimator": "grpo"}, "ppo_mini_batch_size": 0},
+    )
+    try:
+        before = procs.full_weights(worker)
+        batch = procs.make_batch(0)
+        column = batch.schema.get_field_index("behavior_logprobs")
+        poisoned = batch.column(column).to_pylist()
+        poisoned[2] = [float("nan")] * len(poisoned[2])
+        batch = batch.set_column(
+            column, "behavior_logprobs", pa.array(poisoned, pa.list_(pa.float32()))
+        )
+        metrics = worker.step(batch, policy_version=0)
+        assert metrics["actor/skipped_nonfinite"] == 1.0
+        assert_weights_close(procs.full_weights(worker), before, atol=0.0)
+        metrics = worker.step(procs.make_batch(1), policy_version=1)  # a clean batch trains
+        assert metrics["actor/skipped_nonfinite"] == 0.0
+    finally:
+        worker.close()
