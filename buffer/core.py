@@ -141,11 +141,11 @@ class BufferCore:
         return self.ingest(trajs)
 
     def _decode(self, frames: list[bytes]) -> Trajectory:
-        if len(frames) != 2:
-            raise FrameError("frame_count", f"trajectory message has {len(frames)} frames, not 2")
-        size = len(frames[0]) + len(frames[1])
+        size = sum(len(f) for f in frames)
         if size > self.config.max_message_bytes:
             raise FrameError("oversized", f"{size} bytes > {self.config.max_message_bytes}")
+        if len(frames) != 2:
+            raise FrameError("frame_count", f"trajectory message has {len(frames)} frames, not 2")
         check_header(frames[0], KIND_TRAJECTORY)
         try:
             traj = decode_trajectory(frames[1])

@@ -43,7 +43,13 @@ import zmq
 
 from buffer.config import BufferConfig
 from buffer.core import BufferCore, BufferStateError
-from buffer.security import CurveServerKeys, apply_server, check_bind_allowed, start_authenticator
+from buffer.security import (
+    CurveServerKeys,
+    apply_server,
+    check_bind_allowed,
+    refused_clients,
+    start_authenticator,
+)
 from buffer.wire import (
     KIND_REQUEST,
     REPLY_HEADER,
@@ -112,6 +118,7 @@ class BufferService:
         self._thread: threading.Thread | None = None
         self._parked: list[_Parked] = []
         self._failure: BaseException | None = None
+        self._auth = None
 
     # ---- lifecycle ------------------------------------------------------------------
     def start(self) -> tuple[str, str]:
@@ -172,6 +179,8 @@ class BufferService:
             raise RuntimeError("BufferService not started")
         out = self.core.stats()
         out["parked_requests"] = len(self._parked)
+        if self._auth is not None:
+            out["curve_refused_clients"] = refused_clients(self._auth)
         return out
 
     @property
@@ -245,11 +254,11 @@ class BufferService:
             self._handle(identity, request)
 
     def _decode_request(self, body: list[bytes]) -> Request:
-        if len(body) != 2:
-            raise FrameError("frame_count", f"control message has {len(body)} frames, not 2")
-        size = len(body[0]) + len(body[1])
+        size = sum(len(f) for f in body)
         if size > self.config.max_message_bytes:
             raise FrameError("oversized", f"{size} bytes > {self.config.max_message_bytes}")
+        if len(body) != 2:
+            raise FrameError("frame_count", f"control message has {len(body)} frames, not 2")
         check_header(body[0], KIND_REQUEST)
         return decode_request(body[1])
 
