@@ -1,0 +1,371 @@
+"""The Ray actors of a run: one class per role, each a thin shell around the role's own code.
+
+- ``BufferRole``   wraps ``buffer.service.BufferService`` (ZeroMQ ingest + control).
+- ``LearnerRole``  one per FSDP rank, wraps ``learner.worker.LearnerWorker``; rank 0 also
+                   owns the buffer client that fetches batches and the ``WeightSender``.
+- ``RolloutRole``  an async actor hosting the engine fleet (engine actors of its own),
+                   the router and the asyncio ``RolloutWorker`` that streams
+                   trajectories to the buffer.
+
+The classes are plain Python; ``remote_class(cls)`` applies ``ray.remote`` on demand so
+importing this module needs no running Ray. Every actor receives the run config as
+plain builtins (``msgspec.to_builtins``) and re-validates it. Batches and trajectories
+never travel through Ray: they go over ZeroMQ (msgspec / Arrow IPC) and, inside the
+learner group, by broadcasting the Arrow bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from fleetrl.config import convert
+from fleetrl.log import get_logger, setup_logging
+from launcher.config import RunConfig
+
+log = get_logger(__name__)
+
+BATCH_POLL_S = 2.0  # how long one fetch waits in the buffer before the driver looks around
+
+
+def _config(raw: dict[str, Any]) -> RunConfig:
+    return convert(RunConfig, raw)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def node_ip(local: bool) -> str:
+    if local:
+        return "127.0.0.1"
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class BufferRole:
+    def __init__(self, raw: dict[str, Any], bank_dir: str, local: bool, curve: Any = None):
+        from buffer.service import BufferService
+
+        cfg = _config(raw)
+        setup_logging("buffer", cfg.logging.level)
+        host = node_ip(local)
+        self.service = BufferService(
+            cfg.buffer,
+            ingest_address=f"tcp://{host}:0",
+            control_address=f"tcp://{host}:0",
+            bank_dir=bank_dir,
+            curve=curve,
+            groups_per_version=cfg.data.train_batch_size * cfg.weight_sync.sync_every,
+            max_concurrent_groups=cfg.rollout.max_concurrent_groups,
+        )
+
+    def start(self) -> tuple[str, str]:
+        return self.service.start()
+
+    def stats(self) -> dict[str, float]:
+        if self.service.failure is not None:
+            raise RuntimeError(f"buffer service failed: {self.service.failure!r}")
+        return self.service.stats()
+
+    def stop(self) -> None:
+        self.service.stop()
+
+
+class LearnerRole:
+    def __init__(self, raw: dict[str, Any], rank: int, world_size: int, local: bool):
+        cfg = _config(raw)
+        setup_logging(f"learner:{rank}", cfg.logging.level)
+        import torch
+
+        if cfg.trainer.device != "cuda":
+            torch.set_num_threads(max(1, int(cfg.learner.cpus_per_rank)))
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.local = local
+        self.worker: Any = None
+        self.buffer: Any = None
+        self.sender: Any = None
+        self._batch: Any = None
+        self.device = _device(cfg)
+
+    def master_address(self) -> tuple[str, int]:
+        host = node_ip(self.local)
+        return host, free_port(host)
+
+    def setup(self, master: tuple[str, int], buffer_control: str, curve: Any = None) -> None:
+        from learner.worker import LearnerWorker
+
+        self.worker = LearnerWorker(
+            self.cfg.learner,
+            self.cfg.model,
+            rank=self.rank,
+            world_size=self.world_size,
+            master_addr=master[0],
+            master_port=master[1],
+            seed=self.cfg.trainer.seed,
+            device=self.device,
+            total_steps=self.cfg.trainer.total_steps,
+        )
+        self.worker.setup()
+        if self.rank == 0:
+            from buffer.transport import BufferClient
+            from weight_sync.sender import WeightSender
+
+            self.buffer = BufferClient(buffer_control, curve=curve)
+            self.sender = WeightSender(
+                self.cfg.weight_sync, master_address=node_ip(self.local), device=self.device
+            )
+
+    # ---- checkpoints (collective) ---------------------------------------------------------
+    def load_checkpoint(self, step_dir: str) -> dict[str, Any]:
+        return self.worker.load_checkpoint(step_dir)
+
+    def save_checkpoint(self, root: str, extra_state: dict[str, Any]) -> str:
+        if self.rank == 0:
+            extra_state = {**extra_state, "buffer": self.buffer.state_dict()}
+        return str(self.worker.save_checkpoint(root, extra_state))
+
+    def state(self) -> dict[str, int]:
+        return {"step": self.worker.global_step, "policy_version": self.worker.policy_version}
+
+    # ---- rank 0: buffer and engines -------------------------------------------------------
+    def resume_buffer(self, version: int, watermark: int) -> int:
+        return self.buffer.resume(version, watermark)
+
+    def commit_buffer(self) -> None:
+        self.buffer.commit(self.buffer.state_dict()["received_watermark"])
+
+    def fetch_batch(self, num_groups: int, version: int, timeout_s: float = BATCH_POLL_S) -> bool:
+        """Wait up to ``timeout_s`` for a batch of whole groups; True once one is held."""
+        if self._batch is None:
+            self._batch = self.buffer.get_batch(num_groups, version, timeout_s)
+        return self._batch is not None
+
+    def connect_engines(self, endpoints: list[tuple[str, str, str | None]]) -> None:
+        from weight_sync.sender import EngineEndpoint
+
+        self.sender.connect([EngineEndpoint(name=n, url=u, api_key=k) for n, u, k in endpoints])
+
+    def add_engine(self, name: str, url: str, api_key: str | None) -> None:
+        from weight_sync.sender import EngineEndpoint
+
+        if name in self.sender.engines:
+            self.sender.remove_engine(name)
+        self.sender.add_engine(EngineEndpoint(name=name, url=url, api_key=api_key))
+
+    # ---- collective work --------------------------------------------------------------------
+    def step(self, version: int) -> dict[str, float]:
+        batch, self._batch = self._batch, None
+        if self.rank == 0 and batch is None:
+            raise RuntimeError("learner rank 0 was asked to step without a fetched batch")
+        metrics = self.worker.step(batch, version)
+        if self.rank == 0 and self.buffer.last_batch is not None:
+            metrics["buffer/refused_stale_in_batch"] = float(self.buffer.last_batch.refused_stale)
+        return metrics
+
+    def publish(self, version: int, restored: bool = False) -> dict[str, float]:
+        """Every rank drives the full-tensor stream; rank 0 broadcasts it to the engines."""
+        from weight_sync.sender import WeightSyncError, drain_stream
+
+        stream = self.worker.named_full_tensors()
+        self.worker.policy_version = version
+        if self.rank != 0:
+            drain_stream(stream)
+            return {}
+        try:
+            send = self.sender.publish_restored if restored else self.sender.publish
+            metrics = send(stream, version)
+            out = metrics.as_log_dict()
+            out["weight_sync/seconds"] = metrics.total_s
+            return out
+        except WeightSyncError as err:
+            log.error("weight sync of version %d: %s", version, err)
+            out = err.metrics.as_log_dict() if err.metrics is not None else {}
+            out["weight_sync/num_failed"] = float(len(err.engines))
+            out["weight_sync/seconds"] = err.metrics.total_s if err.metrics is not None else 0.0
+            return out
+        finally:
+            # admission's clock moves only once the engines hold version v
+            self.buffer.publish_version(version)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        if self.buffer is not None:
+            self.buffer.close()
+        if self.worker is not None:
+            await self.worker.aclose()
+
+
+class RolloutRole:
+    """Async actor: engine fleet + router + rollout worker, on the rollout side of the cluster."""
+
+    def __init__(
+        self,
+        raw: dict[str, Any],
+        ingest: str,
+        control: str,
+        run_dir: str,
+        local: bool,
+        api_key: str | None = None,
+        curve: Any = None,
+    ):
+        from buffer.transport import BufferClient, TrajectorySender
+        from fleetrl.data.reader import PromptReader
+        from fleetrl.models.loading import load_tokenizer
+        from rollout_fleet.fleet import EngineFleet
+        from rollout_fleet.rewards.runner import RewardRunner
+        from rollout_fleet.router import Router
+
+        cfg = _config(raw)
+        setup_logging("rollout", cfg.logging.level)
+        self.cfg = cfg
+        self.api_key = api_key
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        reader_args = dict(
+            max_prompt_length=cfg.data.max_prompt_length,
+            apply_chat_template=cfg.data.apply_chat_template,
+        )
+        self.reader = PromptReader(
+            cfg.data.train_files,
+            self.tokenizer,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.data.seed,
+            **reader_args,
+        )
+        self.val_files = cfg.data.val_files
+        self._reader_args = reader_args
+        self.router = Router()
+        self.restarted: dict[str, str] = {}
+        self.fleet = EngineFleet(
+            cfg.rollout,
+            cfg.model.path,
+            router=self.router,
+            device=_device(cfg),
+            dtype=cfg.model.dtype,
+            api_key=api_key,
+            expose_on_node_ip=not local,
+            resource_name=cfg.ray.rollout_resource,
+            on_engine_restarted=self._on_restart,
+            log_dir=str(Path(run_dir) / "logs"),
+        )
+        self.sender = TrajectorySender(ingest, curve=curve, hwm=cfg.buffer.high_water_mark)
+        self.control = BufferClient(control, curve=curve)
+        self.rewards = RewardRunner(
+            timeout_s=cfg.rollout.reward_timeout_s, max_workers=cfg.rollout.reward_workers
+        )
+        self.worker: Any = None
+        self._task: asyncio.Task | None = None
+
+    async def _on_restart(self, name: str, url: str) -> bool:
+        self.restarted[name] = url
+        return False  # ready only after the driver has pushed current weights
+
+    async def start_engines(self) -> dict[str, str]:
+        from rollout_fleet.client import EngineClient
+        from rollout_fleet.worker import RolloutWorker
+
+        urls = await self.fleet.start()
+        cfg = self.cfg
+        self.worker = RolloutWorker(
+            cfg.rollout,
+            engines={
+                n: EngineClient(u, api_key=self.api_key, timeout_s=cfg.rollout.request_timeout_s)
+                for n, u in urls.items()
+            },
+            router=self.router,
+            reader=self.reader,
+            sender=self.sender,
+            admission_source=self.control.admission,
+            reward_runner=self.rewards,
+            tokenizer=self.tokenizer,
+            groups_per_version=cfg.data.train_batch_size * cfg.weight_sync.sync_every,
+            max_staleness=cfg.buffer.max_staleness,
+            client_factory=lambda url: EngineClient(
+                url, api_key=self.api_key, timeout_s=cfg.rollout.request_timeout_s
+            ),
+        )
+        return urls
+
+    async def start_generation(self) -> None:
+        self._task = asyncio.create_task(self.worker.run())
+
+    async def check(self) -> None:
+        """Raise if the generation loop died."""
+        if self._task is not None and self._task.done() and not self._task.cancelled():
+            err = self._task.exception()
+            if err is not None:
+                raise RuntimeError(f"rollout loop failed: {err!r}") from err
+
+    async def pending_restarts(self) -> dict[str, str]:
+        out, self.restarted = self.restarted, {}
+        return out
+
+    async def mark_ready(self, names: list[str]) -> None:
+        for name in names:
+            self.fleet.mark_ready(name)
+
+    async def metrics(self) -> dict[str, float]:
+        out = dict(self.worker.metrics()) if self.worker else {}
+        out.update(self.fleet.metrics())
+        return out
+
+    async def validate(self) -> dict[str, float]:
+        from fleetrl.data.reader import PromptReader
+
+        if not self.val_files:
+            return {}
+        reader = PromptReader(self.val_files, self.tokenizer, shuffle=False, **self._reader_args)
+        return await self.worker.validate(reader.iter_once(self.cfg.data.val_max_samples))
+
+    async def reader_state(self) -> dict[str, Any]:
+        return self.reader.state_dict()
+
+    async def load_reader_state(self, state: dict[str, Any]) -> None:
+        self.reader.load_state_dict(state)
+
+    async def stop(self, deadline_s: float = 5.0) -> None:
+        if self.worker is not None:
+            await self.worker.stop(deadline_s)
+            if self._task is not None:
+                await asyncio.gather(self._task, return_exceptions=True)
+            await self.worker.aclose()
+        await self.fleet.stop()
+        self.sender.close()
+        self.control.close()
+
+
+def _device(cfg: RunConfig) -> str:
+    if cfg.trainer.device != "auto":
+        return cfg.trainer.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def remote_class(cls: type, **options: Any) -> Any:
+    import ray
+
+    return ray.remote(**options)(cls) if options else ray.remote(cls)
+
+
+def wait_ready(poll: Any, timeout_s: float, what: str) -> None:
+    """Poll ``poll()`` until truthy or raise naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not poll():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready within {timeout_s:.0f}s")
+        time.sleep(0.2)
+
+
+def cpu_count() -> int:
+    return os.cpu_count() or 1
