@@ -70,7 +70,6 @@ QUICK_BUDGET_S: dict[str, float] = {
     "learner": 80.0,
     "e2e": 290.0,
 }
-DEFAULT_REPS = {True: 3, False: 5}
 
 
 class SuiteUnavailable(ValueError):
@@ -87,10 +86,32 @@ def size_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in flags.items() if v is not None}
 
 
+def _wants_sequence(name: str, param: inspect.Parameter | None) -> bool:
+    """Whether a suite parameter takes a list of sizes (by annotation, default or plural name)."""
+    if param is None:
+        return True
+    annotation = param.annotation
+    text = annotation if isinstance(annotation, str) else str(annotation)
+    if any(word in text for word in ("list", "List", "Sequence", "tuple", "Iterable")):
+        return True
+    if isinstance(param.default, list | tuple) or name.endswith("s"):
+        return True
+    return annotation is inspect.Parameter.empty and param.default is None
+
+
 def bind_run_arguments(
-    run: Callable[..., Any], out_dir: Path, quick: bool, reps: int, flags: Mapping[str, Any]
+    run: Callable[..., Any],
+    out_dir: Path,
+    quick: bool,
+    reps: int | None,
+    flags: Mapping[str, Any],
 ) -> tuple[dict[str, Any], list[str]]:
-    """Keyword arguments for ``run`` from the harness's values; also the flags it cannot take."""
+    """Keyword arguments for ``run`` from the harness's values; also the flags it cannot take.
+
+    ``reps`` None leaves the suite's own default. A list of hidden sizes goes whole
+    to a parameter that takes a sequence, else its first size goes (the rest are
+    reported as ignored).
+    """
     try:
         params = inspect.signature(run).parameters
     except (TypeError, ValueError) as err:
@@ -102,9 +123,12 @@ def bind_run_arguments(
         if match is None and not takes_any:
             raise SuiteUnavailable(f"run() takes no {name!r} parameter (has {list(params)})")
         kwargs[match or name] = out_dir if name == "out_dir" else quick
-    if "reps" in params or takes_any:
-        kwargs["reps"] = reps
     ignored: list[str] = []
+    if reps is not None:
+        if "reps" in params or takes_any:
+            kwargs["reps"] = reps
+        else:
+            ignored.append("reps")
     for flag, value in flags.items():
         match = next((a for a in SIZE_PARAMETERS[flag] if a in params), None)
         if match is None and takes_any:
@@ -112,12 +136,14 @@ def bind_run_arguments(
         if match is None:
             ignored.append(flag)
             continue
-        if flag == "hidden" and isinstance(value, list):
-            default = params[match].default if match in params else None
-            if isinstance(default, int) and not isinstance(default, bool):
-                if len(value) > 1:
-                    ignored.append(f"hidden[1:]={value[1:]}")
-                value = value[0]
+        if (
+            flag == "hidden"
+            and isinstance(value, list)
+            and not _wants_sequence(match, params.get(match))
+        ):
+            if len(value) > 1:
+                ignored.append(f"hidden[1:]={value[1:]}")
+            value = value[0]
         kwargs[match] = value
     missing = [
         n
@@ -178,7 +204,7 @@ def _envelope(
 
 
 def run_suite(
-    suite: str, out_dir: Path, *, quick: bool, reps: int, flags: Mapping[str, Any]
+    suite: str, out_dir: Path, *, quick: bool, reps: int | None, flags: Mapping[str, Any]
 ) -> dict[str, Any]:
     """Run one suite here and write ``DIR/<suite>.json``; a failure becomes an error record."""
     started_at = now_iso()
@@ -219,9 +245,10 @@ def run_suite(
     return record
 
 
-def _child_command(suite: str, args: argparse.Namespace, reps: int) -> list[str]:
+def _child_command(suite: str, args: argparse.Namespace, reps: int | None) -> list[str]:
     cmd = [sys.executable, "-m", "launcher.cli", "bench", suite, "--out", str(args.out)]
-    cmd += ["--reps", str(reps)]
+    if reps is not None:
+        cmd += ["--reps", str(reps)]
     if args.quick:
         cmd.append("--quick")
     if args.hidden:
@@ -249,7 +276,7 @@ def _end_process_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def run_suite_in_child(
-    suite: str, args: argparse.Namespace, reps: int, timeout_s: float | None
+    suite: str, args: argparse.Namespace, reps: int | None, timeout_s: float | None
 ) -> dict[str, Any]:
     """Run one suite in a child process; its JSON (or an error record) is the result."""
     out_dir = Path(args.out)
@@ -292,8 +319,8 @@ def main(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     quick = bool(args.quick)
-    reps = args.reps if args.reps is not None else DEFAULT_REPS[quick]
-    if reps < 1:
+    reps = args.reps  # None: each suite's own default for quick / full
+    if reps is not None and reps < 1:
         from launcher.cli import UsageError
 
         raise UsageError(f"--reps must be >= 1, got {reps}")

@@ -80,6 +80,7 @@ class E2ESizes:
     engines: int
     learner_ranks: int
     device: str
+    warmstart_steps: int | None = None  # supervised steps of the new model (None = base config)
     task: str = "add"
     seed: int = 0
 
@@ -100,6 +101,7 @@ QUICK_SIZES = E2ESizes(
     engines=1,
     learner_ranks=1,
     device="cpu",
+    warmstart_steps=200,
 )
 FULL_SIZES = dataclasses.replace(
     QUICK_SIZES,
@@ -112,6 +114,7 @@ FULL_SIZES = dataclasses.replace(
     budget_median=8.0,
     train_size=2000,
     val_size=100,
+    warmstart_steps=None,
 )
 
 
@@ -188,7 +191,10 @@ def run_overrides(
     max_eta: int,
 ) -> list[str]:
     """Dotted overrides on the base config for one run (only ``eta`` and ``correction`` vary)."""
-    return [
+    warmstart = (
+        [] if sizes.warmstart_steps is None else [f"model.warmstart.steps={sizes.warmstart_steps}"]
+    )
+    return warmstart + [
         f"trainer.output_dir={run_dir}",
         f"trainer.total_steps={sizes.total_steps}",
         f"trainer.test_freq={sizes.test_freq}",
@@ -389,7 +395,9 @@ def run(
     train = train_fn or _default_train_fn()
     work = Path(out_dir) / "e2e"
     train_file, val_file, budget_stats = write_long_tail_data(work / "data", sizes)
-    model_dir = work / f"model-h{sizes.hidden}-l{sizes.layers}"
+    # built (and warm-started) by the first run, reused by the others and by later invocations
+    warm = "base" if sizes.warmstart_steps is None else sizes.warmstart_steps
+    model_dir = work / f"model-h{sizes.hidden}-l{sizes.layers}-w{warm}"
     max_eta = max(etas)
     reps = 1 if quick else max(1, reps)
     plan = [(eta, "decoupled") for eta in etas] + [(max_eta, "bypass")]

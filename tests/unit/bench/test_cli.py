@@ -35,9 +35,27 @@ def test_bind_passes_one_hidden_size_to_a_scalar_parameter_and_reports_the_rest(
     def run(out_dir, quick, hidden=64):
         return {}
 
-    kwargs, ignored = cli.bind_run_arguments(run, Path("o"), False, 1, {"hidden": [32, 256]})
+    kwargs, ignored = cli.bind_run_arguments(run, Path("o"), False, None, {"hidden": [32, 256]})
     assert kwargs["hidden"] == 32 and "reps" not in kwargs
     assert ignored == ["hidden[1:]=[256]"]
+
+
+def test_bind_reads_the_annotation_to_choose_one_size_or_the_list():
+    def one(out_dir, quick, reps=None, hidden: int | None = None):
+        return {}
+
+    def many(out_dir, quick, hidden: list[int] | None = None):
+        return {}
+
+    assert cli.bind_run_arguments(one, Path("o"), True, None, {"hidden": [32]})[0] == {
+        "out_dir": Path("o"),
+        "quick": True,
+        "hidden": 32,
+    }
+    assert cli.bind_run_arguments(many, Path("o"), True, 3, {"hidden": [32, 64]}) == (
+        {"out_dir": Path("o"), "quick": True, "hidden": [32, 64]},
+        ["reps"],
+    )
 
 
 def test_bind_refuses_a_run_with_required_parameters_it_cannot_fill():
