@@ -106,15 +106,26 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Bucket:
-    """One flat byte buffer and the tensors packed into it, in order."""
+    """One update request's tensors, in order: packed in ``flat``, or unpacked in ``parts``.
+
+    ``parts`` (byte views, one per tensor) is set only for the per-tensor wire
+    format (SGLang's default ``load_format``), where each tensor is its own broadcast.
+    """
 
     index: int
     metas: list[TensorMeta]
     flat: torch.Tensor  # 1-D uint8
+    parts: list[torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
+        if self.parts is not None:
+            return sum(int(p.numel()) for p in self.parts)
         return int(self.flat.numel())
+
+    def broadcast_tensors(self) -> list[torch.Tensor]:
+        """What rank 0 broadcasts for this request, in order."""
+        return self.parts if self.parts is not None else [self.flat]
 
     def wire_fields(self) -> dict[str, list]:
         """The ``names``/``dtypes``/``shapes`` fields of the update request for this bucket."""
@@ -194,6 +205,32 @@ def pack_buckets(
     for name, tensor in named_tensors:
         yield from packer.add(name, tensor)
     yield from packer.finish()
+
+
+def group_unpacked(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    request_bytes: int,
+    device: torch.device | str = "cpu",
+) -> Iterator[Bucket]:
+    """Per-tensor wire format: consecutive tensors grouped into requests of about
+    ``request_bytes`` (metadata only), each tensor broadcast on its own, uncopied."""
+    metas: list[TensorMeta] = []
+    parts: list[torch.Tensor] = []
+    index = 0
+    seen: set[str] = set()
+    empty = torch.empty(0, dtype=torch.uint8)
+    for name, tensor in named_tensors:
+        if name in seen:
+            raise ValueError(f"tensor {name!r} appears twice in one weight stream")
+        seen.add(name)
+        meta = TensorMeta(name, tensor.dtype, tuple(tensor.shape))
+        if parts and sum(m.nbytes for m in metas) + meta.nbytes > request_bytes:
+            yield Bucket(index, metas, empty, parts)
+            index, metas, parts = index + 1, [], []
+        metas.append(meta)
+        parts.append(tensor_bytes(tensor.to(device)))
+    if parts:
+        yield Bucket(index, metas, empty, parts)
 
 
 def unpack_bucket(

@@ -38,6 +38,12 @@ class WeightSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             description="After each publish, compare every engine's weights digest (GET /fleetrl/weights_digest) and version with the learner's; a mismatch is an error naming the engine. Costs one sha256 pass over the weights on learner rank 0."
         ),
     ] = True
+    load_format: Annotated[
+        Literal["flattened_bucket", "per_tensor"],
+        Meta(
+            description="Wire format of an update: flattened_bucket = one broadcast per bucket of bucket_mb (fast); per_tensor = one broadcast per tensor, SGLang's default format, for engines without flattened_bucket support."
+        ),
+    ] = "flattened_bucket"
     group_name: Annotated[str, Meta(description="Name of the weight-update process group.")] = (
         "fleetrl_weights"
     )

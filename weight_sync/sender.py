@@ -42,6 +42,11 @@ Resume: after restoring a checkpoint at version v, the launcher calls
 stream) before any engine generates - engines otherwise serve their initial
 weights tagged with a version they do not hold.
 
+``config.load_format = "per_tensor"`` sends SGLang's default format instead (one
+broadcast per tensor, one request per ``bucket_mb`` of metadata), for engines
+without ``flattened_bucket`` support; it is also the per-parameter baseline of
+``bench.weight_sync``.
+
 Left out: sending only changed tensors, and CUDA-IPC for co-located engines.
 """
 
@@ -57,7 +62,7 @@ from typing import Any
 import torch
 
 from fleetrl.log import get_logger
-from weight_sync.buckets import Bucket, pack_buckets
+from weight_sync.buckets import Bucket, group_unpacked, pack_buckets
 from weight_sync.config import WeightSyncConfig
 from weight_sync.digest import StreamDigest
 from weight_sync.engine_client import EngineCallError, EngineClient, EngineEndpoint
@@ -293,7 +298,10 @@ class WeightSender:
         group = self._group
         assert group is not None
         clients = list(self._group_clients)
-        buckets = pack_buckets(stream, self.bucket_bytes, self.device)
+        packed = self.config.load_format == "flattened_bucket"
+        buckets = (pack_buckets if packed else group_unpacked)(
+            stream, self.bucket_bytes, self.device
+        )
         flush_cache = self.config.pause_mode != "in_place"
 
         def fetch() -> Bucket | None:
@@ -309,23 +317,34 @@ class WeightSender:
             deadline = time.monotonic() + self.config.timeout_s
             replies = {
                 c.name: self._pool.submit(
-                    self._post_update, c, bucket, group.group_name, version, flush_cache
+                    self._post_update,
+                    c,
+                    bucket,
+                    group.group_name,
+                    version,
+                    flush_cache,
+                    "flattened_bucket" if packed else None,
                 )
                 for c in clients
             }
             try:
-                work = group.broadcast(bucket.flat)
+                works = [group.broadcast(t) for t in bucket.broadcast_tensors()]
             except (RuntimeError, GroupError) as err:
                 raise _BucketFailure(
                     f"bucket {bucket.index}: {err}", self._gather_calls(replies, deadline)
                 ) from None
             done_at: list[float] = []
-            work.get_future().add_done_callback(lambda _f, d=done_at: d.append(time.perf_counter()))
+            works[-1].get_future().add_done_callback(
+                lambda _f, d=done_at: d.append(time.perf_counter())
+            )
             next_bucket = fetch()  # overlaps with the broadcast in flight
             try:
-                group.wait(
-                    work, f"broadcast of bucket {bucket.index} ({bucket.nbytes} bytes)", deadline
-                )
+                for work in works:
+                    group.wait(
+                        work,
+                        f"broadcast of bucket {bucket.index} ({bucket.nbytes} bytes)",
+                        deadline,
+                    )
             except GroupError as err:
                 raise _BucketFailure(str(err), self._gather_calls(replies, deadline)) from None
             broadcast_done = done_at[0] if done_at else time.perf_counter()
@@ -346,14 +365,19 @@ class WeightSender:
 
     @staticmethod
     def _post_update(
-        client: EngineClient, bucket: Bucket, group_name: str, version: int, flush_cache: bool
+        client: EngineClient,
+        bucket: Bucket,
+        group_name: str,
+        version: int,
+        flush_cache: bool,
+        load_format: str | None,
     ) -> float:
         client.update_weights(
             bucket.wire_fields(),
             group_name=group_name,
             weight_version=str(version),
             flush_cache=flush_cache,
-            load_format="flattened_bucket",
+            load_format=load_format,
         )
         return time.perf_counter()
 

@@ -61,9 +61,10 @@ def _assert_holds(engine: ReferenceEngine, weights: dict[str, torch.Tensor], ver
         )
 
 
-def test_publish_delivers_every_version_bit_exact_in_several_buckets(engines):
+@pytest.mark.parametrize("load_format", ["flattened_bucket", "per_tensor"])
+def test_publish_delivers_every_version_bit_exact_in_several_buckets(engines, load_format):
     endpoints = [engines.start("e0"), engines.start("e1", api_key="secret")]
-    config = WeightSyncConfig(bucket_mb=2048 / 2**20, timeout_s=10)  # 2 KiB buckets
+    config = WeightSyncConfig(bucket_mb=2048 / 2**20, timeout_s=10, load_format=load_format)
     with WeightSender(config) as sender:
         sender.connect(endpoints)
         for version in range(3):

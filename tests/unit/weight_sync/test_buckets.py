@@ -129,3 +129,14 @@ def test_dtype_names_round_trip_and_accept_the_torch_prefix():
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool):
         assert parse_dtype(dtype_name(dtype)) is dtype
     assert parse_dtype("torch.bfloat16") is torch.bfloat16
+
+
+def test_per_tensor_requests_group_metadata_and_keep_each_tensor_uncopied():
+    from weight_sync.buckets import group_unpacked
+
+    named = _named(*[(f"w{i}", torch.float32, (4,)) for i in range(5)])  # 16 bytes each
+    requests = list(group_unpacked(named, request_bytes=32))
+    assert [[m.name for m in r.metas] for r in requests] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+    parts = [p for r in requests for p in r.broadcast_tensors()]
+    assert [p.data_ptr() for p in parts] == [t.data_ptr() for _, t in named]
+    assert sum(r.nbytes for r in requests) == 80
