@@ -191,6 +191,7 @@ class LearnerRole:
             log.error("weight sync of version %d: %s", version, err)
             out = err.metrics.as_log_dict() if err.metrics is not None else {}
             out["weight_sync/num_failed"] = float(len(err.engines))
+            out["weight_sync/needs_resend"] = float(err.needs_resend)
             out["weight_sync/seconds"] = err.metrics.total_s if err.metrics is not None else 0.0
             return out
         finally:
@@ -203,7 +204,7 @@ class LearnerRole:
         if self.buffer is not None:
             self.buffer.close()
         if self.worker is not None:
-            await self.worker.aclose()
+            self.worker.close()
 
 
 class RolloutRole:

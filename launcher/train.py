@@ -41,6 +41,7 @@ from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig, load_run_config
 from launcher.prepare import prepare
+from launcher.report import summary_lines, write_score_plot
 from launcher.tracking import Tracker
 
 log = get_logger(__name__)
@@ -139,7 +140,12 @@ class Run:
         import ray
 
         self.version = version
-        return ray.get([w.publish.remote(version, restored) for w in self.learners])[0]
+        out = ray.get([w.publish.remote(version, restored) for w in self.learners])[0]
+        if out.get("weight_sync/needs_resend"):
+            # a failure mid-stream left survivors with partial weights: send the version again
+            log.warning("version %d reached some engines partially; publishing it again", version)
+            out = ray.get([w.publish.remote(version, restored) for w in self.learners])[0]
+        return out
 
     def fetch_batch(self) -> float:
         """Block until learner rank 0 holds B whole groups; returns the seconds waited."""
@@ -306,6 +312,12 @@ def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
         tracker.close()
     summary["wall_s"] = time.monotonic() - wall0
     summary["interrupted"] = stop_requested
+    if tracker.metrics_path.stat().st_size:
+        summary["plot"] = str(
+            write_score_plot(
+                tracker.metrics_path, run_dir / "score_curve.png", title=f"fleetrl: {run_dir.name}"
+            )
+        )
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -317,11 +329,5 @@ def main(args: argparse.Namespace) -> int:
     except TrainingStopped as err:
         log.error("training stopped: %s", err)
         return 1
-    if "final_val_score" in summary:
-        log.info(
-            "validation score: %.3f -> %.3f",
-            summary.get("initial_val_score", float("nan")),
-            summary["final_val_score"],
-        )
-    log.info("run directory: %s", summary["run_dir"])
+    print("\n".join(summary_lines(summary)))  # the CLI's result, on stdout
     return 0
