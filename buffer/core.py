@@ -63,6 +63,8 @@ from fleetrl.log import get_logger
 log = get_logger(__name__)
 
 MAX_GROUP_SIZE = 4096
+REJECT_LOG_FIRST = 10  # rejected frames logged individually per reason, then every Nth
+REJECT_LOG_EVERY = 1000
 MAX_ID_CHARS = 512
 _INT_DTYPES = {"int32", "int64"}
 _FLOAT_DTYPES = {"float32", "float16"}
@@ -130,8 +132,9 @@ class BufferCore:
     def ingest_messages(self, messages: list[list[bytes]]) -> int:
         """Decode ``[header, payload]`` messages, count and drop bad ones, ingest the rest."""
         trajs: list[Trajectory] = []
+        with self.ready:
+            self.counters["received_messages"] += len(messages)
         for frames in messages:
-            self.counters["received_messages"] += 1
             try:
                 trajs.append(self._decode(frames))
             except FrameError as err:
@@ -157,7 +160,9 @@ class BufferCore:
     def reject(self, reason: str, detail: str) -> None:
         with self.ready:
             self.rejected[reason] += 1
-        log.warning("rejected frame (%s): %s", reason, detail[:300])
+            count = self.rejected[reason]
+        if count <= REJECT_LOG_FIRST or count % REJECT_LOG_EVERY == 0:  # a flood stays readable
+            log.warning("rejected frame #%d (%s): %s", count, reason, detail[:300])
 
     def ingest(self, trajs: list[Trajectory]) -> int:
         """Accept what is acceptable: bank it (flushed), then count it. Returns samples accepted."""

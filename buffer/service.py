@@ -45,6 +45,7 @@ from buffer.config import BufferConfig
 from buffer.core import BufferCore, BufferStateError
 from buffer.security import (
     CurveServerKeys,
+    InsecureBindError,
     apply_server,
     check_bind_allowed,
     refused_clients,
@@ -355,11 +356,15 @@ class BufferService:
 _TCP_RE = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:]+):(?P<port>\d+)$")
 
 
+class AddressError(ValueError):
+    """A --bind address the standalone buffer cannot use."""
+
+
 def control_address_for(ingest_address: str) -> str:
     """The control ROUTER address of ``fleetrl buffer --bind``: same host, port + 1 (0 stays 0)."""
     m = _TCP_RE.match(ingest_address)
     if not m:
-        raise ValueError(f"--bind must look like tcp://HOST:PORT, got {ingest_address!r}")
+        raise AddressError(f"--bind must look like tcp://HOST:PORT, got {ingest_address!r}")
     port = int(m.group("port"))
     return f"tcp://{m.group('host')}:{port + 1 if port else 0}"
 
@@ -390,18 +395,23 @@ def main(args: argparse.Namespace) -> int:
 
     config, raw = load_buffer_config(args.config, list(args.overrides or []))
     bank_dir = args.bank_dir or config.bank_dir or "rollout_bank"
-    service = BufferService(
-        config,
-        ingest_address=args.bind,
-        control_address=control_address_for(args.bind),
-        bank_dir=bank_dir,
-        groups_per_version=_positive_int(
-            raw, "data", "train_batch_size", STANDALONE_GROUPS_PER_VERSION
-        ),
-        max_concurrent_groups=_positive_int(
-            raw, "rollout", "max_concurrent_groups", STANDALONE_MAX_CONCURRENT
-        ),
-    )
+    try:
+        service = BufferService(
+            config,
+            ingest_address=args.bind,
+            control_address=control_address_for(args.bind),
+            bank_dir=bank_dir,
+            groups_per_version=_positive_int(
+                raw, "data", "train_batch_size", STANDALONE_GROUPS_PER_VERSION
+            ),
+            max_concurrent_groups=_positive_int(
+                raw, "rollout", "max_concurrent_groups", STANDALONE_MAX_CONCURRENT
+            ),
+        )
+    except (AddressError, InsecureBindError) as err:
+        # standalone has no key distribution: off-loopback buffers run under the launcher
+        print(f"fleetrl: {err}", file=sys.stderr)
+        return 2
     ingest, control = service.start()
     ready_file = getattr(args, "ready_file", None)
     if ready_file:
