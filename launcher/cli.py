@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable
 
@@ -164,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(role=args.command)
     try:
         return int(resolve(_handler_key(args))(args) or 0)
-    except (ConfigError, UsageError) as err:
+    except (ConfigError, UsageError, ValueError, FileNotFoundError) as err:
+        # bad input (config, data, checkpoints, paths): one line, no traceback;
+        # FLEETRL_DEBUG=1 shows the traceback when the error is a bug, not input
+        if os.environ.get("FLEETRL_DEBUG"):
+            raise
         print(f"fleetrl: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
