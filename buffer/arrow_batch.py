@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from buffer.wire import Trajectory
+from buffer.wire import Array, Trajectory
 
 SCHEMA = pa.schema(
     [
@@ -98,7 +98,6 @@ def arrow_to_trajectories(batch: pa.RecordBatch) -> list[Trajectory]:
     ``score`` and ``temperature`` come back as float32-rounded values: the precision the
     learner sees anyway.
     """
-    from buffer.wire import Array  # local: wire imports nothing from here
 
     def lists(name: str, dtype: str) -> list[Array]:
         values, offsets = list_column_numpy(batch, name)

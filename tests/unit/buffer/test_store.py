@@ -60,13 +60,18 @@ def test_screen_checks_samples_against_earlier_ones_in_the_same_batch():
 
 def test_stale_groups_are_refused_and_counted_at_hand_out():
     store = _store(max_staleness=1)
-    _add_all(store, make_group("old", 2, version=0) + make_group("new", 2, version=2))
-    assert store.accepted_groups == 2
-    result = store.take(1, learner_version=2)  # old: 0 < 2 - 1
-    assert [g.group_id for g in result.groups] == ["new"]
+    _add_all(
+        store,
+        make_group("old", 2, version=0)
+        + make_group("edge", 2, version=1)
+        + make_group("new", 2, version=2),
+    )
+    assert store.accepted_groups == 3
+    result = store.take(2, learner_version=2)  # old: 0 < 2 - 1; edge: exactly η old, kept
+    assert [g.group_id for g in result.groups] == ["edge", "new"]
     assert [g.group_id for g in result.refused_stale] == ["old"]
     assert store.counters["refused_stale"] == 1
-    assert store.accepted_groups == 1  # refused groups no longer count for admission
+    assert store.accepted_groups == 2  # refused groups no longer count for admission
 
 
 def test_stale_check_uses_the_oldest_token_of_any_sample():
