@@ -1,8 +1,12 @@
-"""Group-aware replay store: whole groups only, FIFO by completion, staleness-checked at hand-out.
+"""Group-aware replay store: whole groups only, oldest policy first, staleness-checked at hand-out.
 
 A GRPO group (``group_id``, ``group_size`` samples of one prompt) is *complete*
 when ``group_size`` distinct samples have arrived; only complete groups are
-ever handed out, whole, in the order they completed. Per sample:
+ever handed out, whole. Hand-out order is by the group's oldest token version,
+then by completion: groups finish out of order (long responses take longer),
+and a strict completion FIFO would let a younger group overtake an older one
+until the older one crosses the staleness bound; oldest-first keeps every
+group that is ready in time within η. Per sample:
 
 - a ``uid`` seen before (a producer's resubmission after a buffer restart, a
   retry) is dropped and counted (``duplicates``);
@@ -51,11 +55,17 @@ class Group:
     group_size: int
     samples: list[Trajectory] = field(default_factory=list)
     completion_seq: int = -1
+    _oldest: tuple[int | None] | None = field(default=None, repr=False, compare=False)
 
     def min_version(self) -> int | None:
-        """Oldest policy version of any token in the group (None if no tokens at all)."""
-        versions = [t.min_version() for t in self.samples if len(t.token_versions)]
-        return min(versions) if versions else None
+        """Oldest policy version of any token in the group (None if no tokens at all).
+
+        Cached once asked: a group is only asked after it is complete and filtered.
+        """
+        if self._oldest is None:
+            versions = [t.min_version() for t in self.samples if len(t.token_versions)]
+            self._oldest = (min(versions) if versions else None,)
+        return self._oldest[0]
 
     def is_stale(self, learner_version: int, max_staleness: int) -> bool:
         oldest = self.min_version()
@@ -145,24 +155,38 @@ class GroupStore:
 
     # ---- hand-out -------------------------------------------------------------------
     def take(self, num_groups: int, learner_version: int) -> TakeResult:
-        """Pop exactly ``num_groups`` fresh groups (FIFO), refusing stale ones on the way.
+        """Pop exactly ``num_groups`` fresh groups, oldest policy first, refusing stale ones.
 
         ``groups`` is empty when fewer than ``num_groups`` fresh groups are ready; the
         stale groups met on the way are refused (gone) either way and reported.
         """
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        ready = list(self._ready)
+
+        def age(item: tuple[int, Group]) -> tuple[int, int]:
+            position, group = item
+            oldest = group.min_version()
+            return (learner_version if oldest is None else oldest, position)
+
         taken: list[Group] = []
         refused: list[Group] = []
-        while self._ready and len(taken) < num_groups:
-            group = self._ready.popleft()
+        for _, group in sorted(enumerate(ready), key=age):
+            if len(taken) == num_groups:
+                break
             if group.is_stale(learner_version, self.max_staleness):
                 refused.append(group)
             else:
                 taken.append(group)
         self._count_refused(refused)
-        if len(taken) < num_groups:
-            self._ready.extendleft(reversed(taken))
+        gone = {id(g) for g in refused}
+        if len(taken) == num_groups:
+            gone |= {id(g) for g in taken}
+        else:
+            taken = []
+        if gone:
+            self._ready = deque(g for g in ready if id(g) not in gone)
+        if not taken:
             return TakeResult(groups=[], refused_stale=refused)
         self.counters["handed_out_groups"] += len(taken)
         return TakeResult(groups=taken, refused_stale=refused)

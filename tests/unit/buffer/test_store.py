@@ -1,4 +1,4 @@
-"""Group store: whole groups only, FIFO by completion, dedupe, filters, stale refusal."""
+"""Group store: whole groups only, oldest policy first then completion order, dedupe, filters, stale refusal."""
 
 from __future__ import annotations
 
@@ -29,6 +29,16 @@ def test_only_complete_groups_are_handed_out_in_completion_order():
     assert store.take(2, learner_version=0).groups == []  # only "a" left: no partial batch
     assert [g.group_id for g in store.take(1, 0).groups] == ["a"]
     assert [t.uid for t in taken.groups[0].samples] == ["b/0", "b/1"]
+
+
+def test_an_older_policy_group_is_handed_out_before_a_younger_one_that_finished_first():
+    store = _store(max_staleness=2)
+    old, young = make_group("old", 2, version=1), make_group("young", 2, version=2)
+    _add_all(store, [young[0], old[0], young[1], old[1]])  # young completes first
+    # completion FIFO would hand out "young" and leave "old" to go stale later
+    assert [g.group_id for g in store.take(1, learner_version=3).groups] == ["old"]
+    assert [g.group_id for g in store.take(1, learner_version=4).groups] == ["young"]
+    assert store.counters["refused_stale"] == 0
 
 
 def test_partial_group_is_never_handed_out():
