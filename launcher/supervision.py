@@ -1,0 +1,287 @@
+"""Supervision of a run's roles: who died, what to do about it, and the run's secrets.
+
+The training loop (launcher/train.py) calls its roles through Ray. When one of
+those calls fails, ``Supervisor.diagnose`` asks every role whether it is still
+there (a short ``pid()`` call each) and turns the answer into one of:
+
+- a dead **buffer**: restarted by the loop on the same bank directory and the
+  same ZeroMQ addresses (``BufferRole`` binds the ports chosen at first start),
+  so the learner's DEALER and the fleet's PUSH reconnect by themselves; the
+  fleet then re-sends every group the buffer has not durably accepted
+  (launcher/delivery.py) and the call that failed is retried;
+- a dead **learner rank** or **rollout supervisor**: ``TrainingStopped`` with a
+  one-line reason naming the role, its pid and the checkpoint a rerun with
+  ``trainer.resume=auto`` continues from. The loop then kills every actor it
+  started and shuts down the local Ray instance (no orphans);
+- nothing dead: the original error is re-raised (a bug, not a fault).
+
+Collective calls (every learner rank at once) go through ``gather``: it returns
+as soon as any rank fails instead of waiting, in list order, on a rank that is
+blocked in a collective with a dead peer.
+
+Also here: ``BadStepGuard`` (stop after k consecutive non-finite steps),
+``RunSecrets`` (CURVE keys for every ZeroMQ socket and a bearer key for the
+engines' HTTP API, made per run whenever the run leaves loopback), checkpoint
+candidates newest first (a checkpoint that fails to load falls back to the
+previous complete one), and process helpers used by the fault tests and the
+soak script (``listening_pid``, ``alive_pids``).
+
+Left out: restarting a dead learner rank in place (the group is restarted from
+the last checkpoint instead, as torchrun-style elastic agents do) and
+restarting a dead rollout supervisor.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+
+PING_TIMEOUT_S = 10.0  # a role that cannot answer pid() within this is treated as gone
+STARTUP_TIMEOUT_S = 600.0  # a new actor's process start (imports torch) may take a while
+GATHER_POLL_S = 1.0
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (non-finite losses, a dead role) with a clear reason."""
+
+
+class BufferDown(RuntimeError):
+    """The buffer actor died; the loop restarts it and retries what failed."""
+
+
+# ---- secrets ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunSecrets:
+    """Per-run credentials: all None on loopback, all set as soon as the run spans nodes."""
+
+    buffer_server: Any = None  # buffer.security.CurveServerKeys
+    learner_client: Any = None  # CurveClientKeys of learner rank 0 (control socket)
+    rollout_client: Any = None  # CurveClientKeys of the rollout supervisor (ingest + control)
+    engine_api_key: str | None = None
+
+    @property
+    def secure(self) -> bool:
+        return self.buffer_server is not None
+
+
+def make_run_secrets(secure: bool) -> RunSecrets:
+    """Fresh CURVE keys (one server, two clients) and an engine API key when ``secure``."""
+    if not secure:
+        return RunSecrets()
+    from buffer.security import make_run_keys
+
+    server, (learner, rollout) = make_run_keys(2)
+    return RunSecrets(server, learner, rollout, secrets.token_urlsafe(32))
+
+
+# ---- non-finite steps ------------------------------------------------------------------
+class BadStepGuard:
+    """Counts consecutive skipped (non-finite) steps; raises TrainingStopped at ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"trainer.max_bad_steps must be >= 1, got {limit}")
+        self.limit = limit
+        self.in_a_row = 0
+        self.total = 0
+
+    def observe(self, step: int, metrics: dict[str, Any]) -> None:
+        if float(metrics.get("actor/skipped_nonfinite", 0.0)) <= 0:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        log.warning(
+            "step %d: non-finite loss or gradient, update skipped (%d in a row)",
+            step,
+            self.in_a_row,
+        )
+        if self.in_a_row >= self.limit:
+            raise TrainingStopped(
+                f"{self.in_a_row} consecutive steps had a non-finite loss or gradient "
+                f"(trainer.max_bad_steps={self.limit}); last checkpoint stays valid"
+            )
+
+
+# ---- checkpoints -----------------------------------------------------------------------
+def checkpoint_candidates(root: str | Path) -> list[Path]:
+    """Complete ``step_<N>`` checkpoints under ``root``, newest first (incomplete ones logged)."""
+    from learner.checkpoint import checkpoint_problem, latest_complete_checkpoint
+
+    root = Path(root)
+    out: list[Path] = []
+    newest = latest_complete_checkpoint(root)  # logs every skipped folder once
+    if newest is None:
+        return out
+    steps = []
+    for child in root.iterdir():
+        name = child.name
+        if name.startswith("step_") and name[5:].isdigit():
+            steps.append((int(name[5:]), child))
+    for step, path in sorted(steps, reverse=True):
+        if step <= int(newest.name[5:]) and checkpoint_problem(path) is None:
+            out.append(path)
+    return out
+
+
+# ---- Ray calls -------------------------------------------------------------------------
+def is_actor_death(err: BaseException) -> bool:
+    """True when ``err`` says an actor (process) is gone rather than that a method raised."""
+    import ray.exceptions as rex
+
+    return isinstance(err, rex.RayActorError | rex.ActorUnavailableError)
+
+
+def gather(refs: Sequence[Any], what: str, timeout_s: float | None = None) -> list[Any]:
+    """``ray.get(refs)``, but the first failure (in completion order) raises at once."""
+    import ray
+
+    pending = list(refs)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while pending:
+        wait = GATHER_POLL_S
+        if deadline is not None:
+            wait = min(wait, max(0.0, deadline - time.monotonic()))
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait)
+        for ref in ready:
+            ray.get(ref)  # raises the role's error (or its death) now
+        if deadline is not None and pending and time.monotonic() >= deadline:
+            raise TimeoutError(f"{what}: no answer within {timeout_s:.0f}s")
+    return ray.get(list(refs))
+
+
+@dataclass
+class RoleHandle:
+    """One actor the run started: what to call it in messages, and its process id."""
+
+    name: str
+    actor: Any
+    pid: int = -1
+
+
+class Supervisor:
+    """Knows the run's actors; ``diagnose`` says which one is gone after a failed call."""
+
+    def __init__(self) -> None:
+        self.roles: dict[str, RoleHandle] = {}
+
+    def register(self, name: str, actor: Any, pid: int | None = None) -> RoleHandle:
+        import ray
+
+        if pid is None:
+            pid = int(ray.get(actor.pid.remote(), timeout=STARTUP_TIMEOUT_S))
+        handle = RoleHandle(name, actor, pid)
+        self.roles[name] = handle
+        return handle
+
+    def pids(self) -> dict[str, int]:
+        return {name: h.pid for name, h in self.roles.items()}
+
+    def dead_roles(self) -> list[RoleHandle]:
+        """Roles whose process no longer answers (checked in parallel, ``PING_TIMEOUT_S`` each)."""
+        import ray
+        import ray.exceptions as rex
+
+        probes = {name: h.actor.pid.remote() for name, h in self.roles.items()}
+        dead = []
+        for name, ref in probes.items():
+            try:
+                ray.get(ref, timeout=PING_TIMEOUT_S)
+            except (rex.RayActorError, rex.ActorUnavailableError, rex.GetTimeoutError):
+                dead.append(self.roles[name])
+        return dead
+
+    def diagnose(self, err: BaseException, what: str, resume_hint: str) -> None:
+        """Called with the error of a failed call; raises what the loop should act on."""
+        dead = self.dead_roles()
+        if not dead:
+            raise err
+        names = [h.name for h in dead]
+        log.error("%s failed; dead roles: %s (%s)", what, ", ".join(names), _one_line(err))
+        fatal = [h for h in dead if h.name != "buffer"]
+        if fatal:
+            first = fatal[0]
+            raise TrainingStopped(
+                f"{first.name} (pid {first.pid}) died during {what}: {_one_line(err)}; "
+                f"{resume_hint}"
+            ) from err
+        raise BufferDown(f"buffer (pid {self.roles['buffer'].pid}) died during {what}") from err
+
+    def kill_all(self) -> None:
+        """Kill every registered actor (after a role died: the others may be stuck)."""
+        import ray
+
+        for handle in self.roles.values():
+            try:
+                ray.kill(handle.actor, no_restart=True)
+            except (ValueError, RuntimeError) as err:  # already gone or Ray shutting down
+                log.info("kill %s: %s", handle.name, err)
+
+
+def retry_after_buffer_restart(
+    call: Callable[[], Any], on_buffer_down: Callable[[], None], what: str, max_restarts: int
+) -> Any:
+    """Run ``call``; when it raises ``BufferDown`` restart the buffer and run it again."""
+    restarts = 0
+    while True:
+        try:
+            return call()
+        except BufferDown as err:
+            restarts += 1
+            if restarts > max_restarts:
+                raise TrainingStopped(
+                    f"{err}; it was restarted {max_restarts} times already"
+                ) from err
+            log.warning("%s; restarting it (%d) and retrying %s", err, restarts, what)
+            on_buffer_down()
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    first = next((line for line in text if line.strip()), type(err).__name__)
+    return f"{type(err).__name__}: {first[:300]}"
+
+
+# ---- processes (tests and the soak script) ---------------------------------------------
+def listening_pid(port: int) -> int | None:
+    """The pid of the process listening on TCP ``port`` (this user's processes), or None."""
+    import psutil
+    import ray  # noqa: F401 - puts Ray's bundled psutil on sys.path
+
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+            return conn.pid
+    return None
+
+
+def alive_pids(pids: Iterable[int]) -> list[int]:
+    """The ones of ``pids`` that still run (zombies count as gone)."""
+    import psutil
+    import ray  # noqa: F401
+
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def write_roster(path: Path, roster: dict[str, Any]) -> None:
+    """Atomically write the run's role -> pid map (read by fault tests and the soak script)."""
+    import json
+
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(roster, indent=2, sort_keys=True))
+    os.replace(tmp, path)
