@@ -30,6 +30,12 @@ from launcher.config import RunConfig
 log = get_logger(__name__)
 
 BATCH_POLL_S = 2.0  # how long one fetch waits in the buffer before the driver looks around
+# A control request to a dead buffer fails after this long (the driver then restarts it);
+# short, because the learner and the fleet are otherwise blocked on a buffer that is gone.
+BUFFER_REPLY_TIMEOUT_S = 5.0
+HEALTH_LOOP_RETRY_S = 1.0
+RECONCILE_INTERVAL_S = 2.0  # how often the fleet asks which sent groups the buffer holds
+TRAINED_GROUPS_FILE = "trained_groups.jsonl"  # audit trail: the groups of every learner step
 
 
 def _config(raw: dict[str, Any]) -> RunConfig:
@@ -51,16 +57,26 @@ def node_ip(local: bool) -> str:
 
 
 class BufferRole:
-    def __init__(self, raw: dict[str, Any], bank_dir: str, local: bool, curve: Any = None):
+    """The buffer service. A restart passes the first start's addresses so clients reconnect."""
+
+    def __init__(
+        self,
+        raw: dict[str, Any],
+        bank_dir: str,
+        local: bool,
+        curve: Any = None,
+        addresses: tuple[str, str] | None = None,
+    ):
         from buffer.service import BufferService
 
         cfg = _config(raw)
         setup_logging("buffer", cfg.logging.level)
         host = node_ip(local)
+        ingest, control = addresses or (f"tcp://{host}:0", f"tcp://{host}:0")
         self.service = BufferService(
             cfg.buffer,
-            ingest_address=f"tcp://{host}:0",
-            control_address=f"tcp://{host}:0",
+            ingest_address=ingest,
+            control_address=control,
             bank_dir=bank_dir,
             curve=curve,
             groups_per_version=cfg.data.train_batch_size * cfg.weight_sync.sync_every,
@@ -69,6 +85,9 @@ class BufferRole:
 
     def start(self) -> tuple[str, str]:
         return self.service.start()
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def stats(self) -> dict[str, float]:
         if self.service.failure is not None:
@@ -97,6 +116,9 @@ class LearnerRole:
         self._batch: Any = None
         self.device = _device(cfg)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def master_address(self) -> tuple[str, int]:
         host = node_ip(self.local)
         return host, free_port(host)
@@ -120,7 +142,9 @@ class LearnerRole:
             from buffer.transport import BufferClient
             from weight_sync.sender import WeightSender
 
-            self.buffer = BufferClient(buffer_control, curve=curve)
+            self.buffer = BufferClient(
+                buffer_control, curve=curve, timeout_s=BUFFER_REPLY_TIMEOUT_S
+            )
             self.sender = WeightSender(
                 self.cfg.weight_sync, master_address=node_ip(self.local), device=self.device
             )
@@ -141,8 +165,18 @@ class LearnerRole:
     def resume_buffer(self, version: int, watermark: int) -> int:
         return self.buffer.resume(version, watermark)
 
-    def commit_buffer(self) -> None:
-        self.buffer.commit(self.buffer.state_dict()["received_watermark"])
+    def buffer_watermark(self) -> int:
+        """Hand-outs received (and, after the step that used them, trained on)."""
+        return int(self.buffer.state_dict()["received_watermark"])
+
+    def commit_buffer(self, watermark: int | None = None) -> None:
+        if watermark is None:
+            watermark = self.buffer_watermark()
+        self.buffer.commit(watermark)
+
+    def announce_version(self, version: int) -> None:
+        """Tell a (restarted) buffer the version the engines hold: admission's clock."""
+        self.buffer.publish_version(version)
 
     def fetch_batch(self, num_groups: int, version: int, timeout_s: float = BATCH_POLL_S) -> bool:
         """Wait up to ``timeout_s`` for a batch of whole groups; True once one is held."""
@@ -162,6 +196,12 @@ class LearnerRole:
             self.sender.remove_engine(name)
         self.sender.add_engine(EngineEndpoint(name=name, url=url, api_key=api_key))
 
+    def take_dropped_engines(self) -> list[str]:
+        """Engines weight sync dropped (failed or timed out) since the last call."""
+        names = sorted(self.sender.dropped)
+        self.sender.dropped.clear()
+        return [n for n in names if n not in self.sender.engines]
+
     # ---- collective work --------------------------------------------------------------------
     def step(self, version: int) -> dict[str, float]:
         batch, self._batch = self._batch, None
@@ -170,7 +210,26 @@ class LearnerRole:
         metrics = self.worker.step(batch, version)
         if self.rank == 0 and self.buffer.last_batch is not None:
             metrics["buffer/refused_stale_in_batch"] = float(self.buffer.last_batch.refused_stale)
+            self._record_trained(batch, version)
         return metrics
+
+    def _record_trained(self, batch: Any, version: int) -> None:
+        """Append this step's groups to the run's audit trail (what was trained, exactly once)."""
+        import json
+
+        info = self.buffer.last_batch
+        oldest = [min(v) if v else version for v in batch.column("token_versions").to_pylist()]
+        record = {
+            "step": self.worker.global_step,
+            "policy_version": version,
+            "handout_start": info.handout_start,
+            "groups": list(dict.fromkeys(batch.column("group_id").to_pylist())),
+            "num_samples": batch.num_rows,
+            "max_staleness": max(version - v for v in oldest) if oldest else 0,
+        }
+        path = Path(self.cfg.trainer.output_dir) / TRAINED_GROUPS_FILE
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def publish(self, version: int, restored: bool = False) -> dict[str, float]:
         """Every rank drives the full-tensor stream; rank 0 broadcasts it to the engines."""
@@ -259,8 +318,15 @@ class RolloutRole:
             on_engine_restarted=self._on_restart,
             log_dir=str(Path(run_dir) / "logs"),
         )
+        from launcher.delivery import DeliveryTracker
+
         self.sender = TrajectorySender(ingest, curve=curve, hwm=cfg.buffer.high_water_mark)
-        self.control = BufferClient(control, curve=curve)
+        self.control = BufferClient(control, curve=curve, timeout_s=BUFFER_REPLY_TIMEOUT_S)
+        # held until the buffer reports each group accepted: re-sent after a buffer restart,
+        # re-queued after a learner resume (launcher/delivery.py)
+        self.delivery = DeliveryTracker(self.reader, self.sender, self.control, cfg.rollout.n)
+        self._health_task: asyncio.Task | None = None
+        self._reconcile_task: asyncio.Task | None = None
         self.rewards = RewardRunner(
             timeout_s=cfg.rollout.reward_timeout_s, max_workers=cfg.rollout.reward_workers
         )
@@ -284,8 +350,8 @@ class RolloutRole:
                 for n, u in urls.items()
             },
             router=self.router,
-            reader=self.reader,
-            sender=self.sender,
+            reader=self.delivery.prompts(),
+            sender=self.delivery,
             admission_source=self.control.admission,
             reward_runner=self.rewards,
             tokenizer=self.tokenizer,
@@ -299,6 +365,43 @@ class RolloutRole:
 
     async def start_generation(self) -> None:
         self._task = asyncio.create_task(self.worker.run())
+        self._health_task = asyncio.create_task(self._watch_engines())
+        self._reconcile_task = asyncio.create_task(self._reconcile_loop())
+
+    async def _watch_engines(self) -> None:
+        """The fleet's health checks: dead or hung engines are replaced (see fleet.py)."""
+        while True:
+            try:
+                await self.fleet.run_health_checks()
+                return
+            except (OSError, RuntimeError, ValueError) as err:
+                log.error("engine health check round failed: %r; retrying", err)
+                await asyncio.sleep(HEALTH_LOOP_RETRY_S)
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await asyncio.sleep(RECONCILE_INTERVAL_S)
+            await self.reconcile()
+
+    async def reconcile(self) -> int:
+        """Forget groups the buffer holds whole; count (not raise) a buffer that is away."""
+        from buffer.transport import BufferRequestError, BufferTimeout
+
+        try:
+            return await asyncio.to_thread(self.delivery.reconcile)
+        except (BufferTimeout, BufferRequestError) as err:
+            log.warning("delivery reconcile: buffer not answering (%s)", err)
+            return -1
+
+    async def buffer_restarted(self) -> int:
+        """The buffer came back on the same addresses: re-send what it had not accepted."""
+        return await asyncio.to_thread(self.delivery.resend_unconfirmed)
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def engine_urls(self) -> dict[str, str]:
+        return self.fleet.urls()
 
     async def check(self) -> None:
         """Raise if the generation loop died."""
@@ -315,9 +418,30 @@ class RolloutRole:
         for name in names:
             self.fleet.mark_ready(name)
 
+    async def quarantine(self, names: list[str]) -> None:
+        """No requests to engines that missed a weight update until they hold current weights."""
+        for name in names:
+            self.router.mark_dead(name, "dropped from weight sync (missed a version)")
+
+    async def probe_engine(self, name: str, timeout_s: float = 2.0) -> bool:
+        """Whether engine ``name`` answers GET /health now (after a pause or a lost connection)."""
+        from rollout_fleet.client import EngineClient
+
+        url = self.fleet.urls().get(name)
+        if not url:
+            return False
+        client = EngineClient(url, api_key=self.api_key, timeout_s=timeout_s, retries=0)
+        try:
+            return bool(await asyncio.wait_for(client.health(), timeout_s))
+        except (TimeoutError, OSError):
+            return False
+        finally:
+            await client.close()
+
     async def metrics(self) -> dict[str, float]:
         out = dict(self.worker.metrics()) if self.worker else {}
         out.update(self.fleet.metrics())
+        out.update(self.delivery.metrics())
         return out
 
     async def validate(self) -> dict[str, float]:
@@ -329,12 +453,22 @@ class RolloutRole:
         return await self.worker.validate(reader.iter_once(self.cfg.data.val_max_samples))
 
     async def reader_state(self) -> dict[str, Any]:
-        return self.reader.state_dict()
+        """The reader's cursor plus the prompts started but not yet accepted by the buffer."""
+        from buffer.transport import BufferRequestError, BufferTimeout
+
+        try:
+            await asyncio.to_thread(self.delivery.reconcile)
+        except (BufferTimeout, BufferRequestError) as err:  # keep more unfinished: safe
+            log.warning("reader state without a fresh reconcile: %s", err)
+        return self.delivery.state_dict()
 
     async def load_reader_state(self, state: dict[str, Any]) -> None:
-        self.reader.load_state_dict(state)
+        self.delivery.load_state_dict(state)
 
     async def stop(self, deadline_s: float = 5.0) -> None:
+        for task in (self._health_task, self._reconcile_task):
+            if task is not None:
+                task.cancel()
         if self.worker is not None:
             await self.worker.stop(deadline_s)
             if self._task is not None:
