@@ -8,14 +8,11 @@ At the largest η a second run swaps the decoupled correction for the bypass
 loss, so the score the correction buys is visible beside it.
 
 Long-tailed response lengths (what makes a synchronous trainer wait on
-stragglers): the train prompts carry ``extra_info.max_new_tokens``, drawn from
-a lognormal and capped at ``rollout.max_new_tokens``, with
-``extra_info.ignore_eos = true`` so each sample generates its whole budget (the
-"response budget" workload of serving benchmarks). A rollout worker that
-honours these fields scores the text up to the first stop token; one that does
-not generates ordinary (short) answers. The measured mean response length is
-recorded beside the requested one (``long_tail.honoured``), so the record says
-which case was measured. Validation prompts carry no budget.
+stragglers) come from the model itself: ``bench.e2e_workload`` warm-starts the
+tiny model on answers padded with a lognormal number of spaces (which the
+scorer ignores), so most responses stop early and a few run to the cap. The
+measured mean response length is recorded beside the target distribution.
+The model is built once per output folder, before any timed run.
 
 Figures per run, from its ``metrics.jsonl``: samples/s = trajectories trained
 per second of wall time after ``warmup_steps`` (validation time excluded when
@@ -32,14 +29,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bench.common import Progress, median, ratio, suite_json_path, suite_record, write_json
+from bench.e2e_workload import build_model, write_long_tail_data
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)
@@ -86,14 +83,14 @@ class E2ESizes:
 
 
 QUICK_SIZES = E2ESizes(
-    total_steps=16,
-    warmup_steps=3,
-    test_freq=8,
+    total_steps=32,
+    warmup_steps=4,
+    test_freq=16,
     train_batch_size=4,
     group_size=4,
-    max_new_tokens=32,
+    max_new_tokens=48,
     budget_median=4.0,
-    budget_sigma=1.0,
+    budget_sigma=1.1,
     train_size=400,
     val_size=20,
     hidden=64,
@@ -148,37 +145,6 @@ def sizes_from_flags(
     return sizes
 
 
-def long_tail_budgets(count: int, sizes: E2ESizes, seed: int) -> np.ndarray:
-    """Per-prompt response budgets: lognormal(log median, sigma), rounded, in [2, cap]."""
-    rng = np.random.default_rng([seed, 7])
-    draws = rng.lognormal(math.log(sizes.budget_median), sizes.budget_sigma, size=count)
-    return np.clip(np.rint(draws), 2, sizes.max_new_tokens).astype(np.int64)
-
-
-def write_long_tail_data(data_dir: Path, sizes: E2ESizes) -> tuple[Path, Path, dict[str, Any]]:
-    """Train Parquet with per-prompt budgets, validation Parquet without; plus budget stats."""
-    from fleetrl.data.schema import write_rows
-    from fleetrl.data.synth import get_task, make_rows
-
-    task = get_task(sizes.task)
-    train_rows = make_rows(task, "train", sizes.train_size, sizes.seed)
-    budgets = long_tail_budgets(len(train_rows), sizes, sizes.seed)
-    for row, budget in zip(train_rows, budgets, strict=True):
-        row["extra_info"] = {**row["extra_info"], "max_new_tokens": int(budget), "ignore_eos": True}
-    train = write_rows(train_rows, data_dir / "train.parquet")
-    val = write_rows(make_rows(task, "test", sizes.val_size, sizes.seed), data_dir / "val.parquet")
-    stats = {
-        "distribution": f"lognormal(median={sizes.budget_median}, sigma={sizes.budget_sigma}),"
-        f" clipped to [2, {sizes.max_new_tokens}]",
-        "mean": float(budgets.mean()),
-        "p50": float(np.percentile(budgets, 50)),
-        "p90": float(np.percentile(budgets, 90)),
-        "p99": float(np.percentile(budgets, 99)),
-        "max": int(budgets.max()),
-    }
-    return train, val, stats
-
-
 def run_overrides(
     sizes: E2ESizes,
     *,
@@ -203,9 +169,7 @@ def run_overrides(
         f"trainer.device={sizes.device}",
         f"trainer.seed={sizes.seed}",
         f"model.path={model_dir}",
-        "model.create_tiny=true",
-        f"model.tiny.hidden={sizes.hidden}",
-        f"model.tiny.layers={sizes.layers}",
+        "model.create_tiny=false",
         f"data.train_files=[{train_file}]",
         f"data.val_files=[{val_file}]",
         "data.synth_task=''",
@@ -303,7 +267,7 @@ def analyse_run(
         "rollout_idle_fraction": _first(last, ("rollout/idle_fraction",)),
         "staleness_max": max(staleness, default=None),
         "response_length_mean": sum(lengths) / len(lengths) if lengths else None,
-        "wall_s": elapsed[-1] if elapsed else None,
+        "loop_s": elapsed[-1] if elapsed else None,
     }
 
 
@@ -391,17 +355,23 @@ def run(
         max_new_tokens=max_new_tokens,
         device=device,
     )
+    reps = 1 if quick else max(1, reps)
     base = Path(base_config) if base_config is not None else DEFAULT_BASE_CONFIG
     train = train_fn or _default_train_fn()
     work = Path(out_dir) / "e2e"
     train_file, val_file, budget_stats = write_long_tail_data(work / "data", sizes)
-    # built (and warm-started) by the first run, reused by the others and by later invocations
+    base_cfg = load_run_config(base if base.is_file() else None, [])
+    # built once, reused by every run and by later invocations on the same folder
     warm = "base" if sizes.warmstart_steps is None else sizes.warmstart_steps
-    model_dir = work / f"model-h{sizes.hidden}-l{sizes.layers}-w{warm}"
+    model_dir = work / (
+        f"model-h{sizes.hidden}-l{sizes.layers}-w{warm}"
+        f"-len{sizes.budget_median:g}x{sizes.budget_sigma:g}-cap{sizes.max_new_tokens}"
+    )
+    progress = Progress(SUITE, total=(len(etas) + 1) * reps)
+    progress.note(f"building the warm-started model at {model_dir} (once per output folder)")
+    build_model(model_dir, train_file, sizes, base_cfg.model.warmstart, base_cfg.model.tiny)
     max_eta = max(etas)
-    reps = 1 if quick else max(1, reps)
     plan = [(eta, "decoupled") for eta in etas] + [(max_eta, "bypass")]
-    progress = Progress(SUITE, total=len(plan) * reps)
     runs: list[dict[str, Any]] = []
     for rep in range(reps):
         order = plan if rep % 2 == 0 else list(reversed(plan))
@@ -419,6 +389,8 @@ def run(
                 max_eta=max_eta,
             )
             cfg = load_run_config(base if base.is_file() else None, overrides)
+            if run_dir.exists():  # metrics.jsonl is appended to: start every run afresh
+                shutil.rmtree(run_dir)
             progress.note(f"training {label} (rep {rep + 1}/{reps}) -> {run_dir}")
             result = train(cfg)
             rows = read_metrics(result["metrics_path"])
@@ -440,18 +412,19 @@ def run(
                     **figures,
                 }
             )
-            progress.step(
-                f"{label}: {figures['samples_per_s'] or float('nan'):.3g} samples/s,"
-                f" val score {figures['final_val_score']}, trainer idle"
-                f" {figures['trainer_idle_fraction']}, rollout idle {figures['rollout_idle_fraction']}"
-            )
+            shown = {
+                k: f"{v:.3g}" if isinstance(v, float) else v
+                for k, v in figures.items()
+                if k not in ("curve", "throughput_method")
+            }
+            progress.step(f"{label}: {shown}")
     summary = summarise(runs, etas)
     lengths = [r["response_length_mean"] for r in runs if r["response_length_mean"] is not None]
     measured_length = median(lengths) if lengths else None
     long_tail = {
         "requested_budget": budget_stats,
         "measured_response_length_mean": measured_length,
-        # the worker honours the budgets when responses are about as long as requested
+        # the long tail is there when responses are about as long as the targets
         "honoured": None
         if measured_length is None
         else bool(measured_length >= 0.5 * budget_stats["mean"]),

@@ -211,7 +211,9 @@ def markdown(records: Mapping[str, Mapping[str, Any]]) -> str:
             lines.append(f"Error: {fmt(record.get('error'))}")
             continue
         wall = record.get("wall_s")
-        lines.append(f"Wall time {fmt(wall)} s; config: `{fmt(record.get('config'))}`")
+        config = record.get("config") or {}
+        shown = ", ".join(f"{k}={v}" for k, v in config.items() if v not in (None, [], {}, ""))
+        lines.append(f"Wall time {fmt(wall)} s. Config: {fmt(shown)}.")
         if extra:
             lines += ["", "| figure | value |", "|---|---|"]
             lines += [f"| {k} | {fmt(v)} |" for k, v in extra.items()]

@@ -8,18 +8,26 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from bench import e2e
+from bench import e2e, e2e_workload
 from bench.common import read_json
 from launcher.config import load_run_config
 
 TINY = e2e.dataclasses.replace(
-    e2e.QUICK_SIZES, total_steps=6, warmup_steps=2, test_freq=3, train_size=40, val_size=5
+    e2e.QUICK_SIZES,
+    total_steps=6,
+    warmup_steps=2,
+    test_freq=3,
+    train_size=40,
+    val_size=5,
+    hidden=16,
+    layers=1,
+    warmstart_steps=0,
 )
 
 
 def test_budgets_are_long_tailed_and_within_the_cap():
     sizes = e2e.dataclasses.replace(TINY, max_new_tokens=64, budget_median=4.0, budget_sigma=1.0)
-    budgets = e2e.long_tail_budgets(5000, sizes, seed=0)
+    budgets = e2e_workload.long_tail_budgets(5000, sizes, seed=0)
     assert budgets.min() >= 2 and budgets.max() <= 64
     # long tail: the mean sits well above the median, and the cap is reached
     assert budgets.mean() > 1.3 * float(sorted(budgets)[len(budgets) // 2])
@@ -27,13 +35,30 @@ def test_budgets_are_long_tailed_and_within_the_cap():
 
 
 def test_train_rows_carry_budgets_and_validation_rows_do_not(tmp_path):
-    train, val, stats = e2e.write_long_tail_data(tmp_path, TINY)
+    train, val, stats = e2e_workload.write_long_tail_data(tmp_path, TINY)
     train_info = pq.read_table(train).column("extra_info").to_pylist()
     val_info = pq.read_table(val).column("extra_info").to_pylist()
     assert all(2 <= row["max_new_tokens"] <= TINY.max_new_tokens for row in train_info)
-    assert all(row["ignore_eos"] is True for row in train_info)
     assert all("max_new_tokens" not in row for row in val_info)
     assert stats["max"] <= TINY.max_new_tokens and stats["p90"] >= stats["p50"]
+
+
+def test_warm_start_answers_are_noised_first_then_padded_to_the_length_target(tmp_path):
+    train, _, _ = e2e_workload.write_long_tail_data(tmp_path, TINY)
+    table = pq.read_table(train).to_pylist()
+    clean = e2e_workload.padded_examples(train, label_noise=0.0, seed=0)
+    noisy = e2e_workload.padded_examples(train, label_noise=1.0, seed=0)
+    for row, (_, answer), (_, wrong) in zip(table, clean, noisy, strict=True):
+        truth = row["reward_model"]["ground_truth"]
+        target = row["extra_info"]["max_new_tokens"] - 1
+        assert answer.strip() == truth and len(answer) == max(target, len(truth))
+        assert wrong.strip() == str(int(truth) + 1) and len(wrong) >= target
+
+
+def test_the_synth_scorer_ignores_the_padding():
+    from rollout_fleet.rewards.synth import compute_score
+
+    assert compute_score("8" + e2e_workload.PAD * 20, "8")["score"] == 1.0
 
 
 def test_overrides_make_a_valid_run_config_that_differs_only_in_eta_and_correction(tmp_path):
@@ -58,6 +83,7 @@ def test_overrides_make_a_valid_run_config_that_differs_only_in_eta_and_correcti
     )
     assert sync.rollout.max_concurrent_groups == bypass.rollout.max_concurrent_groups == 5 * 4
     assert sync.data.train_files == [str(tmp_path / "t.parquet")] and sync.data.synth_task == ""
+    assert sync.model.path == str(tmp_path / "m") and not sync.model.create_tiny
 
 
 def _rows(step_s: float, gen_s: float, steps: int, val_every: int) -> list[dict]:
