@@ -353,6 +353,7 @@ class RolloutRole:
             reader=self.delivery.prompts(),
             sender=self.delivery,
             admission_source=self.control.admission,
+            delivery_source=self.control.group_status,
             reward_runner=self.rewards,
             tokenizer=self.tokenizer,
             groups_per_version=cfg.data.train_batch_size * cfg.weight_sync.sync_every,

@@ -116,6 +116,7 @@ class RolloutWorker:
         max_staleness: int,
         stop_token_ids: list[int] | None = None,
         client_factory: Callable[[str], GenerateClient] | None = None,
+        delivery_source: Callable[[list[str]], list[int]] | None = None,
     ):
         self.config = config
         self.router = router
@@ -129,6 +130,11 @@ class RolloutWorker:
         self._prompts = iter(reader)
         self._sender = sender
         self._admission_source = admission_source
+        # groups sent but not yet seen durably accepted by the buffer: still "running" for
+        # admission, or a group in ZeroMQ transit would be in neither count and admission
+        # would run ahead of the staleness bound (``BufferClient.group_status``)
+        self._delivery_source = delivery_source
+        self._in_transit: dict[str, int] = {}
         self._reward = reward_runner
         self._tokenizer = tokenizer
         self.admission = StalenessAdmission(
@@ -165,8 +171,9 @@ class RolloutWorker:
 
     @property
     def running_groups(self) -> int:
-        """Groups started and not yet fully sent (or dropped)."""
-        return len(self._groups)
+        """Groups started and not yet fully sent (or dropped), plus those sent but not yet
+        acknowledged by the buffer (when a ``delivery_source`` is given)."""
+        return len(self._groups) + len(self._in_transit)
 
     def add_engine(self, name: str, client: GenerateClient) -> None:
         """Use ``client`` for engine ``name`` (register the engine with the router too)."""
@@ -307,6 +314,7 @@ class RolloutWorker:
     # ---- admission ------------------------------------------------------------------------
 
     async def _capacity(self) -> int:
+        await self._settle_in_transit()
         state = await self._poll_admission()
         if state is None:
             return 0
@@ -326,6 +334,22 @@ class RolloutWorker:
             self.admission_errors += 1
             log.warning("admission poll failed (%d so far): %s", self.admission_errors, err)
             return None
+
+    async def _settle_in_transit(self) -> None:
+        """Forget sent groups that the buffer now holds in full (asked before admission)."""
+        if self._delivery_source is None or not self._in_transit:
+            return
+        ids = list(self._in_transit)
+        loop = asyncio.get_running_loop()
+        try:
+            counts = await loop.run_in_executor(self._admission_thread, self._delivery_source, ids)
+        except (OSError, TimeoutError, RuntimeError, ValueError) as err:
+            self.admission_errors += 1
+            log.warning("delivery check failed (%d so far): %s", self.admission_errors, err)
+            return
+        for group_id, count in zip(ids, counts, strict=True):
+            if count >= self._in_transit[group_id]:
+                del self._in_transit[group_id]
 
     async def _sleep_until_woken(self, timeout_s: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -377,6 +401,8 @@ class RolloutWorker:
             self.send_s += time.monotonic() - t0
             self.groups_finished += 1
             self.samples_sent += len(trajectories)
+            if self._delivery_source is not None:
+                self._in_transit[group.group_id] = len(trajectories)
         except* SampleFailed as failures:
             self.groups_failed += 1
             log.error("group %s dropped: %s", group.group_id, failures.exceptions[0])
