@@ -31,6 +31,7 @@ def make_worker(
     prompts=None,
     groups_per_version=1000,
     max_staleness=0,
+    delivery_source=None,
     **config,
 ):
     router = Router()
@@ -55,6 +56,7 @@ def make_worker(
         tokenizer=FakeTokenizer(),
         groups_per_version=groups_per_version,
         max_staleness=max_staleness,
+        delivery_source=delivery_source,
     )
     return worker, router, sender
 
@@ -142,6 +144,33 @@ def test_admission_never_starts_more_groups_than_the_staleness_window_allows():
         polls = admission.polls
         await wait_for(lambda: admission.polls >= polls + 5)
         assert worker.groups_started == 6
+        await worker.stop()
+        await task
+
+    asyncio.run(scenario())
+
+
+def test_a_sent_group_counts_as_running_until_the_buffer_holds_it():
+    async def scenario():
+        engine = FakeEngine("a")
+        sender = CollectingSender()
+        admission = FakeAdmission()  # the buffer has accepted nothing yet (groups in transit)
+        delivered: dict[str, int] = {}
+        # eta = 0, B = 2: two groups, and no more while they are in neither count
+        worker, _, _ = make_worker(
+            [engine], n=2, sender=sender, admission=admission, groups_per_version=2,
+            delivery_source=lambda ids: [delivered.get(g, 0) for g in ids],
+        )  # fmt: skip
+        task = asyncio.create_task(worker.run())
+        await wait_for(lambda: len(sender.trajectories) == 4)
+        polls = admission.polls
+        await wait_for(lambda: admission.polls >= polls + 5)
+        assert worker.groups_started == 2 and worker.running_groups == 2
+        # the buffer now holds both groups and counts them accepted at version 1
+        for traj in sender.trajectories:
+            delivered[traj.group_id] = delivered.get(traj.group_id, 0) + 1
+        admission.sender, admission.group_size, admission.policy_version = sender, 2, 1
+        await wait_for(lambda: worker.groups_started == 4)
         await worker.stop()
         await task
 
