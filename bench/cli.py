@@ -10,7 +10,8 @@ state (Ray, process groups) in one cannot spoil the next; with ``--quick`` the
 children share a deadline that keeps the whole run under ten minutes. A suite
 that is missing, fails or times out still gets its JSON, with ``status: error``
 and a one-line ``error`` (``suite unavailable: ...``), and the table shows it.
-Either way ``bench.report`` then writes ``report.md`` and the plots.
+Either way ``bench.report`` then writes ``report.md`` and the plots (in the parent
+only: a child of ``all`` runs with ``FLEETRL_BENCH_CHILD=1`` and just writes its JSON).
 
 Exit status: 0 when every requested suite succeeded, 1 otherwise (files are
 written either way).
@@ -62,6 +63,7 @@ SIZE_PARAMETERS: dict[str, tuple[str, ...]] = {
     "max_new_tokens": ("max_new_tokens",),
     "device": ("device",),
 }
+CHILD_ENV = "FLEETRL_BENCH_CHILD"  # set for the children of `all`: the parent reports
 # --quick: seconds each child may run in `all` (unused time passes on to the next suite)
 QUICK_BUDGET_S: dict[str, float] = {
     "transport": 60.0,
@@ -286,6 +288,7 @@ def run_suite_in_child(
     t0 = time.monotonic()
     env = {
         **os.environ,
+        CHILD_ENV: "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
     }
     proc = subprocess.Popen(_child_command(suite, args, reps), env=env, start_new_session=True)
@@ -340,8 +343,10 @@ def main(args: argparse.Namespace) -> int:
         records[args.suite] = run_suite(
             args.suite, out_dir, quick=quick, reps=reps, flags=size_flags(args)
         )
-    written = report.write_report(out_dir)
     failed = [s for s, r in records.items() if r.get("status") != "ok"]
+    if os.environ.get(CHILD_ENV) == "1":
+        return 1 if failed else 0
+    written = report.write_report(out_dir)
     rows = [r for r in report.headline_rows(report.load_records(out_dir)) if r["suite"] in suites]
     for row in rows:
         value = report.fmt(row["value"])

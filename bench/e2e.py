@@ -267,6 +267,10 @@ def analyse_run(
         "rollout_idle_fraction": _first(last, ("rollout/idle_fraction",)),
         "staleness_max": max(staleness, default=None),
         "response_length_mean": sum(lengths) / len(lengths) if lengths else None,
+        # samples/s rewards short responses; tokens/s shows whether a policy just answers shorter
+        "response_tokens_per_s": samples_per_s * sum(lengths) / len(lengths)
+        if samples_per_s is not None and lengths
+        else None,
         "loop_s": elapsed[-1] if elapsed else None,
     }
 
@@ -286,6 +290,7 @@ def summarise(runs: list[dict[str, Any]], etas: Sequence[int]) -> dict[str, Any]
                 "final_val_score",
                 "trainer_idle_fraction",
                 "rollout_idle_fraction",
+                "response_tokens_per_s",
             )
         }
     sync = per_eta.get(0, {}).get("samples_per_s")
@@ -302,6 +307,7 @@ def summarise(runs: list[dict[str, Any]], etas: Sequence[int]) -> dict[str, Any]
         summary[f"val_score_eta{eta}"] = figures["final_val_score"]
         summary[f"trainer_idle_eta{eta}"] = figures["trainer_idle_fraction"]
         summary[f"rollout_idle_eta{eta}"] = figures["rollout_idle_fraction"]
+        summary[f"response_tokens_per_s_eta{eta}"] = figures["response_tokens_per_s"]
     bypass = [
         r for r in runs if r["correction"] == "bypass" and r.get("final_val_score") is not None
     ]

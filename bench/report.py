@@ -158,8 +158,8 @@ def _e2e_lines(record: Mapping[str, Any]) -> list[str]:
         return []
     lines = [
         "",
-        "| run | η | correction | samples/s | final val score | best val score | trainer idle | rollout idle | staleness max | mean response tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| run | η | correction | samples/s | response tokens/s | final val score | best val score | trainer idle | rollout idle | staleness max | mean response tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         lines.append(
@@ -171,6 +171,7 @@ def _e2e_lines(record: Mapping[str, Any]) -> list[str]:
                     "eta",
                     "correction",
                     "samples_per_s",
+                    "response_tokens_per_s",
                     "final_val_score",
                     "best_val_score",
                     "trainer_idle_fraction",
@@ -182,6 +183,16 @@ def _e2e_lines(record: Mapping[str, Any]) -> list[str]:
             + " |"
         )
     return lines
+
+
+def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def markdown(records: Mapping[str, Mapping[str, Any]]) -> str:
@@ -211,7 +222,7 @@ def markdown(records: Mapping[str, Mapping[str, Any]]) -> str:
             lines.append(f"Error: {fmt(record.get('error'))}")
             continue
         wall = record.get("wall_s")
-        config = record.get("config") or {}
+        config = _flatten(record.get("config") or {})
         shown = ", ".join(f"{k}={v}" for k, v in config.items() if v not in (None, [], {}, ""))
         lines.append(f"Wall time {fmt(wall)} s. Config: {fmt(shown)}.")
         if extra:
@@ -310,7 +321,7 @@ def plot_e2e_scores(record: Mapping[str, Any], path: Path) -> Path | None:
             markersize=3,
             label=str(run.get("label")),
         )
-    ax.set_xlabel("wall time (s)")
+    ax.set_xlabel("training-loop wall time (s, after start-up)")
     ax.set_ylabel("validation score")
     ax.set_title("e2e: validation score vs wall time per η")
     ax.grid(alpha=0.3)

@@ -131,3 +131,18 @@ def test_child_command_forwards_every_size_flag():
         "128",
     ]
     assert cmd[cmd.index("--learner-ranks") + 1] == "2"
+
+
+def test_a_child_of_all_writes_its_json_but_leaves_the_report_to_the_parent(
+    tmp_path, monkeypatch, capsys
+):
+    _fake_suite(
+        monkeypatch,
+        "learner",
+        lambda out_dir, quick: {"summary": {"packed_vs_padded": 1.2}},
+    )
+    monkeypatch.setenv(cli.CHILD_ENV, "1")
+    args = build_parser().parse_args(["bench", "learner", "--out", str(tmp_path), "--quick"])
+    assert cli.main(args) == 0
+    assert read_json(tmp_path / "learner.json")["summary"]["packed_vs_padded"] == 1.2
+    assert not (tmp_path / "report.md").exists() and capsys.readouterr().out == ""
