@@ -252,11 +252,18 @@ def _one_line(err: BaseException) -> str:
 
 
 # ---- processes (tests and the soak script) ---------------------------------------------
+def import_psutil() -> Any:
+    """psutil as Ray bundles it (importing ray puts its third-party folder on sys.path)."""
+    import importlib
+
+    import ray  # noqa: F401
+
+    return importlib.import_module("psutil")
+
+
 def listening_pid(port: int) -> int | None:
     """The pid of the process listening on TCP ``port`` (this user's processes), or None."""
-    import psutil
-    import ray  # noqa: F401 - puts Ray's bundled psutil on sys.path
-
+    psutil = import_psutil()
     for conn in psutil.net_connections(kind="tcp"):
         if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
             return conn.pid
@@ -265,9 +272,7 @@ def listening_pid(port: int) -> int | None:
 
 def alive_pids(pids: Iterable[int]) -> list[int]:
     """The ones of ``pids`` that still run (zombies count as gone)."""
-    import psutil
-    import ray  # noqa: F401
-
+    psutil = import_psutil()
     out = []
     for pid in pids:
         try:
