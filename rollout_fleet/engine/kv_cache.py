@@ -62,7 +62,7 @@ class BatchKVCache:
         self.dtype = dtype
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
         self.positions = torch.zeros(0, dtype=torch.long, device=device)
         self.length = 0
 
@@ -100,7 +100,7 @@ class BatchKVCache:
         template = new_kv[0][0][0] if new_kv else self.keys[0]
         heads, head_dim = template.shape[1], template.shape[3]
 
-        mask = torch.zeros(rows, capacity, dtype=torch.long, device=self.device)
+        mask = torch.zeros(rows, capacity, dtype=torch.bool, device=self.device)
         positions = torch.zeros(rows, dtype=torch.long, device=self.device)
         n_keep = len(keep_rows)
         if n_keep:
@@ -125,7 +125,7 @@ class BatchKVCache:
             values.append(v_buf)
         row = n_keep
         for count, plen in zip(new_counts, new_lens, strict=True):
-            mask[row : row + count, length - plen : length] = 1
+            mask[row : row + count, length - plen : length] = True
             positions[row : row + count] = plen
             row += count
         self.keys, self.values, self.mask, self.positions = keys, values, mask, positions
@@ -133,7 +133,7 @@ class BatchKVCache:
 
     def clear(self) -> None:
         self.keys, self.values = [], []
-        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        self.mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
         self.positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self.length = 0
 
@@ -144,8 +144,8 @@ class BatchKVCache:
         self.rebuild(list(range(self.rows)), [], reserve=max(GROWTH_COLUMNS, self.length))
 
     def step_mask(self) -> torch.Tensor:
-        """Mark column ``length`` valid for every row; return the 2-D mask a decode step uses."""
-        self.mask[:, self.length] = 1
+        """Mark column ``length`` valid for every row; return the 2-D bool mask a decode step uses."""
+        self.mask[:, self.length] = True
         return self.mask[:, : self.length + 1]
 
     def advance(self) -> None:
