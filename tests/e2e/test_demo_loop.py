@@ -4,14 +4,19 @@ Proves: trajectories flow from the fleet through the buffer into the learner,
 the staleness bound η = 2 holds on every step, every version's weights reach
 the engine (verified by digest), metrics.jsonl carries the documented metric
 names with step and policy_version, the score curve is drawn, exit status 0.
+Then the same command, run again, resumes where the first stopped, and Ctrl-C
+(SIGINT to the whole process group, as a terminal sends it) ends it gracefully:
+a checkpoint at the step reached, exit status 0.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REQUIRED_METRICS = [
@@ -35,10 +40,8 @@ REQUIRED_METRICS = [
 ]
 
 
-def test_demo_config_runs_async_loop_with_bounded_staleness(tmp_path: Path):
-    run_dir = tmp_path / "run"
-    steps = 6
-    cmd = [
+def _command(tmp_path: Path, run_dir: Path, steps: int) -> list[str]:
+    return [
         sys.executable, "-m", "launcher.cli", "train", "--config", "configs/demo_cpu.yaml",
         f"trainer.output_dir={run_dir}",
         f"trainer.total_steps={steps}",
@@ -51,12 +54,25 @@ def test_demo_config_runs_async_loop_with_bounded_staleness(tmp_path: Path):
         f"data.val_files=[{tmp_path / 'data' / 'test.parquet'}]",
         "data.val_max_samples=32",
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=480)
+
+
+ENV = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_demo_config_runs_async_loop_with_bounded_staleness(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    steps = 6
+    cmd = _command(tmp_path, run_dir, steps)
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = _records(run_dir)
     train_steps = [r for r in records if "actor/pg_loss" in r]
     assert [r["step"] for r in train_steps] == list(range(1, steps + 1))
     for record in train_steps:
@@ -74,3 +90,27 @@ def test_demo_config_runs_async_loop_with_bounded_staleness(tmp_path: Path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["samples"] == steps * 16 * 8
     assert "held-out score" in proc.stdout
+
+    # the same command again, longer: it resumes at step 6; Ctrl-C then stops it cleanly
+    log = (tmp_path / "resume.log").open("w")
+    resumed = subprocess.Popen(
+        _command(tmp_path, run_dir, 1000), cwd=REPO, env=ENV, stdout=log, stderr=log,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while max((r["step"] for r in _records(run_dir)), default=0) < steps + 2:
+            assert resumed.poll() is None, (tmp_path / "resume.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the resumed run made no progress"
+            time.sleep(0.5)
+        os.killpg(resumed.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        assert resumed.wait(timeout=120) == 0, (tmp_path / "resume.log").read_text()[-3000:]
+    finally:
+        if resumed.poll() is None:
+            os.killpg(resumed.pid, signal.SIGKILL)
+    later = [r for r in _records(run_dir) if "actor/pg_loss" in r and r["step"] > steps]
+    assert [r["step"] for r in later] == list(range(steps + 1, later[-1]["step"] + 1))
+    assert later[0]["policy_version"] == steps + 1  # versions continue from the checkpoint
+    assert all(r["staleness/max"] <= 2 for r in later)
+    assert (run_dir / "checkpoints" / f"step_{later[-1]['step']}").is_dir()
+    assert json.loads((run_dir / "summary.json").read_text())["interrupted"] == "SIGINT"
