@@ -42,9 +42,7 @@ COMPLETE_MARKER = "COMPLETE"
 META_FILE = "meta.json"
 HF_DIR = "hf"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_HF_FILES = (
-    "config.json",
-    "generation_config.json",
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -54,6 +52,7 @@ _HF_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
+_HF_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 
 
 class CheckpointError(ValueError):

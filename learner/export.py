@@ -23,6 +23,7 @@ from fleetrl.log import get_logger
 from learner.checkpoint import (
     COMPLETE_MARKER,
     HF_DIR,
+    TOKENIZER_FILES,
     CheckpointError,
     latest_complete_checkpoint,
     read_meta,
@@ -31,16 +32,6 @@ from learner.checkpoint import (
 log = get_logger(__name__)
 
 _POLICY_PREFIX = "policy."
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -96,7 +87,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
-    for name in _TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:
         if (hf / name).is_file():
             shutil.copy2(hf / name, out / name)
     log.info("exported %s to %s (%s)", step_dir, out, dtype)
