@@ -11,7 +11,8 @@ as decoding each sequence alone (padding columns get zero attention weight).
 
 ``rebuild`` is the single reshaping operation: it keeps a chosen subset of rows,
 appends freshly prefilled rows (whose KV is all real tokens), drops leading
-columns no remaining row uses, and reserves room to grow. It runs only when rows
+columns no remaining row uses, and reserves room to grow (reserved columns are
+left uninitialised: they are written before anything reads them). It runs only when rows
 join or leave, never per decode step. ``hf_cache()`` wraps the buffers in a
 transformers ``Cache`` whose layers write the new token in place at ``length``.
 
@@ -106,18 +107,25 @@ class BatchKVCache:
         if n_keep:
             mask[:n_keep, length - kept_len : length] = old_mask[:, first_used:]
             positions[:n_keep] = self.positions[keep]
+        # Only the left padding (columns before ``length`` a row does not fill) must be
+        # zeroed: attention reads it, masked, so it must stay finite. Columns from
+        # ``length`` on are always written before they are read.
+        same_rows = keep_rows == list(range(self.rows))
         keys, values = [], []
         for layer in range(self.num_layers):
-            k_buf = torch.zeros(
+            k_buf = torch.empty(
                 rows, heads, capacity, head_dim, dtype=self.dtype, device=self.device
             )
-            v_buf = torch.zeros_like(k_buf)
-            if n_keep:
-                src = slice(first_used, self.length)
-                k_buf[:n_keep, :, length - kept_len : length] = self.keys[layer][keep][:, :, src]
-                v_buf[:n_keep, :, length - kept_len : length] = self.values[layer][keep][:, :, src]
+            v_buf = torch.empty_like(k_buf)
+            for old, buf in ((self.keys, k_buf), (self.values, v_buf)):
+                if n_keep:
+                    buf[:n_keep, :, : length - kept_len].zero_()
+                    src = old[layer][:, :, first_used : self.length]
+                    buf[:n_keep, :, length - kept_len : length] = src if same_rows else src[keep]
             row = n_keep
             for (nk, nv), count, plen in zip(new_kv, new_counts, new_lens, strict=True):
+                k_buf[row : row + count, :, : length - plen].zero_()
+                v_buf[row : row + count, :, : length - plen].zero_()
                 k_buf[row : row + count, :, length - plen : length] = nk[layer]
                 v_buf[row : row + count, :, length - plen : length] = nv[layer]
                 row += count

@@ -22,7 +22,10 @@ the same sequences on new weights, as PipelineRL does). All three pause until
 ``continue``; requests arriving meanwhile wait in the queue.
 
 Completion and streaming are reported through ``Sequence.on_event(seq, done)``,
-called from this thread; the HTTP layer hops it onto its event loop.
+called from this thread. Events are collected while one batch of tokens is
+recorded (or one command runs) and delivered together after it, then every
+``add_delivery_hook`` callback runs once: the HTTP layer queues events without waking its loop and wakes it once per
+burst, so its thread does not contend for the GIL with the rest of the step.
 
 Left out: priority scheduling, chunked prefill, preemption under memory pressure.
 """
@@ -115,7 +118,10 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._next_tokens = torch.zeros(0, dtype=torch.long, device=runner.device)
         self._batch_sampling: BatchSampling | None = None
+        self._outbox: list[tuple[Sequence, bool]] = []
+        self._delivery_hooks: list[Callable[[], None]] = []
         self.stats = {"decode_steps": 0, "prefills": 0, "generated_tokens": 0, "step_errors": 0}
+        self.stats["event_errors"] = 0
         self.last_step_at = time.monotonic()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -132,6 +138,10 @@ class Scheduler:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+    def add_delivery_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` on the scheduler thread after each burst of ``on_event`` calls."""
+        self._delivery_hooks.append(hook)
 
     @property
     def alive(self) -> bool:
@@ -190,7 +200,7 @@ class Scheduler:
                 continue
             seq.finish_reason = finish_reason_json(FINISH_ABORT, message=message)
             count += 1
-            seq.on_event(seq, True)
+            self._emit(seq, True)
         self.waiting = deque(s for s in self.waiting if not s.finished)
         self._splice([])
         return count
@@ -245,9 +255,35 @@ class Scheduler:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(fn())
+                result = fn()
             except Exception as err:  # handed to the caller through the future
+                self._deliver()
                 future.set_exception(err)
+            else:
+                # Events first: when the caller sees the result, callbacks have run.
+                self._deliver()
+                future.set_result(result)
+
+    def _emit(self, seq: Sequence, done: bool) -> None:
+        self._outbox.append((seq, done))
+
+    def _deliver(self) -> None:
+        """Run the collected ``on_event`` callbacks in order, then the delivery hooks."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, []
+        for seq, done in outbox:
+            try:
+                seq.on_event(seq, done)
+            except Exception:  # a consumer's bug must not stop the engine: count and log
+                self.stats["event_errors"] += 1
+                log.exception("%s: on_event failed for %s", self.name, seq.rid)
+        for hook in self._delivery_hooks:
+            try:
+                hook()
+            except Exception:  # as above
+                self.stats["event_errors"] += 1
+                log.exception("%s: delivery hook %r failed", self.name, hook)
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
@@ -272,14 +308,16 @@ class Scheduler:
                         seq.finish_reason = finish_reason_json(
                             FINISH_ABORT, message=f"engine error: {err}"
                         )
-                        seq.on_event(seq, True)
+                        self._emit(seq, True)
                 self.running = []
                 self.runner.kv.clear()
                 self._set_rows()
+            self._deliver()
         for seq in [*self.running, *self.waiting]:
             if not seq.finished:
                 seq.finish_reason = finish_reason_json(FINISH_ABORT, message="engine stopped")
-                seq.on_event(seq, True)
+                self._emit(seq, True)
+        self._deliver()
 
     def _has_work(self) -> bool:
         if self.paused_mode is not None:
@@ -379,10 +417,12 @@ class Scheduler:
             elif n_out >= seq.max_new_tokens or len(seq.prompt_ids) + n_out >= max_context:
                 seq.finish_reason = finish_reason_json(FINISH_LENGTH, length=seq.max_new_tokens)
             if seq.finished:
-                seq.on_event(seq, True)
+                self._emit(seq, True)
             elif seq.stream:
-                seq.on_event(seq, False)
+                self._emit(seq, False)
         self.stats["generated_tokens"] += len(tokens)
+        # Now, not at the end of the step: a streamed chunk must show exactly this token.
+        self._deliver()
 
     def _matched_stop(self, seq: Sequence) -> str | None:
         window = max(len(s) for s in seq.stop_strings) + 1

@@ -35,6 +35,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -103,6 +104,43 @@ async def _body(request: web.Request, struct: type, *, optional: bool = False) -
     return msgspec.json.decode(raw, type=struct)
 
 
+class EventRelay:
+    """Carries scheduler events to one event loop: ``put`` (scheduler thread) only queues;
+    ``wake`` (the scheduler's delivery hook, once per burst) schedules one drain on the loop.
+
+    One loop wake-up per decode step instead of one per finished sequence keeps the HTTP
+    thread from taking the GIL between the scheduler's per-sequence callbacks.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._pending: deque[tuple[asyncio.Queue, Any]] = deque()
+        self._lock = threading.Lock()
+        self._drain_scheduled = False
+
+    def put(self, queue: asyncio.Queue, item: Any) -> None:
+        self._pending.append((queue, item))
+
+    def wake(self) -> None:
+        if not self._pending:
+            return
+        with self._lock:
+            if self._drain_scheduled:
+                return
+            self._drain_scheduled = True
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        # Clear the flag before popping: an item queued after the last pop wakes a new drain.
+        with self._lock:
+            self._drain_scheduled = False
+        while self._pending:
+            queue, item = self._pending.popleft()
+            queue.put_nowait(item)
+
+
 class EmbeddedEngine:
     """An SGLang-compatible generation server over a Hugging Face causal LM."""
 
@@ -152,6 +190,8 @@ class EmbeddedEngine:
         self._thread: threading.Thread | None = None
         self._runner_web: web.AppRunner | None = None
         self.base_url: str | None = None
+        self._relays: list[EventRelay] = []
+        self.scheduler.add_delivery_hook(self._wake_relays)
         self.scheduler.start()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -276,9 +316,22 @@ class EmbeddedEngine:
 
     # -- generation ------------------------------------------------------------------------
 
+    def _relay(self, loop: asyncio.AbstractEventLoop) -> EventRelay:
+        """The relay for ``loop`` (normally one: the serving loop)."""
+        for relay in self._relays:
+            if relay.loop is loop:
+                return relay
+        relay = EventRelay(loop)
+        self._relays = [*(r for r in self._relays if not r.loop.is_closed()), relay]
+        return relay
+
+    def _wake_relays(self) -> None:
+        for relay in self._relays:
+            relay.wake()
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         req = await _body(request, P.GenerateRequest)
-        loop = asyncio.get_running_loop()
+        relay = self._relay(asyncio.get_running_loop())
         events: asyncio.Queue = asyncio.Queue()
 
         def on_event(seq: Sequence, done: bool) -> None:
@@ -290,7 +343,7 @@ class EmbeddedEngine:
                 seq.finish_reason,
                 self.scheduler.weight_version,
             )
-            loop.call_soon_threadsafe(events.put_nowait, snapshot)
+            relay.put(events, snapshot)
 
         items, batched = expand_generate(req, self.runner.tokenizer, self.limits, on_event)
         options = {id(seq): opt for seq, opt in items}
