@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # The CPU build of torch (an unpinned torch pulls a multi-GB CUDA build).
 TORCH  ?= torch==2.13.0
-DEMO_OUT ?= runs/demo
+DEMO_OUT ?= runs/demo/run
 
 .PHONY: demo test test-unit test-integration test-e2e lint format bench docs clean venv
 
@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,tensorboard]"
 	touch $(STAMP)
 
+# The demo run starts afresh each time (the tiny model and data it built are reused).
 demo: $(STAMP)
+	rm -rf $(DEMO_OUT)
 	$(VENV)/bin/fleetrl train --config configs/demo_cpu.yaml trainer.output_dir=$(DEMO_OUT)
 
 test: $(STAMP) lint
