@@ -2,15 +2,25 @@
 
 Both sides decode the same ``batch`` prompts for exactly ``max_new_tokens``
 tokens (EOS ignored, so lengths are equal), at temperature 1, on the same
-device and thread count, in alternation (``bench.common.alternate``); figures
+device and thread count, in alternation (as ``bench.common.alternate`` does); figures
 are output tokens per second, medians over ``reps``.
 
 - engine: an in-process ``EmbeddedEngine`` behind its HTTP server, driven the
   way rollout workers drive it: ``batch`` concurrent ``/generate`` requests
-  through ``EngineClient`` (so HTTP, JSON and scheduling costs are included);
-- baseline: one ``model.generate(do_sample=True)`` call on the padded batch.
+  through one long-lived ``EngineClient`` (so HTTP, JSON and scheduling costs
+  are included; client, server and scheduler share this process and its GIL);
+- remote client: the same requests from a client in a child process, as in a
+  real run (engine and rollout workers are separate Ray actors), so the
+  client's own Python work does not share the engine's GIL;
+- scheduler: the same engine's scheduler fed the same prompts in-process (no
+  HTTP), to separate engine speed from serving overhead;
+- baseline: one ``model.generate(do_sample=True)`` call on the batch (equal
+  prompt lengths, so no padding), with the HF model the engine serves.
 
-Headline: ``summary.vs_hf_generate`` = engine tokens/s / generate tokens/s.
+Headline: ``summary.vs_hf_generate`` = engine (over HTTP, client in-process)
+tokens/s / generate tokens/s; ``summary.remote_client_vs_hf_generate`` with the
+client in its own process; ``summary.scheduler_vs_hf_generate`` without HTTP. The
+``paired_*`` figures are medians of per-round ratios, steadier on a shared machine.
 
 Run: ``python -m bench.rollout --out DIR [--quick]`` or ``fleetrl bench rollout --out DIR``.
 Left out: SGLang (GPU nodes only), prefill-heavy workloads, varying lengths.
@@ -22,20 +32,161 @@ import argparse
 import asyncio
 import json
 import random
+import subprocess
+import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import Progress, alternate, ratio, suite_json_path, suite_record, write_json
+from bench.common import (
+    Progress,
+    median,
+    ratio,
+    stats,
+    suite_json_path,
+    suite_record,
+    write_json,
+)
 from fleetrl.log import get_logger, setup_logging
 
 log = get_logger(__name__)
 
 PROMPT_TOKENS = 16
-QUICK = {"batch": 16, "max_new_tokens": 48, "hidden": 64, "layers": 2, "reps": 3}
+REMOTE_CLIENT_FLAG = "--remote-client"  # internal: run as _RemoteClient's child
+QUICK = {"batch": 16, "max_new_tokens": 48, "hidden": 64, "layers": 2, "reps": 5}
 FULL = {"batch": 32, "max_new_tokens": 128, "hidden": 256, "layers": 4, "reps": 5}
+
+
+def _scheduler_round(scheduler: Any, prompts: list[list[int]], max_new_tokens: int) -> float:
+    """Output tokens/s of the engine's scheduler driven in-process (no HTTP, no JSON)."""
+    from rollout_fleet.engine.sampling import RowSampling
+    from rollout_fleet.engine.scheduler import Sequence as EngineSequence
+
+    remaining = threading.Semaphore(0)
+
+    def on_event(seq: EngineSequence, done: bool) -> None:
+        if done:
+            remaining.release()
+
+    seqs = [
+        EngineSequence(
+            rid=f"bench-{i}",
+            parent_rid=f"bench-{i}",
+            prompt_ids=prompt,
+            max_new_tokens=max_new_tokens,
+            sampling=RowSampling(temperature=1.0),
+            stop_token_ids=frozenset(),
+            stop_strings=[],
+            on_event=on_event,
+            share_key=f"bench-{i}",
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+    t0 = time.perf_counter()
+    scheduler.submit(seqs).result()
+    for _ in seqs:
+        remaining.acquire()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(s.output_ids) for s in seqs)
+    if tokens != len(prompts) * max_new_tokens:
+        raise RuntimeError(f"scheduler produced {tokens} tokens, expected the full length")
+    return tokens / wall
+
+
+def _alternate_paired(
+    measures: dict[str, Callable[[], float]],
+    reps: int,
+    *,
+    progress: Progress,
+    baseline: str = "hf_generate_tokens_per_s",
+) -> tuple[dict[str, dict[str, Any]], dict[str, list[float]]]:
+    """Like ``bench.common.alternate`` (one warm-up round, then ``reps`` rounds in an order
+    reversed every other round), also returning each round's ratio to ``baseline``."""
+    names = list(measures)
+    for name in names:
+        measures[name]()
+    figures: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(reps):
+        order = names if round_index % 2 == 0 else list(reversed(names))
+        for name in order:
+            figures[name].append(float(measures[name]()))
+        latest = ", ".join(f"{n}={figures[n][-1]:.4g}" for n in names)
+        progress.note(f"engine vs generate rep {round_index + 1}/{reps}: {latest}")
+    paired = {
+        name: [a / b for a, b in zip(figures[name], figures[baseline], strict=True)]
+        for name in names
+        if name != baseline
+    }
+    return {name: stats(values) for name, values in figures.items()}, paired
+
+
+class _RemoteClient:
+    """A rollout-worker stand-in in its own process (as ``EngineActor`` and the workers are
+    separate Ray actors): each ``round()`` sends every prompt as one concurrent ``/generate``
+    and returns the output tokens/s the child measured."""
+
+    def __init__(self, url: str, prompts: list[list[int]], params: dict[str, Any]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.rollout", REMOTE_CLIENT_FLAG],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"url": url, "prompts": prompts, "params": params}) + "\n")
+        self.proc.stdin.flush()
+
+    def round(self) -> float:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"remote client exited with status {self.proc.wait()}")
+        return float(line)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # our own child, by its handle
+            self.proc.wait()
+
+
+def _remote_client_main() -> int:
+    """Child side of ``_RemoteClient``: a JSON config line, then one round per ``go`` line."""
+    from rollout_fleet.client import EngineClient
+
+    config = json.loads(sys.stdin.readline())
+    prompts, params = config["prompts"], config["params"]
+    expected = len(prompts) * params["max_new_tokens"]
+    client = EngineClient(config["url"], timeout_s=600)
+
+    async def one_round() -> float:
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(client.generate(p, params) for p in prompts))
+        wall = time.perf_counter() - t0
+        tokens = sum(len(o["output_ids"]) for o in outs)
+        if tokens != expected:
+            raise RuntimeError(f"engine produced {tokens} tokens, expected {expected}")
+        return tokens / wall
+
+    loop = asyncio.new_event_loop()
+    try:
+        for line in sys.stdin:
+            if line.strip() != "go":
+                break
+            sys.stdout.write(f"{loop.run_until_complete(one_round())}\n")
+            sys.stdout.flush()
+    finally:
+        loop.run_until_complete(client.close())
+        loop.close()
+    return 0
 
 
 def _first(value: int | Sequence[int] | None) -> int | None:
@@ -94,8 +245,13 @@ def run(
         engine = EmbeddedEngine(
             model_dir, engine_id="bench", device=device, max_running_requests=batch, num_threads=1
         )
+        # One long-lived client on one event loop, as a rollout worker holds it.
+        loop = asyncio.new_event_loop()
+        client: EngineClient | None = None
+        remote: _RemoteClient | None = None
         try:
             url = engine.start_server()
+            client = EngineClient(url, timeout_s=600)
             vocab = engine.runner.vocab_size
             rng = random.Random(0)
             prompts = [
@@ -104,18 +260,27 @@ def run(
             params = {"temperature": 1.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
             model = engine.runner.model
             hf_input = torch.tensor(prompts, device=engine.runner.device)
+            expected_tokens = batch * max_new_tokens
 
-            async def engine_round() -> float:
-                async with EngineClient(url, timeout_s=600) as client:
-                    t0 = time.perf_counter()
-                    outs = await asyncio.gather(*(client.generate(p, params) for p in prompts))
-                    wall = time.perf_counter() - t0
+            async def engine_requests() -> float:
+                assert client is not None
+                t0 = time.perf_counter()
+                outs = await asyncio.gather(*(client.generate(p, params) for p in prompts))
+                wall = time.perf_counter() - t0
                 tokens = sum(len(o["output_ids"]) for o in outs)
-                if tokens != batch * max_new_tokens:
+                if tokens != expected_tokens:
                     raise RuntimeError(
-                        f"engine produced {tokens} tokens, expected {batch * max_new_tokens}"
+                        f"engine produced {tokens} tokens, expected {expected_tokens}"
                     )
                 return tokens / wall
+
+            def engine_round() -> float:
+                return loop.run_until_complete(engine_requests())
+
+            remote = _RemoteClient(url, prompts, params)
+
+            def scheduler_round() -> float:
+                return _scheduler_round(engine.scheduler, prompts, max_new_tokens)
 
             def hf_round() -> float:
                 with torch.inference_mode():
@@ -134,26 +299,43 @@ def run(
                     wall = time.perf_counter() - t0
                 return (out.shape[1] - PROMPT_TOKENS) * batch / wall
 
-            figures = alternate(
+            figures, paired = _alternate_paired(
                 {
-                    "engine_tokens_per_s": lambda: asyncio.run(engine_round()),
+                    "engine_tokens_per_s": engine_round,
                     "hf_generate_tokens_per_s": hf_round,
+                    "scheduler_tokens_per_s": scheduler_round,
+                    "remote_client_tokens_per_s": remote.round,
                 },
                 reps,
                 progress=progress,
-                label="engine vs generate",
             )
             engine_stats = engine.scheduler.load()
         finally:
+            if remote is not None:
+                remote.close()
+            if client is not None:
+                loop.run_until_complete(client.close())
+            loop.close()
             engine.stop()
     engine_rate = figures["engine_tokens_per_s"]["median"]
     hf_rate = figures["hf_generate_tokens_per_s"]["median"]
+    scheduler_rate = figures["scheduler_tokens_per_s"]["median"]
+    remote_rate = figures["remote_client_tokens_per_s"]["median"]
     summary = {
         "vs_hf_generate": ratio(engine_rate, hf_rate),
         "engine_tokens_per_s": engine_rate,
         "hf_generate_tokens_per_s": hf_rate,
+        "scheduler_vs_hf_generate": ratio(scheduler_rate, hf_rate),
+        "scheduler_tokens_per_s": scheduler_rate,
+        "remote_client_vs_hf_generate": ratio(remote_rate, hf_rate),
+        "remote_client_tokens_per_s": remote_rate,
+        # Medians of per-round ratios (each against the generate run next to it):
+        # steadier than a ratio of medians on a machine shared with other work.
+        "paired_vs_hf_generate": median(paired["engine_tokens_per_s"]),
+        "paired_scheduler_vs_hf_generate": median(paired["scheduler_tokens_per_s"]),
+        "paired_remote_client_vs_hf_generate": median(paired["remote_client_tokens_per_s"]),
     }
-    results = {**figures, "engine_scheduler": engine_stats}
+    results = {**figures, "paired_ratios": paired, "engine_scheduler": engine_stats}
     write_json(
         suite_json_path(out_dir, "rollout"),
         suite_record(
@@ -174,6 +356,8 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == [REMOTE_CLIENT_FLAG]:
+        return _remote_client_main()
     parser = argparse.ArgumentParser(
         prog="python -m bench.rollout", description=__doc__.split("\n")[0]
     )
