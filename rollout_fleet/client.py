@@ -43,6 +43,10 @@ from fleetrl.log import get_logger
 log = get_logger(__name__)
 
 RETRY_BACKOFF_S = 0.5
+# msgspec's JSON codec: the same bytes as the stdlib's, several times cheaper per request
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder()
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class EngineError(RuntimeError):
@@ -167,8 +171,12 @@ class EngineClient:
         for attempt in range(attempts):
             last = attempt == attempts - 1
             try:
-                async with session.request(method, url, json=body, timeout=timeout) as resp:
-                    text = await resp.text()
+                data = None if body is None else _ENCODER.encode(body)
+                async with session.request(
+                    method, url, data=data, headers=_JSON_HEADERS if data else None, timeout=timeout
+                ) as resp:
+                    raw = await resp.read()
+                    text = raw.decode("utf-8", errors="replace")
                     if resp.status >= 500 and retry == "idempotent" and not last:
                         await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))
                         continue
@@ -178,7 +186,7 @@ class EngineClient:
                         )
                     if not expect_json:
                         return text
-                    return json.loads(text) if text.strip() else None
+                    return _DECODER.decode(raw) if raw.strip() else None
             except aiohttp.ClientConnectorError as err:  # never reached the server
                 if last or retry == "never":
                     raise EngineError(
@@ -189,7 +197,7 @@ class EngineClient:
                     raise EngineError(
                         self.base_url, endpoint, None, f"{type(err).__name__}: {err}"
                     ) from err
-            except json.JSONDecodeError as err:
+            except msgspec.DecodeError as err:
                 raise EngineError(
                     self.base_url, endpoint, None, f"response is not JSON: {err}"
                 ) from err
