@@ -27,9 +27,10 @@ and that is (or will be) trained on: groups dropped by a filter or refused as
 stale are not counted, or generation would stall waiting for versions that
 never come. Resume from a checkpoint at version ``v`` (the known peer bug: the
 bound silently breaks after recovery when ``accepted`` is restored as it was at
-the crash, or restarts from zero): the groups consumed up to the checkpoint are
-exactly ``v * B``, so ``accepted`` must restart at ``v * B`` plus the groups the
-buffer still holds for training (``reset_accepted_for_resume``). Anything
+the crash, or restarts from zero): ``accepted`` must restart at the groups
+consumed up to the checkpoint (its hand-out watermark, ``v * B`` on a version
+boundary) plus the groups the buffer still holds for training
+(``GroupStore.reset_accepted_for_resume``). Anything
 generated after the checkpoint and lost does not count.
 
 Left out: per-sample (rather than per-group) accounting; partial groups count
@@ -77,12 +78,3 @@ class StalenessAdmission:
     ) -> int:
         """Versions between the policy now and the one that will train a group started now."""
         return (accepted_groups + running_groups) // self.groups_per_version - policy_version
-
-
-def accepted_after_resume(version: int, groups_per_version: int, waiting_groups: int) -> int:
-    """``accepted`` after a learner resume at ``version``: consumed (v*B) + still waiting."""
-    if version < 0 or waiting_groups < 0:
-        raise ValueError(
-            f"version and waiting_groups must be >= 0, got {version}, {waiting_groups}"
-        )
-    return version * groups_per_version + waiting_groups

@@ -304,9 +304,7 @@ class BufferCore:
             if watermark != self.handout_count:
                 self._rewind(watermark)
             self.policy_version = version
-            offset = self.store.reset_accepted_for_resume(
-                version, self.admission.groups_per_version
-            )
+            offset = self.store.reset_accepted_for_resume(watermark)
             self.bank.record(ResumeMark(version, watermark, offset), sync=True)
             log.info(
                 "learner resumed at version %d, watermark %d: accepted_groups := %d",

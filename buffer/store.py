@@ -213,9 +213,15 @@ class GroupStore:
         self.counters["refused_stale"] += count
         self._accepted_raw -= count
 
-    def reset_accepted_for_resume(self, version: int, groups_per_version: int) -> int:
-        """``accepted_groups := version * B + ready groups``; returns the new offset."""
-        target = version * groups_per_version + len(self._ready)
+    def reset_accepted_for_resume(self, consumed_groups: int) -> int:
+        """``accepted_groups := groups consumed up to the checkpoint + ready groups``.
+
+        ``consumed_groups`` is the checkpoint's hand-out watermark: ``v * B`` when the
+        checkpoint fell on a version boundary, more when it fell between two (with
+        ``sync_every > 1``); using ``v * B`` there would admit up to a version too many.
+        Returns the new offset.
+        """
+        target = consumed_groups + len(self._ready)
         self.accepted_offset = self._accepted_raw - target
         return self.accepted_offset
 

@@ -245,17 +245,17 @@ class LearnerRole:
             metrics = send(stream, version)
             out = metrics.as_log_dict()
             out["weight_sync/seconds"] = metrics.total_s
-            return out
-        except WeightSyncError as err:
+        except WeightSyncError as err:  # the engines named were dropped; the others hold v
             log.error("weight sync of version %d: %s", version, err)
             out = err.metrics.as_log_dict() if err.metrics is not None else {}
             out["weight_sync/num_failed"] = float(len(err.engines))
             out["weight_sync/needs_resend"] = float(err.needs_resend)
             out["weight_sync/seconds"] = err.metrics.total_s if err.metrics is not None else 0.0
-            return out
-        finally:
-            # admission's clock moves only once the engines hold version v
-            self.buffer.publish_version(version)
+            if err.needs_resend:
+                return out  # survivors hold part of v: the driver sends v again first
+        # admission's clock moves only once the engines (those still members) hold version v
+        self.buffer.publish_version(version)
+        return out
 
     def close(self) -> None:
         if self.sender is not None:

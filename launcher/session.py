@@ -85,6 +85,7 @@ class Run:
         self.secrets = make_run_secrets(not local if self.secure is None else self.secure)
         if self.secrets.secure:
             log.info("CURVE on every buffer socket and an API key on every engine (this run's)")
+        self.set_aside_unowned_bank()
         ingest, control = self.start_buffer()
 
         pg = learner_placement_group(cfg)
@@ -214,7 +215,26 @@ class Run:
                 reset,
             )
             return extra
+        if checkpoint_candidates(self.ckpt_root):
+            raise TrainingStopped(
+                f"no checkpoint under {self.ckpt_root} loads (see the errors above), and the "
+                f"rollout bank {self.bank_dir} belongs to that run: fix or remove them to go on"
+            )
         return {}
+
+    def set_aside_unowned_bank(self) -> None:
+        """A bank no checkpoint will resume (fresh start) is moved aside, not reloaded.
+
+        Reloading it would serve an earlier run's groups and counters to a learner that
+        starts again at version 0.
+        """
+        bank = Path(self.bank_dir)
+        resuming = self.cfg.trainer.resume == "auto" and checkpoint_candidates(self.ckpt_root)
+        if resuming or not bank.is_dir() or not any(bank.iterdir()):
+            return
+        aside = bank.with_name(f"{bank.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
+        bank.rename(aside)
+        log.warning("starting afresh: the earlier rollout bank was moved to %s", aside)
 
     def write_roster(self) -> None:
         """roles.json: role -> pid (engines too, on a local instance) for tests and the soak."""

@@ -126,6 +126,8 @@ def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
         run_.start()
         stop.install()
         summary["resumed_from"] = run_.resumed_from
+        if run_.resumed_from is not None:
+            checkpointed_step = run_.step  # a stop right away must not rewrite that checkpoint
         if tr.test_freq > 0 and run_.resumed_from is None:
             val, val_s = validate(run_)
             tracker.log(

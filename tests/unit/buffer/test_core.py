@@ -82,20 +82,20 @@ def test_resume_from_checkpoint_neither_loses_nor_repeats(tmp_path):
         restarted.resume(version=0, watermark=1)
 
 
-def test_resume_resets_admission_counter_to_v_times_b_plus_waiting(tmp_path):
+def test_resume_resets_admission_counter_to_consumed_plus_waiting(tmp_path):
     core = _core(tmp_path)
     core.ingest(_groups(10))
     for w in range(0, 8, 2):
         core.take_batch(2, 0, received_watermark=w)
     assert core.admission_state().accepted_groups == 10
-    # checkpoint at version 2 held watermark 2: 6 hand-outs re-served + 2 never handed out
-    core.resume(version=2, watermark=2)
+    # checkpoint at version 1 held watermark 2: 6 hand-outs re-served + 2 never handed out
+    core.resume(version=1, watermark=2)
     state = core.admission_state()
-    assert state.accepted_groups == 2 * 2 + 8  # v*B + waiting, not the 10 counted before
-    assert state.policy_version == 2
+    assert state.accepted_groups == 2 + 8  # consumed + waiting, not the 10 counted before
+    assert state.policy_version == 1
     core.ingest(_groups(1, prefix="new"))
     # a buffer restart keeps the reset (the ledger holds the offset)
-    assert _core(tmp_path).admission_state().accepted_groups == 13
+    assert _core(tmp_path).admission_state().accepted_groups == 11
 
 
 def test_stale_refusals_survive_a_restart(tmp_path):

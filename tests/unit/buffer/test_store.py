@@ -135,12 +135,12 @@ def test_capacity_counts_complete_groups_only():
     assert store.is_full  # a and b complete; c's partial samples do not count
 
 
-def test_reset_accepted_for_resume_sets_v_times_b_plus_ready():
+def test_reset_accepted_for_resume_sets_consumed_plus_ready():
     store = _store()
     _add_all(store, [t for i in range(10) for t in make_group(f"g{i}", 2)])
     store.take(7, 0)
     assert store.accepted_groups == 10
-    store.reset_accepted_for_resume(version=2, groups_per_version=3)
-    assert store.accepted_groups == 2 * 3 + 3  # 3 groups still ready
+    store.reset_accepted_for_resume(consumed_groups=6)  # checkpoint's hand-out watermark
+    assert store.accepted_groups == 6 + 3  # 3 groups still ready
     _add_all(store, make_group("late", 2))
     assert store.accepted_groups == 10
