@@ -209,10 +209,16 @@ class RolloutBank:
         if self._writer is None:
             self._open_segment()
         assert self._writer is not None and self._file is not None
-        self._writer.write_batch(to_bank_batch(trajs))
-        self._file.flush()
-        if self.fsync_every_write:
-            os.fsync(self._file.fileno())
+        try:
+            self._writer.write_batch(to_bank_batch(trajs))
+            self._file.flush()
+            if self.fsync_every_write:
+                os.fsync(self._file.fileno())
+        except OSError:
+            # the segment may now end in a torn message, and a reader stops there: later
+            # (acknowledged) writes must not land behind it, so this segment ends here
+            self._abandon_segment()
+            raise
         segment = self.current_segment
         self._rows_in_segment += len(trajs)
         if self._rows_in_segment >= self.segment_rows:
@@ -242,6 +248,17 @@ class RolloutBank:
         self._file = open(path, "xb")  # noqa: SIM115 - closed on rotate
         self._writer = pa.ipc.new_stream(self._file, BANK_SCHEMA)
         self._rows_in_segment = 0
+
+    def _abandon_segment(self) -> None:
+        writer, file = self._writer, self._file
+        self._writer = self._file = None
+        self.current_segment += 1
+        for closing in (writer, file):
+            try:
+                if closing is not None:
+                    closing.close()
+            except OSError as err:  # the disk already failed once: note it, keep going
+                log.warning("closing an abandoned bank segment failed: %s", err)
 
     def _close_segment(self) -> None:
         if self._writer is None or self._file is None:

@@ -109,7 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="tcp://127.0.0.1:5555",
         help="ingest (PULL) address; control ROUTER binds port+1",
     )
-    p.add_argument("--bank-dir", default="rollout_bank")
+    p.add_argument(
+        "--bank-dir",
+        default="",
+        help="rollout bank folder (default: buffer.bank_dir, else ./rollout_bank)",
+    )
     _add_config_args(p)
 
     p = sub.add_parser("export", help="write a Hugging Face folder from a learner checkpoint")

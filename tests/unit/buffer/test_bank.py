@@ -84,3 +84,26 @@ def test_segment_rotation_fsyncs(tmp_path, monkeypatch):
     assert synced == []  # flushed, not fsynced, below the rotation size
     bank.append(make_group("b", 1))
     assert len(synced) == 1
+
+
+def test_a_failed_write_ends_its_segment_so_later_writes_stay_readable(tmp_path, monkeypatch):
+    bank = RolloutBank(tmp_path, segment_rows=1000)
+    bank.append(make_group("a", 2))
+    file = bank._file
+    real_flush = file.flush
+
+    def torn_flush():  # half a message reaches the disk, then the disk fails
+        file.write(b"\x00" * 24)
+        real_flush()
+        raise OSError("disk full")
+
+    monkeypatch.setattr(file, "flush", torn_flush)
+    try:
+        bank.append(make_group("lost", 2))
+        raise AssertionError("the failed write must raise")
+    except OSError:
+        pass
+    bank.append(make_group("b", 2))  # acknowledged after the failure
+    bank.close()
+    uids = [t.uid for _, batch in RolloutBank(tmp_path, segment_rows=1000).iter_trajectories() for t in batch]
+    assert "a/0" in uids and "b/0" in uids and "b/1" in uids
