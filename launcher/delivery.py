@@ -121,6 +121,12 @@ class DeliveryTracker:
             held.group_size = traj.group_size
         self.sender.send_payload(payload, timeout_s)
 
+    def forget(self, group_id: str) -> None:
+        """The worker dropped this group for good (a sample ran out of attempts, counted
+        there): nothing of it will be sent, so it is neither awaited nor regenerated."""
+        with self._lock:
+            self._held.pop(group_id, None)
+
     # ---- acknowledgement --------------------------------------------------------------
     def reconcile(self) -> int:
         """Forget groups the buffer holds whole; returns how many are still unconfirmed."""

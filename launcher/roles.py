@@ -354,6 +354,7 @@ class RolloutRole:
             sender=self.delivery,
             admission_source=self.control.admission,
             delivery_source=self.control.group_status,
+            on_group_dropped=self.delivery.forget,
             reward_runner=self.rewards,
             tokenizer=self.tokenizer,
             groups_per_version=cfg.data.train_batch_size * cfg.weight_sync.sync_every,

@@ -117,6 +117,7 @@ class RolloutWorker:
         stop_token_ids: list[int] | None = None,
         client_factory: Callable[[str], GenerateClient] | None = None,
         delivery_source: Callable[[list[str]], list[int]] | None = None,
+        on_group_dropped: Callable[[str], None] | None = None,
     ):
         self.config = config
         self.router = router
@@ -134,6 +135,7 @@ class RolloutWorker:
         # admission, or a group in ZeroMQ transit would be in neither count and admission
         # would run ahead of the staleness bound (``BufferClient.group_status``)
         self._delivery_source = delivery_source
+        self._on_group_dropped = on_group_dropped
         self._in_transit: dict[str, int] = {}
         self._reward = reward_runner
         self._tokenizer = tokenizer
@@ -406,6 +408,8 @@ class RolloutWorker:
         except* SampleFailed as failures:
             self.groups_failed += 1
             log.error("group %s dropped: %s", group.group_id, failures.exceptions[0])
+            if self._on_group_dropped is not None:
+                self._on_group_dropped(group.group_id)
         finally:
             self._groups.pop(group.group_id, None)
             self.router.finish_group(group.group_id)

@@ -32,6 +32,7 @@ def make_worker(
     groups_per_version=1000,
     max_staleness=0,
     delivery_source=None,
+    on_group_dropped=None,
     **config,
 ):
     router = Router()
@@ -57,6 +58,7 @@ def make_worker(
         groups_per_version=groups_per_version,
         max_staleness=max_staleness,
         delivery_source=delivery_source,
+        on_group_dropped=on_group_dropped,
     )
     return worker, router, sender
 
@@ -250,10 +252,14 @@ def test_engine_declared_dead_mid_request_loses_nothing_and_duplicates_nothing()
 def test_sample_out_of_attempts_drops_its_group_whole_and_counts_it():
     bad = FakeEngine("a")
     bad.fail = True
-    worker, _, sender = make_worker([bad], n=2, max_sample_attempts=2, suspect_cooldown_s=0.0)
+    dropped: list[str] = []
+    worker, _, sender = make_worker(
+        [bad], n=2, max_sample_attempts=2, suspect_cooldown_s=0.0, on_group_dropped=dropped.append
+    )
     asyncio.run(worker.run(num_groups=2))
     assert sender.trajectories == []
     assert worker.metrics()["rollout/groups_failed"] == 2
+    assert len(dropped) == 2  # the delivery ledger is told, so it neither waits nor regenerates
 
 
 def test_admission_errors_are_counted_and_retried():
