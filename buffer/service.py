@@ -401,9 +401,11 @@ def main(args: argparse.Namespace) -> int:
             ingest_address=args.bind,
             control_address=control_address_for(args.bind),
             bank_dir=bank_dir,
+            # B = groups consumed per published version (launcher.config.RunConfig)
             groups_per_version=_positive_int(
                 raw, "data", "train_batch_size", STANDALONE_GROUPS_PER_VERSION
-            ),
+            )
+            * _positive_int(raw, "weight_sync", "sync_every", 1),
             max_concurrent_groups=_positive_int(
                 raw, "rollout", "max_concurrent_groups", STANDALONE_MAX_CONCURRENT
             ),

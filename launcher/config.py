@@ -104,6 +104,11 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
 
+    @property
+    def groups_per_version(self) -> int:
+        """B of the admission rule: groups the learner consumes per published version."""
+        return self.data.train_batch_size * self.weight_sync.sync_every
+
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     raw = load_yaml(path) if path else {}

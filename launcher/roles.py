@@ -79,7 +79,7 @@ class BufferRole:
             control_address=control,
             bank_dir=bank_dir,
             curve=curve,
-            groups_per_version=cfg.data.train_batch_size * cfg.weight_sync.sync_every,
+            groups_per_version=cfg.groups_per_version,
             max_concurrent_groups=cfg.rollout.max_concurrent_groups,
         )
 
@@ -357,7 +357,7 @@ class RolloutRole:
             on_group_dropped=self.delivery.forget,
             reward_runner=self.rewards,
             tokenizer=self.tokenizer,
-            groups_per_version=cfg.data.train_batch_size * cfg.weight_sync.sync_every,
+            groups_per_version=cfg.groups_per_version,
             max_staleness=cfg.buffer.max_staleness,
             client_factory=lambda url: EngineClient(
                 url, api_key=self.api_key, timeout_s=cfg.rollout.request_timeout_s
