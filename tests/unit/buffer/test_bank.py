@@ -105,5 +105,9 @@ def test_a_failed_write_ends_its_segment_so_later_writes_stay_readable(tmp_path,
         pass
     bank.append(make_group("b", 2))  # acknowledged after the failure
     bank.close()
-    uids = [t.uid for _, batch in RolloutBank(tmp_path, segment_rows=1000).iter_trajectories() for t in batch]
+    uids = [
+        t.uid
+        for _, batch in RolloutBank(tmp_path, segment_rows=1000).iter_trajectories()
+        for t in batch
+    ]
     assert "a/0" in uids and "b/0" in uids and "b/1" in uids
