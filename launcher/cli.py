@@ -22,7 +22,7 @@ HANDLERS: dict[str, str] = {
     "data gsm8k": "fleetrl.data.gsm8k:main",
     "data synth": "fleetrl.data.synth:main",
     "model tiny": "fleetrl.models.cli:tiny_main",
-    "engine": "rollout_fleet.engine.server:main",
+    "engine": "rollout_fleet.engine.cli:main",
     "buffer": "buffer.service:main",
     "export": "learner.export:main",
     "inspect rollouts": "buffer.inspect:main",

@@ -21,21 +21,17 @@ Bodies are size-limited and decoded into typed Structs: a bad field is a 400
 naming it, never a crash.
 
 Run: ``fleetrl engine --model DIR --port 30000`` or
-``python -m rollout_fleet.engine.server --model DIR --port 30000``.
+``python -m rollout_fleet.engine.cli --model DIR --port 30000``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import ipaddress
 import os
-import signal
-import sys
 import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -44,6 +40,7 @@ from aiohttp import web
 
 from fleetrl.log import get_logger
 from rollout_fleet import protocol as P
+from rollout_fleet.engine.relay import EventRelay
 from rollout_fleet.engine.requests import (
     ModelLimits,
     RequestError,
@@ -102,43 +99,6 @@ async def _body(request: web.Request, struct: type, *, optional: bool = False) -
             return struct()
         raise RequestError(f"{request.path} needs a JSON body")
     return msgspec.json.decode(raw, type=struct)
-
-
-class EventRelay:
-    """Carries scheduler events to one event loop: ``put`` (scheduler thread) only queues;
-    ``wake`` (the scheduler's delivery hook, once per burst) schedules one drain on the loop.
-
-    One loop wake-up per decode step instead of one per finished sequence keeps the HTTP
-    thread from taking the GIL between the scheduler's per-sequence callbacks.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._pending: deque[tuple[asyncio.Queue, Any]] = deque()
-        self._lock = threading.Lock()
-        self._drain_scheduled = False
-
-    def put(self, queue: asyncio.Queue, item: Any) -> None:
-        self._pending.append((queue, item))
-
-    def wake(self) -> None:
-        if not self._pending:
-            return
-        with self._lock:
-            if self._drain_scheduled:
-                return
-            self._drain_scheduled = True
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self._drain)
-
-    def _drain(self) -> None:
-        # Clear the flag before popping: an item queued after the last pop wakes a new drain.
-        with self._lock:
-            self._drain_scheduled = False
-        while self._pending:
-            queue, item = self._pending.popleft()
-            queue.put_nowait(item)
 
 
 class EmbeddedEngine:
@@ -593,62 +553,3 @@ class EmbeddedEngine:
         if request.query.get("per_param", "") in ("1", "true"):
             body["per_param"] = per_param
         return _json(body)
-
-
-# -- entry points ----------------------------------------------------------------------------
-
-
-def main(args: argparse.Namespace) -> int:
-    """``fleetrl engine``: serve until interrupted. Returns the exit status."""
-    try:
-        resolve_api_key(args.host, args.api_key)
-        engine = EmbeddedEngine(
-            args.model,
-            engine_id=args.engine_id,
-            device=args.device,
-            max_running_requests=args.max_running_requests,
-            api_key=args.api_key,
-        )
-    except (EngineStartupError, FileNotFoundError, ValueError) as err:
-        log.error("engine: %s", err)
-        return 2
-
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await engine.serve(args.host, args.port)
-        await stop.wait()
-        log.info("%s: shutting down", engine.engine_id)
-        await engine.shutdown()
-
-    try:
-        asyncio.run(run())
-    except OSError as err:
-        log.error("engine: cannot serve on %s:%s: %s", args.host, args.port, err)
-        return 2
-    finally:
-        engine.stop()
-    return 0
-
-
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m rollout_fleet.engine.server", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--model", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--engine-id", default="engine-0")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-running-requests", type=int, default=64)
-    return p.parse_args(argv)
-
-
-if __name__ == "__main__":
-    from fleetrl.log import setup_logging
-
-    setup_logging("engine")
-    sys.exit(main(_parse(None)))

@@ -1,0 +1,69 @@
+"""`fleetrl engine` / `python -m rollout_fleet.engine.cli`: serve the embedded engine until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from fleetrl.log import get_logger
+from rollout_fleet.engine.server import EmbeddedEngine, EngineStartupError, resolve_api_key
+
+log = get_logger(__name__)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``fleetrl engine``: serve until interrupted. Returns the exit status."""
+    try:
+        resolve_api_key(args.host, args.api_key)
+        engine = EmbeddedEngine(
+            args.model,
+            engine_id=args.engine_id,
+            device=args.device,
+            max_running_requests=args.max_running_requests,
+            api_key=args.api_key,
+        )
+    except (EngineStartupError, FileNotFoundError, ValueError) as err:
+        log.error("engine: %s", err)
+        return 2
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await engine.serve(args.host, args.port)
+        await stop.wait()
+        log.info("%s: shutting down", engine.engine_id)
+        await engine.shutdown()
+
+    try:
+        asyncio.run(run())
+    except OSError as err:
+        log.error("engine: cannot serve on %s:%s: %s", args.host, args.port, err)
+        return 2
+    finally:
+        engine.stop()
+    return 0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m rollout_fleet.engine.cli", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--model", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--engine-id", default="engine-0")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-running-requests", type=int, default=64)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    from fleetrl.log import setup_logging
+
+    setup_logging("engine")
+    sys.exit(main(_parse(None)))
