@@ -9,10 +9,10 @@ import threading
 
 import torch
 
+from rollout_fleet.engine.relay import EventRelay
 from rollout_fleet.engine.runner import ModelRunner
 from rollout_fleet.engine.sampling import RowSampling
 from rollout_fleet.engine.scheduler import Scheduler, Sequence
-from rollout_fleet.engine.relay import EventRelay
 
 
 def test_delivery_hook_runs_once_after_each_burst_of_events(tiny_model_dir):
