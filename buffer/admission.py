@@ -72,9 +72,3 @@ class StalenessAdmission:
         by_staleness = self.window_end(policy_version) - accepted_groups - running_groups
         by_concurrency = self.max_concurrent - running_groups
         return max(0, min(by_staleness, by_concurrency))
-
-    def staleness_bound_of_next(
-        self, policy_version: int, accepted_groups: int, running_groups: int
-    ) -> int:
-        """Versions between the policy now and the one that will train a group started now."""
-        return (accepted_groups + running_groups) // self.groups_per_version - policy_version

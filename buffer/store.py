@@ -249,12 +249,6 @@ class GroupStore:
     def accepted_count(self, group_id: str) -> int:
         return self._accepted_per_group.get(group_id, 0)
 
-    def has_uid(self, uid: str) -> bool:
-        return uid in self._seen_uids
-
-    def ready_group_ids(self) -> list[str]:
-        return [g.group_id for g in self._ready]
-
 
 def apply_truncation_filter(group: Group) -> int:
     """Drop truncated samples from ``group`` in place; rewrite group_size; return samples kept."""

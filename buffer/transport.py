@@ -94,10 +94,6 @@ class BatchInfo:
     learner_version: int
     refused_stale: int
 
-    @property
-    def handout_end(self) -> int:
-        return self.handout_start + self.num_groups
-
 
 class TrajectorySink(ABC):
     @abstractmethod

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -493,16 +492,3 @@ def remote_class(cls: type, **options: Any) -> Any:
     import ray
 
     return ray.remote(**options)(cls) if options else ray.remote(cls)
-
-
-def wait_ready(poll: Any, timeout_s: float, what: str) -> None:
-    """Poll ``poll()`` until truthy or raise naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while not poll():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not ready within {timeout_s:.0f}s")
-        time.sleep(0.2)
-
-
-def cpu_count() -> int:
-    return os.cpu_count() or 1

@@ -86,9 +86,3 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     if dist.get_world_size() > 1:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
     return values
-
-
-def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
-    if dist.get_world_size() > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return values

@@ -54,10 +54,6 @@ class MicroBatchInputs:
     def num_tokens(self) -> int:
         return int(self.labels.numel())
 
-    @property
-    def is_empty(self) -> bool:
-        return len(self.indices) == 0
-
 
 def build_inputs(
     batch: GlobalBatch, indices: np.ndarray, *, packing: bool, device: torch.device

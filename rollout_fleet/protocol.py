@@ -170,13 +170,6 @@ class UpdateWeightVersionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_
     abort_all_requests: bool = False
 
 
-class SuccessResponse(msgspec.Struct):
-    """Response of the weight-update endpoints (HTTP 200 on success, 400 otherwise)."""
-
-    success: bool
-    message: str
-
-
 def finish_reason_json(
     kind: str, *, matched: int | str | None = None, length: int = 0, message: str = ""
 ) -> dict[str, Any]:

@@ -144,8 +144,10 @@ class EngineClient:
             },
         )
 
-    def destroy_group(self, group_name: str) -> dict[str, Any]:
-        return self.call("/destroy_weights_update_group", {"group_name": group_name})
+    def destroy_group(self, group_name: str, timeout_s: float | None = None) -> dict[str, Any]:
+        return self.call(
+            "/destroy_weights_update_group", {"group_name": group_name}, timeout_s=timeout_s
+        )
 
     def pause(self, mode: str) -> dict[str, Any]:
         return self.call("/pause_generation", {"mode": mode})

@@ -558,11 +558,7 @@ class WeightSender:
 
     def _best_effort_destroy(self, client: EngineClient, group_name: str) -> None:
         try:
-            client.call(
-                "/destroy_weights_update_group",
-                {"group_name": group_name},
-                timeout_s=HEALTH_PROBE_S,
-            )
+            client.destroy_group(group_name, timeout_s=HEALTH_PROBE_S)
         except EngineCallError as err:
             log.warning("could not destroy group %s on %s: %s", group_name, client.name, err)
 
