@@ -3,19 +3,25 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# The CPU build of torch (an unpinned torch pulls a multi-GB CUDA build).
-TORCH  ?= torch==2.13.0
+# torch and torchvision as the matching pair SGLang 0.5.23 pins (torch 2.14.1);
+# an unpinned torch would pull whatever is newest. It runs on the CPU here.
+TORCH  ?= torch==2.14.1 torchvision==0.29.1
+# The SGLang release(s) the conformance tier tests against; on CPU its Python
+# code is installed without its GPU dependencies (tests/conformance/requirements-cpu.txt).
+SGLANG ?= sglang==0.5.23
 DEMO_OUT ?= runs/demo/run
 
 .PHONY: demo test test-unit test-integration test-e2e lint format bench docs clean venv
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tests/conformance/requirements-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e ".[dev,tensorboard]"
+	$(PY) -m pip install -q --no-deps "$(SGLANG)"
+	$(PY) -m pip install -q -r tests/conformance/requirements-cpu.txt
 	touch $(STAMP)
 
 # The demo run starts afresh each time (the tiny model and data it built are reused).
