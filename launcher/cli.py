@@ -25,6 +25,7 @@ HANDLERS: dict[str, str] = {
     "engine": "rollout_fleet.engine.cli:main",
     "buffer": "buffer.service:main",
     "export": "learner.export:main",
+    "weights push": "launcher.weights_push:main",
     "inspect rollouts": "buffer.inspect:main",
     "bench": "bench.cli:main",
 }
@@ -120,6 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
 
+    p = sub.add_parser("weights", help="weights of running engines")
+    wsub = p.add_subparsers(dest="weights_command", required=True)
+    from launcher.weights_push import add_arguments as add_push_arguments
+
+    add_push_arguments(
+        wsub.add_parser(
+            "push",
+            help="load a model folder or learner checkpoint into running engines (SGLang or embedded)",
+        )
+    )
+
     p = sub.add_parser("inspect", help="inspect run artefacts")
     isub = p.add_subparsers(dest="inspect_command", required=True)
     r = isub.add_parser(
@@ -150,7 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _handler_key(args: argparse.Namespace) -> str:
     key = args.command
-    for attr in ("config_command", "data_command", "model_command", "inspect_command"):
+    for attr in (
+        "config_command",
+        "data_command",
+        "model_command",
+        "inspect_command",
+        "weights_command",
+    ):
         if getattr(args, attr, None):
             key = f"{key} {getattr(args, attr)}"
     return key

@@ -183,17 +183,22 @@ class LearnerRole:
             self._batch = self.buffer.get_batch(num_groups, version, timeout_s)
         return self._batch is not None
 
-    def connect_engines(self, endpoints: list[tuple[str, str, str | None]]) -> None:
+    def connect_engines(self, endpoints: list[tuple[str, str, str | None]], tp_size: int) -> None:
+        """Form the weight group with every engine; each takes ``tp_size`` ranks (its TP size)."""
         from weight_sync.sender import EngineEndpoint
 
-        self.sender.connect([EngineEndpoint(name=n, url=u, api_key=k) for n, u, k in endpoints])
+        self.sender.connect(
+            [EngineEndpoint(name=n, url=u, api_key=k, world_size=tp_size) for n, u, k in endpoints]
+        )
 
-    def add_engine(self, name: str, url: str, api_key: str | None) -> None:
+    def add_engine(self, name: str, url: str, api_key: str | None, tp_size: int) -> None:
         from weight_sync.sender import EngineEndpoint
 
         if name in self.sender.engines:
             self.sender.remove_engine(name)
-        self.sender.add_engine(EngineEndpoint(name=name, url=url, api_key=api_key))
+        self.sender.add_engine(
+            EngineEndpoint(name=name, url=url, api_key=api_key, world_size=tp_size)
+        )
 
     def take_dropped_engines(self) -> list[str]:
         """Engines weight sync dropped (failed or timed out) since the last call."""

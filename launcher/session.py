@@ -119,7 +119,9 @@ class Run:
         urls = ray.get(self.rollout.start_engines.remote())
         key = self.secrets.engine_api_key
         ray.get(
-            self.learners[0].connect_engines.remote([(n, u, key) for n, u in sorted(urls.items())])
+            self.learners[0].connect_engines.remote(
+                [(n, u, key) for n, u in sorted(urls.items())], self.cfg.rollout.tp_size
+            )
         )
         self.write_roster()
         if extra.get("reader"):
@@ -337,7 +339,7 @@ class Run:
             return
         for name, url in sorted(joining.items()):
             log.info("engine %s at %s receives version %d before serving", name, url, self.version)
-            ray.get(self.learners[0].add_engine.remote(name, url, key))
+            ray.get(self.learners[0].add_engine.remote(name, url, key, self.cfg.rollout.tp_size))
         self.publish(self.version)
         failed = set(ray.get(self.learners[0].take_dropped_engines.remote()))
         ready = sorted(set(joining) - failed)

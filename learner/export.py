@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import shutil
 from pathlib import Path
+from typing import Any
 
 from fleetrl.log import get_logger
 from learner.checkpoint import (
@@ -45,8 +46,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found
 
 
-def export_checkpoint(ckpt: str | Path, out: str | Path) -> Path:
-    """Write the policy of checkpoint ``ckpt`` as a HF folder at ``out``; returns ``out``."""
+def load_policy(ckpt: str | Path) -> tuple[Any, Path]:
+    """The policy of checkpoint ``ckpt`` as a CPU Hugging Face model in its config's dtype,
+    and the step folder it came from (a bad checkpoint raises CheckpointError)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
@@ -83,14 +85,20 @@ def export_checkpoint(ckpt: str | Path, out: str | Path) -> Path:
     dtype = getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    model.to(dtype)
+    return model.to(dtype), step_dir
+
+
+def export_checkpoint(ckpt: str | Path, out: str | Path) -> Path:
+    """Write the policy of checkpoint ``ckpt`` as a HF folder at ``out``; returns ``out``."""
+    model, step_dir = load_policy(ckpt)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
+    hf = step_dir / HF_DIR
     for name in TOKENIZER_FILES:
         if (hf / name).is_file():
             shutil.copy2(hf / name, out / name)
-    log.info("exported %s to %s (%s)", step_dir, out, dtype)
+    log.info("exported %s to %s (%s)", step_dir, out, model.dtype)
     return out
 
 

@@ -83,7 +83,7 @@ def engine_spec(
         expose_on_node_ip=expose_on_node_ip,
         api_key=api_key,
         torch_threads=max(1, int(config.cpus_per_engine)),
-        tp_size=max(1, int(config.gpus_per_engine)),
+        tp_size=config.tp_size,
         mem_fraction_static=config.mem_fraction_static,
         load_format=config.sglang_load_format,
         extra_args=list(config.sglang_extra_args),

@@ -16,12 +16,10 @@ Retry policy (never retry something that may already have had an effect twice):
 - weight-update calls never retry (they are collectives: a lone retry would hang).
 
 ``parse_generate_response`` turns one response object into ``GenerateOutput``
-for the rollout workers. With the embedded engine the per-token versions come
-from ``meta_info.output_token_versions``. Plain SGLang reports one
-``weight_version`` per request, so every token is tagged ``int(weight_version)``:
-an approximation (SGLang's ``weight_version`` is the server's version when the
-response was built, so a mid-sequence in-place update is attributed entirely to
-the newer version, under-stating staleness by at most one update).
+for the rollout workers. Per-token versions come from SGLang 0.5.23's
+``meta_info.weight_versions`` spans (both SGLang and the embedded engine send
+them; a sequence an in-place update landed in has two or more spans). A reply
+without spans (an unfinished one) tags every token ``int(weight_version)``.
 
 ``SyncEngineClient`` runs the same client on a private event-loop thread for
 scripts and tests.
@@ -99,19 +97,11 @@ def parse_generate_response(
         logprobs = [float(e[0]) for e in entries]
         if len(logprobs) != len(output_ids):
             raise ValueError(f"{len(logprobs)} logprobs for {len(output_ids)} output tokens")
-    versions = meta.get("output_token_versions")
-    if versions is None:
-        try:
-            tag = int(weight_version)
-        except ValueError:
-            tag = -1
-        versions = [tag] * len(output_ids)
-    elif len(versions) != len(output_ids):
-        raise ValueError(f"{len(versions)} token versions for {len(output_ids)} output tokens")
+    versions = token_versions(meta.get("weight_versions"), weight_version, len(output_ids))
     return GenerateOutput(
         output_ids=output_ids,
         logprobs=logprobs,
-        token_versions=[int(v) for v in versions],
+        token_versions=versions,
         finish_reason=str(finish.get("type", "")),
         weight_version=weight_version,
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
@@ -119,6 +109,31 @@ def parse_generate_response(
         text=str(resp.get("text", "")),
         matched_stop=finish.get("matched"),
     )
+
+
+def token_versions(spans: Any, weight_version: str, num_tokens: int) -> list[int]:
+    """One policy version per output token from ``meta_info.weight_versions`` spans
+    (``[{"version", "start", "end"}]`` over output positions); without spans, every token
+    gets ``int(weight_version)`` (-1 if that is not an integer). Spans that do not tile
+    ``[0, num_tokens)`` are a ValueError naming them."""
+    if not spans:
+        try:
+            tag = int(weight_version)
+        except ValueError:
+            tag = -1
+        return [tag] * num_tokens
+    versions: list[int] = []
+    try:
+        for span in spans:
+            start, end, version = int(span["start"]), int(span["end"]), int(span["version"])
+            if start != len(versions) or end < start:
+                raise ValueError(f"span {span} does not continue at token {len(versions)}")
+            versions.extend([version] * (end - start))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"bad meta_info.weight_versions {str(spans)[:200]}: {err}") from None
+    if len(versions) != num_tokens:
+        raise ValueError(f"weight_versions spans cover {len(versions)} of {num_tokens} tokens")
+    return versions
 
 
 class EngineClient:
@@ -244,7 +259,8 @@ class EngineClient:
         return await self._request("POST", "/flush_cache", None, expect_json=False)
 
     async def get_weight_version(self) -> str:
-        return str((await self._request("GET", "/get_weight_version"))["weight_version"])
+        """The served version, from ``GET /model_info`` (SGLang 0.5.23 has no other route)."""
+        return str((await self.get_model_info())["weight_version"])
 
     async def health(self) -> bool:
         """True when ``/health`` answers 200 (no retries: a health probe should be quick)."""
@@ -262,20 +278,21 @@ class EngineClient:
         return True
 
     async def get_model_info(self) -> dict:
-        return await self._request("GET", "/get_model_info")
+        return await self._request("GET", "/model_info")
 
     async def get_server_info(self) -> dict:
         return await self._request("GET", "/get_server_info")
-
-    async def weights_digest(self, per_param: bool = False) -> dict:
-        """fleetrl extension (embedded engine only): ``{"weight_version", "digest"[, "per_param"]}``."""
-        suffix = "?per_param=1" if per_param else ""
-        return await self._request("GET", "/fleetrl/weights_digest" + suffix)
 
     # -- weight updates (never retried: they are collectives) ------------------------------
 
     async def init_weights_update_group(self, **fields: Any) -> dict:
         return await self._request("POST", "/init_weights_update_group", fields, retry="never")
+
+    async def begin_weight_update(self) -> dict:
+        return await self._request("POST", "/begin_weight_update", {}, retry="never")
+
+    async def end_weight_update(self) -> dict:
+        return await self._request("POST", "/end_weight_update", {}, retry="never")
 
     async def update_weights_from_distributed(self, **fields: Any) -> dict:
         return await self._request(

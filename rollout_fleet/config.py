@@ -139,3 +139,9 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             description="On stop, groups in flight get this long to finish (and be sent) before they are aborted.",
         ),
     ] = 30.0
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks per engine: SGLang's tensor-parallel size (``gpus_per_engine``), or 1 for the
+        embedded engine. Each engine takes this many consecutive ranks in the weight group."""
+        return max(1, int(self.gpus_per_engine)) if self.backend == "sglang" else 1

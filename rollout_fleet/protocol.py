@@ -20,15 +20,20 @@ Generate response (one object per sample; a list for batched input or n > 1)::
                    "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int,
                    "weight_version": str, "e2e_latency": float,
                    "output_token_logprobs": [[logprob, token_id, text|null], ...],  # if return_logprob
-                   "output_token_versions": [int, ...]}}                            # fleetrl extension
+                   "weight_versions": [{"version": str, "start": int, "end": int}, ...]}}
 
 ``finish_reason``: ``{"type": "stop", "matched": <token id int | stop string>}``,
 ``{"type": "length", "length": max_new_tokens}`` or ``{"type": "abort", "message": str}``.
 
-fleetrl extensions (inside ``meta_info`` / under ``/fleetrl/``, so SGLang clients ignore them):
-``meta_info.output_token_versions`` — the policy version of the weights that
-produced each output token (an in-place weight update can land mid-sequence);
-``GET /fleetrl/weights_digest`` — ``{"weight_version", "digest", "per_param"?}``.
+``weight_versions`` (SGLang 0.5.23): the versions of the weights that produced
+the output tokens, as spans over the output positions; an in-place weight update
+can land mid-sequence. ``weight_version`` is the last span's.
+
+Weight updates (SGLang 0.5.23): every ``/update_weights_from_distributed`` runs
+between ``/begin_weight_update`` and ``/end_weight_update`` (400 outside, with
+SGLang's message); ``GET /model_info`` holds ``weight_version``;
+``/get_weights_by_name`` ``{name, truncate_size}`` returns the leading rows.
+There are no fleetrl-only routes: a real SGLang server has every route used.
 
 Left out: multimodal inputs, LoRA, sessions, top-logprobs, input (prompt) logprobs.
 """
@@ -187,3 +192,16 @@ def policy_version_of(weight_version: str) -> int:
         return int(weight_version)
     except (TypeError, ValueError):
         return -1
+
+
+class GetWeightsByNameRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``/get_weights_by_name`` (SGLang ``GetWeightsByNameReqInput``)."""
+
+    name: str
+    truncate_size: Annotated[int, Meta(ge=1)] = 100
+
+
+class WeightUpdateSessionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``/begin_weight_update`` and ``/end_weight_update`` bodies (SGLang's take a ``selector``)."""
+
+    selector: Literal["target", "draft", "all"] = "all"

@@ -108,8 +108,10 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
 class Bucket:
     """One update request's tensors, in order: packed in ``flat``, or unpacked in ``parts``.
 
-    ``parts`` (byte views, one per tensor) is set only for the per-tensor wire
-    format (SGLang's default ``load_format``), where each tensor is its own broadcast.
+    ``parts`` (the tensors themselves, in their own dtypes) is set only for the
+    per-tensor wire format (SGLang's default ``load_format``), where each tensor
+    is its own broadcast: SGLang receives each into ``torch.empty(shape, dtype)``,
+    and NCCL needs both sides to agree on element type and count.
     """
 
     index: int
@@ -120,7 +122,7 @@ class Bucket:
     @property
     def nbytes(self) -> int:
         if self.parts is not None:
-            return sum(int(p.numel()) for p in self.parts)
+            return sum(int(p.numel()) * p.element_size() for p in self.parts)
         return int(self.flat.numel())
 
     def broadcast_tensors(self) -> list[torch.Tensor]:
@@ -228,7 +230,7 @@ def group_unpacked(
             yield Bucket(index, metas, empty, parts)
             index, metas, parts = index + 1, [], []
         metas.append(meta)
-        parts.append(tensor_bytes(tensor.to(device)))
+        parts.append(tensor.detach().to(device).contiguous())
     if parts:
         yield Bucket(index, metas, empty, parts)
 

@@ -35,9 +35,23 @@ class WeightSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     verify: Annotated[
         bool,
         Meta(
-            description="After each publish, compare every engine's weights digest (GET /fleetrl/weights_digest) and version with the learner's; a mismatch is an error naming the engine. Costs one sha256 pass over the weights on learner rank 0."
+            description="After each publish, check through SGLang's own routes that every engine serves the version (GET /model_info) and holds the values sent (POST /get_weights_by_name on verify_tensors tensors, verify_rows rows each); a mismatch is an error naming the engine. An engine that cannot report weights by name (SGLang answers it for some architectures only) has its values left unchecked, said once in the log."
         ),
     ] = True
+    verify_tensors: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="How many tensors verification compares per engine, spread evenly over the stream (the first and the last always).",
+        ),
+    ] = 8
+    verify_rows: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Leading rows (or elements of a 1-D tensor) compared per verified tensor.",
+        ),
+    ] = 2
     load_format: Annotated[
         Literal["flattened_bucket", "per_tensor"],
         Meta(

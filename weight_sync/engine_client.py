@@ -1,5 +1,14 @@
 """HTTP calls the learner makes to one rollout engine during weight sync (SGLang's endpoints).
 
+Only routes that SGLang 0.5.23's HTTP server has (the conformance tier runs
+this client against SGLang's own app): ``/init_weights_update_group``,
+``/begin_weight_update`` and ``/end_weight_update`` (every update must run
+between them), ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``, ``/pause_generation``,
+``/continue_generation``, ``/flush_cache``, ``GET /model_info`` (which holds
+``weight_version``) and ``/get_weights_by_name`` (the first rows of one tensor,
+for verification; SGLang answers it for some architectures only).
+
 Every call has a timeout, sends the engine's bearer key when it has one, and
 turns every way it can fail (no connection, timeout, HTTP error status,
 ``{"success": false}``, a body that is not JSON) into ``EngineCallError``
@@ -124,25 +133,38 @@ class EngineClient:
             },
         )
 
+    def begin_update(self) -> dict[str, Any]:
+        """Open the engine's weight-update session (SGLang refuses updates outside one)."""
+        return self.call("/begin_weight_update", {})
+
+    def end_update(self) -> dict[str, Any]:
+        return self.call("/end_weight_update", {})
+
     def update_weights(
         self,
         wire_fields: dict[str, list],
         *,
         group_name: str,
         weight_version: str,
-        flush_cache: bool,
         load_format: str | None,
     ) -> dict[str, Any]:
+        """One bucket's metadata. ``flush_cache`` is always false here (SGLang's default is
+        true): the cache is flushed once per version, by ``flush_cache``, where allowed."""
         return self.call(
             "/update_weights_from_distributed",
             {
                 **wire_fields,
                 "group_name": group_name,
-                "flush_cache": flush_cache,
+                "flush_cache": False,
+                "abort_all_requests": False,
                 "weight_version": weight_version,
                 "load_format": load_format,
             },
         )
+
+    def flush_cache(self) -> dict[str, Any]:
+        """Drop cached prefixes (SGLang refuses while requests run, i.e. after an in_place pause)."""
+        return self.call("/flush_cache", {})
 
     def destroy_group(self, group_name: str, timeout_s: float | None = None) -> dict[str, Any]:
         return self.call(
@@ -156,20 +178,25 @@ class EngineClient:
         return self.call("/continue_generation", {})
 
     def weight_version(self) -> str:
-        return str(self.call("/get_weight_version", method="GET").get("weight_version"))
-
-    def weights_digest(self, *, per_param: bool = False) -> tuple[str, str, dict[str, str] | None]:
-        """(weight_version, digest, per-tensor sha256 or None) from ``GET /fleetrl/weights_digest``."""
-        path = "/fleetrl/weights_digest" + ("?per_param=1" if per_param else "")
-        body = self.call(path, method="GET")
-        if "digest" not in body or (per_param and not isinstance(body.get("per_param"), dict)):
+        """The version the engine serves, from ``GET /model_info``."""
+        body = self.call("/model_info", method="GET")
+        if "weight_version" not in body:
             raise EngineCallError(
-                self.name,
-                path,
-                f"reply lacks the digest fields: {str(body)[:200]}",
-                unreachable=False,
+                self.name, "/model_info", "reply has no weight_version", unreachable=False
             )
-        return str(body.get("weight_version")), str(body["digest"]), body.get("per_param")
+        return str(body["weight_version"])
+
+    def weights_by_name(self, name: str, rows: int) -> list | None:
+        """The first ``rows`` rows (or elements) of one tensor as floats, or None when the
+        engine cannot report it (SGLang implements this for some architectures only)."""
+        try:
+            body = self.call("/get_weights_by_name", {"name": name, "truncate_size": int(rows)})
+        except EngineCallError as err:
+            if err.unreachable:
+                raise
+            return None
+        parameter = body.get("result", body.get("parameter"))
+        return parameter if isinstance(parameter, list) else None
 
     def close(self) -> None:
         self._session.close()

@@ -1,13 +1,13 @@
 """A weight-update process group among processes that did not start together.
 
 The learner's rank 0 and every engine rank form their own small group, apart
-from the learner's default (FSDP) group, as SGLang's ``init_custom_process_group``
-does: a ``TCPStore`` served by the learner, a ``PrefixStore`` named after the
-group, and a collective backend built directly on it. Building the backend
-object ourselves (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) instead of going
-through ``torch.distributed.init_process_group`` means nothing global is
-touched: the default group, ``torch.distributed.is_initialized()`` and the
-group registry stay exactly as the learner (or the engine) left them.
+from the learner's default (FSDP) group, the way SGLang's
+``init_custom_process_group`` forms it (every engine rank calls that function
+with ``init_method="tcp://addr:port"``): a ``TCPStore`` served by the learner,
+a ``PrefixStore`` named after the group, and torch's
+``_new_process_group_helper``. The default group and
+``torch.distributed.is_initialized()`` stay as the learner left them; the group
+is registered by name in torch's registry until it is closed.
 
 Timeouts: every collective is waited on with a deadline (``wait``), and the
 backend's own timeout is set as well (gloo honours it directly). For NCCL the
@@ -16,11 +16,9 @@ fires first and we ``abort`` the communicator ourselves, instead of the
 watchdog tearing the learner down.
 
 Security: the store listens only on ``master_address`` (a socket bound there is
-handed to the store), and gloo's transport is bound to the interface that
-reaches the master. NCCL picks its own interfaces (``NCCL_SOCKET_IFNAME``).
-
-Left out: multi-rank engines joining from one process (each engine rank calls
-``join_group`` with its own rank).
+handed to the store). Gloo and NCCL pick their transport interfaces as they do
+on the engine side (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``): the group
+belongs on a private network, like Ray's and torch.distributed's own stores.
 """
 
 from __future__ import annotations
@@ -98,19 +96,75 @@ def connect_store(master_address: str, master_port: int, timeout_s: float) -> di
     return dist.TCPStore(master_address, int(master_port), None, False, _timedelta(timeout_s))
 
 
-def _local_address_towards(master_address: str) -> str:
-    """The local IP this host uses to reach ``master_address`` (no packet is sent)."""
-    family = socket.AF_INET6 if ":" in master_address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((master_address, 9))
-            return probe.getsockname()[0]
-        except OSError:
-            return master_address
+def _sglang_style_group(
+    store: dist.Store,
+    group_name: str,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float,
+    *,
+    register: bool,
+) -> dist.ProcessGroup:
+    """The torch calls of SGLang's ``init_custom_process_group`` after its rendezvous.
+
+    ``register=True`` goes through torch's ``_new_process_group_helper`` exactly as
+    SGLang does (the group is then in torch's registry under ``group_name`` until
+    ``WeightGroup.close``). ``register=False`` builds the same store prefixes
+    (``group_name``, ``"{group_name}/"``, ``"{device}/"``) and backend without the
+    registry, for an engine rank living in a process that may also hold rank 0 of
+    the same group (tests, single-process tools): torch allows one group per name
+    per process. The conformance tier proves both against SGLang's own function.
+    """
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+
+    prefixed = dist.PrefixStore(group_name, store)
+    timeout = _timedelta(timeout_s)
+    if register:
+        pg, _ = _new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            Backend(backend),
+            prefixed,
+            group_name=group_name,
+            backend_options=None,
+            timeout=timeout,
+        )
+        _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+        return pg
+    device = "cuda" if backend == "nccl" else "cpu"
+    group_store = dist.PrefixStore(f"{group_name}/", prefixed)
+    backend_store = dist.PrefixStore(f"{device}/", group_store)
+    pg = dist.ProcessGroup(group_store, rank, world_size)
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        impl = dist.ProcessGroupGloo(backend_store, rank, world_size, options)
+        kind = dist.ProcessGroup.BackendType.GLOO
+    else:
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = timeout
+        impl = dist.ProcessGroupNCCL(backend_store, rank, world_size, nccl_options)
+        kind = dist.ProcessGroup.BackendType.NCCL
+    pg._set_default_backend(kind)
+    pg._register_backend(torch.device(device), kind, impl)
+    return pg
 
 
 class WeightGroup:
-    """One rank's membership in a weight-update group; rank 0 is the learner."""
+    """One rank's membership in a weight-update group; rank 0 is the learner.
+
+    Formed exactly as SGLang's ``init_custom_process_group`` forms every engine
+    rank (sglang/srt/utils/common.py): the store wrapped in
+    ``PrefixStore(group_name)``, then torch's ``_new_process_group_helper`` with
+    no global ranks (which adds its own ``"{group_name}/"`` and ``"{device}/"``
+    prefixes), and the identity rank map registered. Building rank 0 any other
+    way leaves the two sides waiting on different store keys. The store itself
+    is ours (bound to ``master_address``); engines reach it through
+    ``tcp://master_address:port`` as SGLang's rendezvous does.
+    """
 
     def __init__(
         self,
@@ -123,30 +177,26 @@ class WeightGroup:
         timeout_s: float,
         master_address: str,
         device: str | torch.device = "cpu",
+        register: bool = True,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of size {world_size} ({group_name})")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"unsupported weight-sync backend {backend!r}")
         self.group_name = group_name
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self.timeout_s = float(timeout_s)
         self.device = torch.device(device)
+        self.master_address = master_address
         self._store = store  # the master keeps its server alive through this reference
-        prefixed = dist.PrefixStore(group_name, store)
-        if backend == "gloo":
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = _timedelta(timeout_s)
-            options._devices = [
-                dist.ProcessGroupGloo.create_device(hostname=_local_address_towards(master_address))
-            ]
-            self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
-        elif backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = _timedelta(timeout_s + NCCL_WATCHDOG_GRACE_S)
-            self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-        else:
-            raise ValueError(f"unsupported weight-sync backend {backend!r}")
+        # NCCL's watchdog gets a grace period so our own deadline (``wait``) fires first.
+        backend_timeout = self.timeout_s + (NCCL_WATCHDOG_GRACE_S if backend == "nccl" else 0.0)
+        self._registered = register
+        self._pg = _sglang_style_group(
+            store, group_name, rank, world_size, backend, backend_timeout, register=register
+        )
         self.closed = False
 
     def broadcast(self, flat: torch.Tensor, src: int = 0) -> dist.Work:
@@ -183,12 +233,17 @@ class WeightGroup:
         if self.closed:
             return
         self.closed = True
+        pg, self._pg = self._pg, None
         try:
             if abort:
-                self._pg.abort()
-            else:
-                self._pg.shutdown()
-        except RuntimeError as err:  # a backend without abort/shutdown support: drop it anyway
+                pg.abort()
+        except RuntimeError as err:  # a backend without abort support: drop it anyway
+            log.warning("aborting weight group %s: %s", self.group_name, err)
+        try:
+            if self._registered:
+                dist.destroy_process_group(pg)  # shuts it down, frees its name in the registry
+            elif not abort:
+                pg.shutdown()
+        except (RuntimeError, ValueError, KeyError) as err:
             log.warning("closing weight group %s: %s", self.group_name, err)
-        self._pg = None  # type: ignore[assignment]
         self._store = None  # type: ignore[assignment]

@@ -19,7 +19,7 @@ class EngineSyncStatus:
     ok: bool = True
     error: str | None = None
     load_s: float = 0.0  # summed over buckets: broadcast done -> the engine's HTTP reply
-    digest_ok: bool | None = None  # None: not verified
+    verified: bool | None = None  # None: not verified
 
 
 @dataclass
@@ -33,7 +33,7 @@ class SyncMetrics:
     pause_s: float = 0.0
     group_setup_s: float = 0.0
     resume_s: float = 0.0
-    verify_s: float = 0.0  # learner-side digest plus the engines' digest replies
+    verify_s: float = 0.0  # keeping the sent rows plus the engines' /model_info and row replies
     total_s: float = 0.0
     bytes: int = 0
     gbps: float = 0.0

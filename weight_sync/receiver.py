@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from fleetrl.log import get_logger
-from weight_sync.buckets import metas_from_wire, tensor_bytes, unpack_bucket
+from weight_sync.buckets import metas_from_wire, unpack_bucket
 from weight_sync.group import WeightGroup, connect_store, resolve_backend
 
 log = get_logger(__name__)
@@ -86,6 +86,7 @@ class WeightReceiver:
             timeout_s=timeout_s,
             master_address=master_address,
             device=self.device,
+            register=False,  # rank 0 may live in this process (see group._sglang_style_group)
         )
         with self._registry_lock:
             self._groups[group_name] = group
@@ -135,7 +136,7 @@ class WeightReceiver:
                 )
                 return unpack_bucket(flat, metas)
             tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
-            works = [group.broadcast(tensor_bytes(t)) for t in tensors]
+            works = [group.broadcast(t) for t in tensors]
             for meta, work in zip(metas, works, strict=True):
                 group.wait(work, f"receive {meta.name}", deadline)
             return [(m.name, t) for m, t in zip(metas, tensors, strict=True)]

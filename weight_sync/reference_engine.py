@@ -1,11 +1,13 @@
 """A reference engine for the weight-sync protocol: SGLang's weight endpoints over a dict of tensors.
 
-It serves exactly the endpoints the learner's ``WeightSender`` calls
-(``/init_weights_update_group``, ``/update_weights_from_distributed``,
+It serves exactly the endpoints the learner's ``WeightSender`` calls, as
+SGLang 0.5.23 defines them (``/init_weights_update_group``,
+``/begin_weight_update``, ``/update_weights_from_distributed`` — refused
+outside a begin..end session, as SGLang does — ``/end_weight_update``,
 ``/destroy_weights_update_group``, ``/pause_generation``,
-``/continue_generation``, ``/get_weight_version``, ``/health``,
-``/fleetrl/weights_digest[?per_param=1]``) on top of a ``WeightReceiver`` and a plain
-name -> tensor table, and generates nothing. Tests and ``bench.weight_sync``
+``/continue_generation``, ``/flush_cache``, ``GET /model_info``,
+``/get_weights_by_name``, ``/health``) on top of a ``WeightReceiver`` and a
+plain name -> tensor table, and generates nothing. Tests and ``bench.weight_sync``
 use it as the engine's stand-in; it is also the smallest worked example of what
 an engine must do on its side. The real CPU engine is ``rollout_fleet.engine``.
 
@@ -35,7 +37,6 @@ import torch
 
 from fleetrl.log import get_logger, setup_logging
 from weight_sync.buckets import parse_dtype
-from weight_sync.digest import StreamDigest
 from weight_sync.receiver import WeightReceiver
 
 log = get_logger(__name__)
@@ -88,6 +89,7 @@ class ReferenceEngine:
         self.group_timeout_s = group_timeout_s
         self.die_on_update = die_on_update
         self.weight_version = "default"
+        self.in_session = False  # between /begin_weight_update and /end_weight_update
         self.paused_mode: str | None = None
         self.updates = 0
         self._lock = threading.Lock()
@@ -107,7 +109,23 @@ class ReferenceEngine:
         )
         return {"success": True, "message": f"joined {body['group_name']}"}
 
+    def session(self, begin: bool) -> dict[str, Any]:
+        with self._lock:
+            if self.in_session == begin:
+                raise ValueError(
+                    "a weight-update session is already open; call end_weight_update() first"
+                    if begin
+                    else "no weight-update session is open; call begin_weight_update() first"
+                )
+            self.in_session = begin
+        return {"success": True, "message": "Success"}
+
     def update(self, body: dict[str, Any]) -> dict[str, Any]:
+        if not self.in_session:
+            raise ValueError(
+                "update_weights_from_distributed must run between "
+                "begin_weight_update() and end_weight_update()"
+            )
         with self._lock:
             self.updates += 1
             if self.die_on_update is not None and self.updates >= self.die_on_update:
@@ -139,15 +157,12 @@ class ReferenceEngine:
         self.receiver.destroy(body["group_name"])
         return {"success": True, "message": "destroyed"}
 
-    def digest(self, per_param: bool) -> dict[str, Any]:
+    def rows(self, body: dict[str, Any]) -> Any:
         with self._lock:
-            digest = StreamDigest()
-            for name, tensor in self.tensors.items():
-                digest.add(name, tensor)
-        body: dict[str, Any] = {"weight_version": self.weight_version, "digest": digest.hexdigest()}
-        if per_param:
-            body["per_param"] = digest.per_tensor
-        return body
+            tensor = self.tensors.get(body["name"])
+            if tensor is None:
+                raise ValueError("Get parameter by name failed")
+            return tensor[: int(body.get("truncate_size", 100))].to(torch.float32).tolist()
 
     def save(self, body: dict[str, Any]) -> dict[str, Any]:
         from safetensors.torch import save_file
@@ -156,15 +171,21 @@ class ReferenceEngine:
             save_file({n: t.contiguous().cpu() for n, t in self.tensors.items()}, body["path"])
         return {"success": True, "message": body["path"]}
 
-    def route(self, method: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def route(self, method: str, path: str, body: dict[str, Any]) -> Any:
         if method == "GET":
             if path in ("/health", "/health_generate"):
                 return {"success": True}
-            if path == "/get_weight_version":
-                return {"weight_version": self.weight_version}
-            if path.split("?")[0] == "/fleetrl/weights_digest":
-                return self.digest(per_param="per_param=1" in path)
+            if path == "/model_info":
+                return {"model_path": "reference", "weight_version": self.weight_version}
         else:
+            if path == "/begin_weight_update":
+                return self.session(begin=True)
+            if path == "/end_weight_update":
+                return self.session(begin=False)
+            if path == "/get_weights_by_name":
+                return self.rows(body)
+            if path == "/flush_cache":
+                return {"success": True, "message": "Cache flushed."}
             if path == "/init_weights_update_group":
                 return self.init_group(body)
             if path == "/update_weights_from_distributed":
@@ -193,7 +214,7 @@ class ReferenceEngine:
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug("%s " + fmt, self.address_string(), *args)
 
-            def _reply(self, status: int, body: dict[str, Any]) -> None:
+            def _reply(self, status: int, body: Any) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

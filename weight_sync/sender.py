@@ -9,19 +9,23 @@ to ``publish``, the other ranks drain theirs (``drain_stream``):
     metrics = sender.publish(worker.named_full_tensors(), version=v)   # rank 0
     drain_stream(worker.named_full_tensors())                          # ranks > 0
 
-``publish`` in order:
+``publish`` in order (SGLang 0.5.23's protocol, DESIGN.md §5):
   1. pause every engine (``config.pause_mode``) - concurrently;
   2. (re)form the group if membership changed: rank 0 serves a TCPStore, POSTs
      ``/init_weights_update_group`` to each engine with its ``rank_offset``
-     (threads) while joining as rank 0 (see ``group``);
-  3. pack the stream into dtype-grouped flat buckets of ``bucket_mb``; per
+     (an engine with TP t takes t consecutive ranks) while joining as rank 0
+     the way SGLang's engine ranks join (see ``group``);
+  3. ``/begin_weight_update`` on every engine (SGLang refuses updates outside);
+  4. pack the stream into dtype-grouped flat buckets of ``bucket_mb``; per
      bucket: POST ``/update_weights_from_distributed`` (``load_format=
-     "flattened_bucket"``) to every engine in threads, start the broadcast,
-     then gather and pack the next bucket while it is in flight (one-bucket
-     lookahead), then wait for the broadcast and every reply;
-  4. continue every engine;
-  5. if ``config.verify``: compare each engine's ``/fleetrl/weights_digest``
-     (and version) with the digest of what was sent.
+     "flattened_bucket"``, ``flush_cache`` false) to every engine in threads,
+     start the broadcast, then gather and pack the next bucket while it is in
+     flight (one-bucket lookahead), then wait for the broadcast and every reply;
+  5. ``/end_weight_update``; then ``/flush_cache`` once, unless the pause was
+     in_place (see ``flushes_cache``);
+  6. continue every engine;
+  7. if ``config.verify``: each engine's ``/model_info`` version and
+     ``/get_weights_by_name`` rows against what was sent (``verify``).
 
 Failures: any call or broadcast that fails or exceeds ``config.timeout_s``
 drops the engine(s) it names; ``publish`` finishes for the others where it can
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -64,10 +69,10 @@ import torch
 from fleetrl.log import get_logger
 from weight_sync.buckets import Bucket, group_unpacked, pack_buckets
 from weight_sync.config import WeightSyncConfig
-from weight_sync.digest import StreamDigest
 from weight_sync.engine_client import EngineCallError, EngineClient, EngineEndpoint
 from weight_sync.group import GroupError, MasterStore, WeightGroup, resolve_backend
 from weight_sync.metrics import EngineSyncStatus, SyncMetrics
+from weight_sync.verify import SentRows
 
 __all__ = [
     "EngineEndpoint",
@@ -145,8 +150,10 @@ class WeightSender:
         self._store: MasterStore | None = None
         self._group_clients: list[EngineClient] = []
         self._generation = 0
+        self._instance = uuid.uuid4().hex[:8]  # torch allows one group per name per process
         self._pool = ThreadPoolExecutor(_MAX_HTTP_THREADS, thread_name_prefix="weight-sync-http")
         self._stale: set[str] = set()
+        self._values_unchecked: set[str] = set()
         self.dropped: dict[str, str] = {}
         self.latest_version: int | None = None
 
@@ -161,6 +168,13 @@ class WeightSender:
     def needs_resend(self) -> bool:
         """True while some engine holds partial weights (a mid-stream failure); publish again."""
         return bool(self._stale)
+
+    @property
+    def flushes_cache(self) -> bool:
+        """Whether each version ends with ``/flush_cache``: after an abort or retract pause the
+        engine is idle and SGLang flushes; after in_place it refuses (requests still run), so
+        SGLang engines run without a radix cache instead (see ``rollout_fleet.sglang_launcher``)."""
+        return self.config.pause_mode != "in_place"
 
     @property
     def group_name(self) -> str | None:
@@ -230,9 +244,10 @@ class WeightSender:
         errors.update(self._ensure_group())
         metrics.group_setup_s = time.perf_counter() - t0
 
-        digest = StreamDigest() if verify else None
-        if digest is not None:
-            stream = _digesting(stream, digest, metrics)
+        sent = SentRows(self.config.verify_rows) if verify else None
+        if sent is not None:
+            stream = sent.observe(stream)
+        errors.update(self._call_group(lambda c: c.begin_update(), "begin_weight_update"))
         if self._group is None:
             drain_stream(stream)
         else:
@@ -259,9 +274,14 @@ class WeightSender:
                 # The learner's own stream failed mid-version: abort whatever is in flight;
                 # every member got part of this version and must get all of the next one.
                 self._stale.update(c.name for c in self._group_clients)
+                for client in self._group_clients:
+                    self._best_effort_end(client)
                 self._teardown_group(notify=True, abort=True)
                 raise
         self._stale.clear()
+        errors.update(self._call_group(lambda c: c.end_update(), "end_weight_update"))
+        if self.flushes_cache:
+            errors.update(self._call_group(lambda c: c.flush_cache(), "flush_cache"))
 
         t0 = time.perf_counter()
         errors.update(self._call_all(lambda c: c.resume(), "continue"))
@@ -269,9 +289,9 @@ class WeightSender:
         self.latest_version = version
 
         mismatched: dict[str, str] = {}
-        if digest is not None and self._group_clients:
+        if sent is not None and self._group_clients:
             t0 = time.perf_counter()
-            mismatched = self._verify(digest, version, metrics)
+            mismatched = self._verify(sent, version, metrics)
             metrics.verify_s += time.perf_counter() - t0
         metrics.total_s = time.perf_counter() - started
         self._record(metrics, {**errors, **mismatched})
@@ -302,7 +322,6 @@ class WeightSender:
         buckets = (pack_buckets if packed else group_unpacked)(
             stream, self.bucket_bytes, self.device
         )
-        flush_cache = self.config.pause_mode != "in_place"
 
         def fetch() -> Bucket | None:
             t = time.perf_counter()
@@ -322,7 +341,6 @@ class WeightSender:
                     bucket,
                     group.group_name,
                     version,
-                    flush_cache,
                     "flattened_bucket" if packed else None,
                 )
                 for c in clients
@@ -369,14 +387,12 @@ class WeightSender:
         bucket: Bucket,
         group_name: str,
         version: int,
-        flush_cache: bool,
         load_format: str | None,
     ) -> float:
         client.update_weights(
             bucket.wire_fields(),
             group_name=group_name,
             weight_version=str(version),
-            flush_cache=flush_cache,
             load_format=load_format,
         )
         return time.perf_counter()
@@ -415,34 +431,49 @@ class WeightSender:
         self._stale = {c.name for c in members if c.name not in blamed}
         for client in members:
             if client.name not in blamed:
+                self._best_effort_end(client)
                 self._best_effort_destroy(client, group_name)
         return errors
 
-    def _verify(self, sent: StreamDigest, version: int, metrics: SyncMetrics) -> dict[str, str]:
-        """Compare each engine's digest with what was sent; ``{engine: why}`` for those that differ.
-
-        Fast path: the total digest. If it differs (the engine may hash another
-        order, or tied aliases), compare per-tensor hashes of every tensor sent.
-        """
-        expected = sent.hexdigest()
-        results = {c.name: (c, self._pool.submit(c.weights_digest)) for c in self._group_clients}
+    def _verify(self, sent: SentRows, version: int, metrics: SyncMetrics) -> dict[str, str]:
+        """Ask every engine what it serves (see ``verify``); ``{engine: why}`` for those that differ."""
+        names = sent.sample(self.config.verify_tensors)
+        futures = {
+            c.name: self._pool.submit(self._check_engine, c, sent, names, version)
+            for c in self._group_clients
+        }
         mismatched: dict[str, str] = {}
-        for name, (client, future) in results.items():
+        for name, future in futures.items():
             status = metrics.engines.setdefault(name, EngineSyncStatus(name))
             try:
-                engine_version, engine_digest, _ = future.result()
-                problem = ""
-                if engine_version != str(version):
-                    problem = f"holds version {engine_version!r}, learner sent {version}"
-                elif engine_digest != expected:
-                    held = client.weights_digest(per_param=True)[2]
-                    problem = _per_tensor_problem(sent.per_tensor, held)
+                problem = future.result()
             except EngineCallError as err:
                 problem = str(err).removeprefix(f"engine {name}: ")
-            status.digest_ok = not problem
+            status.verified = not problem
             if problem:
                 mismatched[name] = f"engine {name}: {problem}"
         return mismatched
+
+    def _check_engine(
+        self, client: EngineClient, sent: SentRows, names: list[str], version: int
+    ) -> str:
+        served = client.weight_version()
+        if served != str(version):
+            return f"serves version {served!r} (GET /model_info), learner sent {version}"
+        for name in names:
+            held = client.weights_by_name(name, self.config.verify_rows)
+            if held is None:
+                if client.name not in self._values_unchecked:
+                    self._values_unchecked.add(client.name)
+                    log.info(
+                        "engine %s cannot report weights by name; its versions are verified, "
+                        "its values are not",
+                        client.name,
+                    )
+                return ""
+            if not sent.matches(name, held):
+                return f"tensor {name} differs from the learner's (POST /get_weights_by_name)"
+        return ""
 
     # ------------------------------------------------------------------ group lifecycle
 
@@ -468,7 +499,7 @@ class WeightSender:
 
     def _form_group(self, members: list[EngineClient]) -> dict[str, str]:
         self._generation += 1
-        group_name = f"{self.config.group_name}-{self._generation}"
+        group_name = f"{self.config.group_name}-{self._instance}-{self._generation}"
         world_size = 1 + sum(c.endpoint.world_size for c in members)
         store = MasterStore(self.master_address, self.config.timeout_s)
         deadline = time.monotonic() + self.config.timeout_s
@@ -556,6 +587,13 @@ class WeightSender:
         if store is not None:
             store.close()
 
+    def _best_effort_end(self, client: EngineClient) -> None:
+        """Close an open weight-update session, so the next version's begin is accepted."""
+        try:
+            client.end_update()
+        except EngineCallError as err:
+            log.warning("could not end the weight update on %s: %s", client.name, err)
+
     def _best_effort_destroy(self, client: EngineClient, group_name: str) -> None:
         try:
             client.destroy_group(group_name, timeout_s=HEALTH_PROBE_S)
@@ -564,16 +602,22 @@ class WeightSender:
 
     # ------------------------------------------------------------------ helpers
 
-    def _call_all(self, fn: Any, what: str) -> dict[str, str]:
-        """Call ``fn(client)`` on every member concurrently; drop and return those that fail."""
+    def _call_all(self, fn: Any, what: str, only: set[str] | None = None) -> dict[str, str]:
+        """Call ``fn(client)`` on every member (or those in ``only``) concurrently; drop and
+        return those that fail."""
         with self._lock:
-            clients = list(self._clients.values())
+            clients = [c for c in self._clients.values() if only is None or c.name in only]
         futures = {c.name: self._pool.submit(fn, c) for c in clients}
         errors = self._gather(futures, time.monotonic() + self.config.timeout_s)
         for name, reason in errors.items():
             log.warning("%s failed: %s", what, reason)
             self._drop(name, reason)
         return errors
+
+    def _call_group(self, fn: Any, what: str) -> dict[str, str]:
+        """``_call_all`` for the engines in the current group only (none when no group)."""
+        members = {c.name for c in self._group_clients}
+        return self._call_all(fn, what, only=members)
 
     def _drop(self, name: str, reason: str) -> None:
         with self._lock:
@@ -603,30 +647,6 @@ class WeightSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _digesting(
-    stream: Iterator[tuple[str, torch.Tensor]], digest: StreamDigest, metrics: SyncMetrics
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass the stream through, adding each tensor to ``digest`` (timed as verify_s)."""
-    for name, tensor in stream:
-        t = time.perf_counter()
-        digest.add(name, tensor)
-        metrics.verify_s += time.perf_counter() - t
-        yield name, tensor
-
-
-def _per_tensor_problem(sent: dict[str, str], held: dict[str, str] | None) -> str:
-    """'' if every tensor sent is held with the same hash, else which ones differ."""
-    held = held or {}
-    missing = [n for n in sent if n not in held]
-    differ = [n for n in sent if n in held and held[n] != sent[n]]
-    parts = []
-    if differ:
-        parts.append(f"{len(differ)} tensors differ from the learner's (e.g. {differ[:3]})")
-    if missing:
-        parts.append(f"{len(missing)} tensors sent are not in its digest (e.g. {missing[:3]})")
-    return "; ".join(parts)
 
 
 def _describe(errors: dict[str, str], what: str) -> str:

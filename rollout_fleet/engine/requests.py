@@ -233,5 +233,21 @@ def response_object(
             [lp, tid, tx]
             for lp, tid, tx in zip(seq.logprobs[:n_tokens], output_ids, texts, strict=True)
         ]
-    meta["output_token_versions"] = seq.versions[:n_tokens]
+    spans = weight_version_spans(seq.versions[:n_tokens])
+    if spans:
+        meta["weight_versions"] = spans
+        meta["weight_version"] = spans[-1]["version"]
     return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+
+def weight_version_spans(versions: list[int]) -> list[dict[str, Any]]:
+    """Per-token versions as SGLang 0.5.23 reports them: ``meta_info.weight_versions`` =
+    ``[{"version": str, "start": int, "end": int}, ...]``, one span per run of equal
+    versions over the output tokens (``sglang.srt.utils.weight_versions``)."""
+    spans: list[dict[str, Any]] = []
+    for index, version in enumerate(versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = index + 1
+        else:
+            spans.append({"version": str(version), "start": index, "end": index + 1})
+    return spans

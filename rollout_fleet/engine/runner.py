@@ -14,9 +14,8 @@ here locks. Two forward kinds:
 
 Weights: ``load_weights(named_tensors)`` copies received tensors into the
 parameters by Hugging Face name (validated first: unknown names or shape
-mismatches fail before anything is copied); ``weights_digest()`` is the
-verification hash, computed by ``weight_sync.digest.module_digest`` so the
-engine and the learner share one definition.
+mismatches fail before anything is copied); ``weight_rows(name, rows)``
+answers ``/get_weights_by_name`` for verification, in SGLang's reply shape.
 
 Left out: tensor parallelism, CUDA graphs, quantisation.
 """
@@ -32,7 +31,6 @@ from fleetrl.log import get_logger
 from fleetrl.models.loading import load_causal_lm, load_tokenizer
 from rollout_fleet.engine.fused_decoder import FusedDecoder, build_fused_decoder
 from rollout_fleet.engine.kv_cache import BatchKVCache
-from weight_sync.digest import module_digest
 
 log = get_logger(__name__)
 
@@ -180,7 +178,10 @@ class ModelRunner:
             self.fused.check_fused()
         return len(named_tensors)
 
-    def weights_digest(self) -> tuple[str, dict[str, str]]:
-        """``(digest, per-tensor digests)`` by ``weight_sync.digest`` (the learner's definition)."""
-        digest = module_digest(self.model)
-        return digest.hexdigest(), digest.per_tensor
+    def weight_rows(self, name: str, rows: int) -> list | None:
+        """The leading ``rows`` rows of the tensor named ``name`` (HF name) as float lists,
+        as SGLang's ``/get_weights_by_name`` returns them; None for an unknown name."""
+        tensor = self.model.state_dict(keep_vars=True).get(name)  # tied names included
+        if tensor is None:
+            return None
+        return tensor.detach()[:rows].to("cpu", torch.float32).tolist()

@@ -3,7 +3,7 @@
 One dedicated thread owns the model runner. Its loop::
 
     while running:
-        run queued commands (submit, abort, pause, continue, flush, load weights, digest)
+        run queued commands (submit, abort, pause, continue, flush, load weights)
         if paused or idle: wait
         admit waiting sequences up to max_running_requests -> prefill, sample 1st token
         drop finished rows and splice new ones into the batch cache (one rebuild)
@@ -177,9 +177,6 @@ class Scheduler:
 
     def set_weight_version(self, weight_version: str) -> Future:
         return self.call(lambda: self._set_version(weight_version))
-
-    def digest(self) -> Future:
-        return self.call(lambda: (self.weight_version, *self.runner.weights_digest()))
 
     def load(self) -> dict[str, Any]:
         """A racy but harmless snapshot of queue sizes for /get_server_info."""

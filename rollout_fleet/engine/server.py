@@ -8,11 +8,14 @@ Endpoints (SGLang names; request/response fields in ``rollout_fleet.protocol``):
 ``POST /generate`` (non-streaming, or SSE ``data: {...}`` chunks then
 ``data: [DONE]``), ``POST /pause_generation``, ``POST /continue_generation``,
 ``POST /abort_request``, ``GET|POST /flush_cache`` (400 while requests are
-pending), ``GET /get_weight_version``, ``POST /update_weight_version``,
-``GET /health``, ``GET /health_generate``, ``GET /get_model_info``,
+pending), ``POST /update_weight_version``, ``GET /health``,
+``GET /health_generate``, ``GET /model_info`` (with ``weight_version``),
 ``GET /get_server_info``, ``POST /init_weights_update_group``,
+``POST /begin_weight_update`` / ``POST /end_weight_update`` (the update
+session: as in SGLang 0.5.23, an update outside it is refused with 400),
 ``POST /update_weights_from_distributed``, ``POST /destroy_weights_update_group``
-and the fleetrl extension ``GET /fleetrl/weights_digest[?per_param=1]``.
+and ``GET|POST /get_weights_by_name``. No route exists here that a real SGLang
+server lacks: every CPU test of the training loop makes the calls a GPU run makes.
 
 Security: binds 127.0.0.1 by default. A non-loopback host requires an API key
 (``--api-key`` or ``FLEETRL_API_KEY``); with a key, every request except
@@ -145,6 +148,7 @@ class EmbeddedEngine:
         )
         self._receiver_factory = receiver_factory
         self._receiver: Any = None
+        self._update_session = False  # between /begin_weight_update and /end_weight_update
         self._weight_pool = ThreadPoolExecutor(1, thread_name_prefix=f"{engine_id}-weights")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -166,9 +170,8 @@ class EmbeddedEngine:
         r.add_put("/generate", self.generate)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health_generate)
-        r.add_get("/get_model_info", self.get_model_info)
+        r.add_get("/model_info", self.get_model_info)
         r.add_get("/get_server_info", self.get_server_info)
-        r.add_get("/get_weight_version", self.get_weight_version)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
@@ -176,9 +179,12 @@ class EmbeddedEngine:
         r.add_get("/flush_cache", self.flush_cache)
         r.add_post("/flush_cache", self.flush_cache)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/begin_weight_update", self.begin_weight_update)
+        r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
-        r.add_get("/fleetrl/weights_digest", self.weights_digest)
+        r.add_get("/get_weights_by_name", self.get_weights_by_name)
+        r.add_post("/get_weights_by_name", self.get_weights_by_name)
         return app
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -386,9 +392,6 @@ class EmbeddedEngine:
             text="Cache not flushed: there are running or waiting requests.\n", status=400
         )
 
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return _json({"weight_version": self.scheduler.weight_version})
-
     async def update_weight_version(self, request: web.Request) -> web.Response:
         req = await _body(request, P.UpdateWeightVersionRequest)
         if req.abort_all_requests:
@@ -505,6 +508,15 @@ class EmbeddedEngine:
             req.check()
         except ValueError as err:
             raise RequestError(str(err)) from err
+        if not self._update_session:
+            return _json(
+                {
+                    "success": False,
+                    "message": "update_weights_from_distributed must run between "
+                    "begin_weight_update() and end_weight_update()",
+                },
+                400,
+            )
         if self._receiver is None:
             return _json(
                 {
@@ -547,9 +559,39 @@ class EmbeddedEngine:
             )
         return _json({"success": True, "message": f"destroyed group {req.group_name!r}"})
 
-    async def weights_digest(self, request: web.Request) -> web.Response:
-        version, digest, per_param = await asyncio.wrap_future(self.scheduler.digest())
-        body: dict[str, Any] = {"weight_version": version, "digest": digest}
-        if request.query.get("per_param", "") in ("1", "true"):
-            body["per_param"] = per_param
-        return _json(body)
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        await _body(request, P.WeightUpdateSessionRequest, optional=True)
+        if self._update_session:
+            return _json(
+                {
+                    "success": False,
+                    "message": "a weight-update session is already open; "
+                    "call end_weight_update() first",
+                },
+                400,
+            )
+        self._update_session = True
+        return _json({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await _body(request, P.WeightUpdateSessionRequest, optional=True)
+        if not self._update_session:
+            return _json(
+                {
+                    "success": False,
+                    "message": "no weight-update session is open; call begin_weight_update() first",
+                },
+                400,
+            )
+        self._update_session = False
+        return _json({"success": True, "message": "Success"})
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """The leading rows of one tensor as float lists (SGLang's reply shape), or 400."""
+        req = await _body(request, P.GetWeightsByNameRequest)
+        rows = await asyncio.wrap_future(
+            self.scheduler.call(lambda: self.runner.weight_rows(req.name, req.truncate_size))
+        )
+        if rows is None:
+            return _json({"error": {"message": "Get parameter by name failed"}}, 400)
+        return _json(rows)

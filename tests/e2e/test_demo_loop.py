@@ -2,7 +2,7 @@
 
 Proves: trajectories flow from the fleet through the buffer into the learner,
 the staleness bound η = 2 holds on every step, every version's weights reach
-the engine (verified by digest), metrics.jsonl carries the documented metric
+the engine (verified through /model_info and /get_weights_by_name), metrics.jsonl carries the documented metric
 names with step and policy_version, the score curve is drawn, exit status 0.
 Then the same command, run again, resumes where the first stopped, and Ctrl-C
 (SIGINT to the whole process group, as a terminal sends it) ends it gracefully:

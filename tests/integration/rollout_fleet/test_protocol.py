@@ -16,7 +16,7 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from rollout_fleet.client import EngineClient, parse_generate_response
+from rollout_fleet.client import EngineClient, EngineError, parse_generate_response
 from rollout_fleet.engine.server import EmbeddedEngine
 
 SGLANG_GENERATE_FIELDS = {
@@ -108,7 +108,8 @@ def check_generate_response(obj: dict, *, logprobs: bool) -> None:
             assert isinstance(lp, float) and lp <= 0 and tid == out_id and text is None
     else:
         assert "output_token_logprobs" not in meta
-    assert meta["output_token_versions"] == [0] * len(obj["output_ids"])  # fleetrl extension
+    n = len(obj["output_ids"])
+    assert meta["weight_versions"] == ([{"version": "0", "start": 0, "end": n}] if n else [])
 
 
 class Receiver:
@@ -171,6 +172,15 @@ def test_client_requests_and_engine_responses_follow_sglang_schema(engine):
                     group_name="g",
                     backend="gloo",
                 )
+                with pytest.raises(EngineError, match="must run between begin_weight_update"):
+                    await client.update_weights_from_distributed(
+                        names=["model.norm.weight"],
+                        dtypes=["float32"],
+                        shapes=[list(w.shape)],
+                        group_name="g",
+                        weight_version="3",
+                    )
+                await client.begin_weight_update()
                 update = await client.update_weights_from_distributed(
                     names=["model.norm.weight"],
                     dtypes=["float32"],
@@ -180,6 +190,7 @@ def test_client_requests_and_engine_responses_follow_sglang_schema(engine):
                     weight_version="3",
                     load_format=None,
                 )
+                await client.end_weight_update()
                 destroy = await client.destroy_weights_update_group("g")
                 return single, batch, plain, info, version, health, flushed, init, update, destroy
         finally:
@@ -218,8 +229,9 @@ def test_client_requests_and_engine_responses_follow_sglang_schema(engine):
         "/init_weights_update_group",
         "/update_weights_from_distributed",
         "/destroy_weights_update_group",
-        "/get_weight_version",
-        "/get_model_info",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/model_info",
     } <= paths
 
     parsed = parse_generate_response(single)

@@ -144,10 +144,7 @@ def test_two_fsdp_ranks_sync_engines_bit_exact_and_a_late_engine_catches_up(
                     tmp_path / f"{name}_v{version}.safetensors",
                 )
         for url in urls.values():
-            assert (
-                requests.get(url + "/get_weight_version", timeout=10).json()["weight_version"]
-                == "1"
-            )
+            assert requests.get(url + "/model_info", timeout=10).json()["weight_version"] == "1"
 
 
 def test_engine_killed_mid_sync_is_named_and_the_learner_does_not_hang(tmp_path):
@@ -179,7 +176,7 @@ def test_engine_killed_mid_sync_is_named_and_the_learner_does_not_hang(tmp_path)
         assert consumed == list(weights)  # drained: other FSDP ranks never block
         assert sender.engines == ["steady"]
         metrics = sender.publish(weights.items(), 1)  # the group is rebuilt without it
-        assert list(metrics.engines) == ["steady"] and metrics.engines["steady"].digest_ok
+        assert list(metrics.engines) == ["steady"] and metrics.engines["steady"].verified
 
 
 if __name__ == "__main__":

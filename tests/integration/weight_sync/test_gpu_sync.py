@@ -45,7 +45,7 @@ def _sync_and_check(tmp_path, backend: str, learner_device: str, engine_device: 
                 for tensor in weights.values():
                     tensor.add_(1.0)
                 metrics = sender.publish(weights.items(), version)
-                assert metrics.engines["gpu-engine"].digest_ok and metrics.num_buckets > 1
+                assert metrics.engines["gpu-engine"].verified and metrics.num_buckets > 1
         import requests
 
         out = str(tmp_path / "engine.safetensors")

@@ -101,7 +101,9 @@ class FakeEngine:
                 "completion_tokens": len(ids),
                 "weight_version": str(version),
                 "output_token_logprobs": [[-0.5, t, None] for t in ids],
-                "output_token_versions": [version] * len(ids),
+                "weight_versions": [{"version": str(version), "start": 0, "end": len(ids)}]
+                if ids
+                else [],
             },
         }
 

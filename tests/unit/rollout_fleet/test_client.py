@@ -38,10 +38,11 @@ def test_parse_plain_sglang_tags_every_token_with_the_request_weight_version():
     assert out.finish_reason == "stop" and out.matched_stop == 2 and out.prompt_tokens == 4
 
 
-def test_parse_embedded_uses_per_token_versions():
+def test_parse_turns_weight_versions_spans_into_per_token_versions():
+    spans = [{"version": "6", "start": 0, "end": 2}, {"version": "7", "start": 2, "end": 3}]
     resp = {
         **SGLANG_RESPONSE,
-        "meta_info": {**SGLANG_RESPONSE["meta_info"], "output_token_versions": [6, 6, 7]},
+        "meta_info": {**SGLANG_RESPONSE["meta_info"], "weight_versions": spans},
     }
     assert parse_generate_response(resp).token_versions == [6, 6, 7]
 
@@ -49,12 +50,17 @@ def test_parse_embedded_uses_per_token_versions():
 def test_parse_rejects_inconsistent_or_incomplete_responses():
     with pytest.raises(ValueError, match="return_logprob"):
         parse_generate_response({**SGLANG_RESPONSE, "meta_info": {"weight_version": "1"}})
-    bad = {
-        **SGLANG_RESPONSE,
-        "meta_info": {**SGLANG_RESPONSE["meta_info"], "output_token_versions": [1]},
-    }
-    with pytest.raises(ValueError, match="versions"):
-        parse_generate_response(bad)
+    for spans in (
+        [{"version": "1", "start": 0, "end": 1}],  # covers 1 of 3 tokens
+        [{"version": "1", "start": 1, "end": 3}],  # does not start at token 0
+        [{"version": "x", "start": 0, "end": 3}],  # not an integer version
+    ):
+        bad = {
+            **SGLANG_RESPONSE,
+            "meta_info": {**SGLANG_RESPONSE["meta_info"], "weight_versions": spans},
+        }
+        with pytest.raises(ValueError, match="weight_versions"):
+            parse_generate_response(bad)
     with pytest.raises(ValueError, match="meta_info"):
         parse_generate_response({"text": ""})
 
@@ -70,7 +76,7 @@ class FlakyServer:
         self.hits[request.path] = self.hits.get(request.path, 0) + 1
         if self.hits[request.path] <= self.failures:
             return web.json_response({"error": {"message": "warming up"}}, status=503)
-        if request.path == "/get_weight_version":
+        if request.path == "/model_info":
             return web.json_response({"weight_version": "5"})
         return web.json_response(SGLANG_RESPONSE)
 
@@ -92,7 +98,7 @@ async def _with_server(failures: int, body):
 def test_idempotent_calls_retry_on_5xx_but_generate_does_not(monkeypatch):
     monkeypatch.setattr("rollout_fleet.client.RETRY_BACKOFF_S", 0.0)
     version, hits = asyncio.run(_with_server(2, lambda c: c.get_weight_version()))
-    assert version == "5" and hits["/get_weight_version"] == 3
+    assert version == "5" and hits["/model_info"] == 3
 
     async def gen(client):
         with pytest.raises(EngineError) as err:
