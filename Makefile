@@ -11,7 +11,7 @@ TORCH  ?= torch==2.14.1 torchvision==0.29.1
 SGLANG ?= sglang==0.5.23
 DEMO_OUT ?= runs/demo/run
 
-.PHONY: demo test test-unit test-integration test-e2e lint format bench docs clean venv
+.PHONY: demo test test-unit test-integration test-e2e lint format bench docs clean venv gpu-check
 
 venv: $(STAMP)
 
@@ -51,6 +51,12 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/fleetrl bench all --quick --out runs/bench
+
+# On a machine with a GPU: a real SGLang server (tested release), logprobs against the
+# learner, weight sync GB/s, 5 demo steps on CUDA; report in runs/gpu_check/gpu_check.json.
+gpu-check: $(STAMP)
+	$(PY) -m pip install -q -e ".[sglang]"
+	env -u RAY_ADDRESS $(PY) scripts/gpu_check.py --out runs/gpu_check
 
 docs: $(STAMP)
 	$(VENV)/bin/fleetrl config docs --out docs/configuration.md

@@ -321,6 +321,7 @@ class RolloutRole:
             resource_name=cfg.ray.rollout_resource,
             on_engine_restarted=self._on_restart,
             log_dir=str(Path(run_dir) / "logs"),
+            pause_mode=cfg.weight_sync.pause_mode,
         )
         from launcher.delivery import DeliveryTracker
 

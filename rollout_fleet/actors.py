@@ -46,6 +46,7 @@ class EngineSpec:
     tp_size: int = 1
     mem_fraction_static: float = 0.85
     load_format: Literal["dummy", "auto"] = "dummy"
+    disable_radix_cache: bool = False
     extra_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 600.0
     log_dir: str | None = None
@@ -71,8 +72,11 @@ def engine_spec(
     api_key: str | None = None,
     expose_on_node_ip: bool = False,
     log_dir: str | None = None,
+    pause_mode: str = "in_place",
 ) -> EngineSpec:
-    """The spec of engine ``name`` from the rollout config."""
+    """The spec of engine ``name`` from the rollout config (``pause_mode``: weight_sync.pause_mode)."""
+    from rollout_fleet.sglang_launcher import radix_cache_disabled_for
+
     return EngineSpec(
         name=name,
         model_path=str(model_path),
@@ -86,6 +90,7 @@ def engine_spec(
         tp_size=config.tp_size,
         mem_fraction_static=config.mem_fraction_static,
         load_format=config.sglang_load_format,
+        disable_radix_cache=radix_cache_disabled_for(pause_mode),
         extra_args=list(config.sglang_extra_args),
         startup_timeout_s=config.engine_startup_timeout_s,
         log_dir=log_dir,
@@ -157,24 +162,10 @@ class EngineActor:
         return url
 
     def _start_sglang(self, host: str) -> str:
-        from rollout_fleet.sglang_launcher import SGLangServer, SGLangServerSpec
+        from rollout_fleet.sglang_launcher import SGLangServer
 
-        dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(
-            self.spec.dtype, "auto"
-        )
         server = SGLangServer(
-            SGLangServerSpec(
-                model_path=self.spec.model_path,
-                host=host,
-                port=self.spec.port,
-                tp_size=self.spec.tp_size,
-                mem_fraction_static=self.spec.mem_fraction_static,
-                api_key=self.spec.api_key,
-                load_format=self.spec.load_format,
-                dtype=dtype,
-                max_running_requests=self.spec.max_running_requests,
-                extra_args=list(self.spec.extra_args),
-            ),
+            sglang_server_spec(self.spec, host),
             startup_timeout_s=self.spec.startup_timeout_s,
             log_path=(
                 os.path.join(self.spec.log_dir, f"{self.spec.name}.sglang.log")
@@ -184,6 +175,28 @@ class EngineActor:
         )
         self._engine = server
         return server.start()
+
+
+def sglang_server_spec(spec: EngineSpec, host: str = LOOPBACK) -> Any:
+    """The ``SGLangServerSpec`` (command line) of an SGLang engine spec."""
+    from rollout_fleet.sglang_launcher import SGLangServerSpec
+
+    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(
+        spec.dtype, "auto"
+    )
+    return SGLangServerSpec(
+        model_path=spec.model_path,
+        host=host,
+        port=spec.port,
+        tp_size=spec.tp_size,
+        mem_fraction_static=spec.mem_fraction_static,
+        api_key=spec.api_key,
+        load_format=spec.load_format,
+        dtype=dtype,
+        max_running_requests=spec.max_running_requests,
+        disable_radix_cache=spec.disable_radix_cache,
+        extra_args=list(spec.extra_args),
+    )
 
 
 _REMOTE_CLASS: Any = None

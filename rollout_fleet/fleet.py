@@ -76,6 +76,7 @@ class EngineFleet:
         actor_factory: Callable[[EngineSpec], Any] | None = None,
         name_prefix: str = "engine",
         log_dir: str | None = None,
+        pause_mode: str = "in_place",
     ):
         self.config = config
         self.router = router
@@ -102,6 +103,7 @@ class EngineFleet:
                     api_key=api_key,
                     expose_on_node_ip=expose_on_node_ip,
                     log_dir=log_dir,
+                    pause_mode=pause_mode,
                 ),
             )
             for name in (f"{name_prefix}-{i}" for i in range(config.num_engines))

@@ -16,8 +16,14 @@ loads real weights. ``--weight-version 0`` makes the version SGLang reports an
 integer from the start (fleetrl tags tokens with ``int(weight_version)``), which
 needs an SGLang release that has ``--weight-version`` (0.5 or later).
 
-Without sglang importable or without CUDA, ``check_available`` raises
-``SGLangUnavailable`` with the reason. Left out: multi-node tensor parallel
+``--disable-radix-cache`` goes on when the run pauses engines ``in_place`` for
+weight updates (``radix_cache_disabled_for``): SGLang refuses to flush its cache
+while requests run, and in-place pause keeps them running, so a prefix cached
+under old weights would otherwise be served under the new version tag.
+
+Without sglang installed in the tested range (``rollout_fleet.sglang_version``)
+or without CUDA, ``check_available`` raises ``SGLangUnavailable`` with the
+reason in one line. Left out: multi-node tensor parallel
 (``--nnodes``/``--dist-init-addr``), data parallel inside one server (use more
 engines instead).
 """
@@ -25,7 +31,6 @@ engines instead).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import signal
 import socket
@@ -34,11 +39,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
 from fleetrl.log import get_logger
+from rollout_fleet.sglang_version import (
+    SGLangVersionError,
+    check_sglang_version,
+    installed_sglang_version,
+)
 
 log = get_logger(__name__)
 
@@ -68,6 +79,7 @@ class SGLangServerSpec:
     max_running_requests: int | None = None
     random_seed: int | None = None
     weight_version: str | None = "0"
+    disable_radix_cache: bool = False  # see radix_cache_disabled_for
     base_gpu_id: int | None = None
     log_level: str = "warning"
     extra_args: list[str] = field(default_factory=list)
@@ -93,6 +105,18 @@ class SGLangServerSpec:
                 f"SGLang server on non-loopback host {self.host!r} needs an api_key "
                 "(every HTTP endpoint, weight updates included, would be open to the network)"
             )
+
+
+def radix_cache_disabled_for(pause_mode: str) -> bool:
+    """Whether SGLang must run without its radix (prefix) cache under this weight-sync pause mode.
+
+    ``in_place`` keeps requests running across an update, and SGLang refuses
+    ``flush_cache`` while requests run; a prefix cached under the old weights
+    would then be reused by requests tagged with the new version. ``abort`` and
+    ``retract`` stop every request, so the cache is flushed once per update and
+    can stay on.
+    """
+    return pause_mode == "in_place"
 
 
 def build_command(spec: SGLangServerSpec) -> list[str]:
@@ -125,6 +149,8 @@ def build_command(spec: SGLangServerSpec) -> list[str]:
         cmd += ["--api-key", spec.api_key]
     if spec.weight_version is not None:
         cmd += ["--weight-version", spec.weight_version]
+    if spec.disable_radix_cache:
+        cmd += ["--disable-radix-cache"]
     if spec.max_running_requests is not None:
         cmd += ["--max-running-requests", str(spec.max_running_requests)]
     if spec.random_seed is not None:
@@ -144,13 +170,17 @@ def redact(cmd: list[str]) -> list[str]:
     return out
 
 
-def check_available() -> None:
-    """Raise SGLangUnavailable unless sglang is importable and a CUDA device is visible."""
-    if importlib.util.find_spec("sglang") is None:
+def check_available(lookup: Callable[[], str | None] | None = None) -> None:
+    """Raise SGLangUnavailable unless a tested sglang is installed and a CUDA device is visible.
+
+    ``lookup`` returns the installed sglang version (None: not installed); tests inject it.
+    """
+    try:
+        check_sglang_version(lookup=lookup or installed_sglang_version)
+    except SGLangVersionError as err:
         raise SGLangUnavailable(
-            "rollout.backend=sglang but the sglang package is not installed in this "
-            "environment (pip install 'fleetrl[sglang]'), or use rollout.backend=embedded"
-        )
+            f"rollout.backend=sglang: {err} (or use rollout.backend=embedded)"
+        ) from None
     import torch
 
     if not torch.cuda.is_available():

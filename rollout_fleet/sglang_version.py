@@ -1,0 +1,65 @@
+"""The SGLang releases fleetrl is tested against, and the check that refuses others.
+
+fleetrl talks to SGLang through its HTTP weight-update protocol
+(``/begin_weight_update`` ... ``/end_weight_update``, ``/model_info``'s
+``weight_version``, ``flattened_bucket`` updates) and its command line
+(``--weight-version``, ``--disable-radix-cache``). Those changed between minor
+releases before (``/get_weight_version`` went away; updates outside
+begin..end became an error), so a release outside ``TESTED_SGLANG`` is refused
+when an engine starts, with one line saying what is installed and how to fix
+it, instead of failing later inside a weight update.
+
+``TESTED_SGLANG`` is the same range as the ``sglang`` extra in pyproject.toml
+(a unit test keeps them equal); the conformance tier (tests/conformance) runs
+SGLang's own code from that range. The installed version is read from package
+metadata: nothing here imports sglang.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+TESTED_SGLANG = ">=0.5.23,<0.5.24"
+INSTALL_HINT = 'pip install "fleetrl[sglang]"'
+
+
+class SGLangVersionError(RuntimeError):
+    """The installed SGLang is missing or outside ``TESTED_SGLANG``."""
+
+
+def installed_sglang_version() -> str | None:
+    """The installed sglang distribution's version, or None when it is not installed."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_sglang_version(
+    version: str | None = None,
+    *,
+    lookup: Callable[[], str | None] = installed_sglang_version,
+) -> None:
+    """Raise ``SGLangVersionError`` (one line) unless ``version`` is a tested release.
+
+    Without ``version`` the installed one is checked (``lookup``; tests inject it).
+    """
+    version = lookup() if version is None else version
+    if version is None:
+        raise SGLangVersionError(
+            f"sglang is not installed; fleetrl is tested with sglang{TESTED_SGLANG}: {INSTALL_HINT}"
+        )
+    try:
+        # .post releases of a tested release are inside; prereleases (0.5.24rc1) are not
+        inside = SpecifierSet(TESTED_SGLANG).contains(Version(version))
+    except InvalidVersion:
+        inside = False
+    if not inside:
+        raise SGLangVersionError(
+            f"sglang {version} is installed but fleetrl is tested with sglang{TESTED_SGLANG}: "
+            f"{INSTALL_HINT}"
+        )
