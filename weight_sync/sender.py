@@ -70,9 +70,10 @@ from fleetrl.log import get_logger
 from weight_sync.buckets import Bucket, group_unpacked, pack_buckets
 from weight_sync.config import WeightSyncConfig
 from weight_sync.engine_client import EngineCallError, EngineClient, EngineEndpoint
+from weight_sync.errors import BucketFailure, WeightSyncError, describe, drain_stream
 from weight_sync.group import GroupError, MasterStore, WeightGroup, resolve_backend
 from weight_sync.metrics import EngineSyncStatus, SyncMetrics
-from weight_sync.verify import SentRows
+from weight_sync.verify import SentRows, UncheckedEngines, check_engine
 
 __all__ = [
     "EngineEndpoint",
@@ -87,46 +88,6 @@ log = get_logger(__name__)
 
 HEALTH_PROBE_S = 5.0
 _MAX_HTTP_THREADS = 64
-
-
-class WeightSyncError(RuntimeError):
-    """Weight sync failed for the named engines (they were dropped unless only verification failed).
-
-    ``needs_resend``: surviving engines hold partial weights and stay paused
-    until the next ``publish``. ``metrics``: what was measured before failing.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        engines: list[str],
-        version: int | None = None,
-        metrics: SyncMetrics | None = None,
-        needs_resend: bool = False,
-    ) -> None:
-        self.engines = engines
-        self.version = version
-        self.metrics = metrics
-        self.needs_resend = needs_resend
-        super().__init__(message)
-
-
-def drain_stream(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Consume a weight stream on a learner rank other than 0 (drives its collectives); returns the count."""
-    count = 0
-    for _ in named_tensors:
-        count += 1
-    return count
-
-
-class _BucketFailure(Exception):
-    """Internal: a bucket's broadcast or update call failed (the group must be aborted)."""
-
-    def __init__(self, reason: str, errors: dict[str, EngineCallError]) -> None:
-        self.reason = reason
-        self.errors = errors
-        super().__init__(reason)
 
 
 class WeightSender:
@@ -153,7 +114,7 @@ class WeightSender:
         self._instance = uuid.uuid4().hex[:8]  # torch allows one group per name per process
         self._pool = ThreadPoolExecutor(_MAX_HTTP_THREADS, thread_name_prefix="weight-sync-http")
         self._stale: set[str] = set()
-        self._values_unchecked: set[str] = set()
+        self._unchecked = UncheckedEngines()
         self.dropped: dict[str, str] = {}
         self.latest_version: int | None = None
 
@@ -207,7 +168,7 @@ class WeightSender:
         errors = self._ensure_group()
         if errors:
             raise WeightSyncError(
-                _describe(errors, "could not join the weight group"), engines=sorted(errors)
+                describe(errors, "could not join the weight group"), engines=sorted(errors)
             )
 
     # ------------------------------------------------------------------ publish
@@ -253,13 +214,13 @@ class WeightSender:
         else:
             try:
                 self._stream_buckets(stream, version, metrics)
-            except _BucketFailure as failure:
+            except BucketFailure as failure:
                 errors.update(self._after_bucket_failure(failure))
                 drain_stream(stream)
                 metrics.total_s = time.perf_counter() - started
                 self._record(metrics, errors)
                 raise WeightSyncError(
-                    _describe(errors, f"version {version} broadcast failed ({failure.reason})")
+                    describe(errors, f"version {version} broadcast failed ({failure.reason})")
                     + (
                         f"; engines {sorted(self._stale)} hold partial weights, paused until the next publish"
                         if self._stale
@@ -300,10 +261,8 @@ class WeightSender:
             message = "; ".join(
                 part
                 for part in (
-                    _describe(errors, f"dropped during version {version}") if errors else "",
-                    _describe(mismatched, "weights differ from the learner's")
-                    if mismatched
-                    else "",
+                    describe(errors, f"dropped during version {version}") if errors else "",
+                    describe(mismatched, "weights differ from the learner's") if mismatched else "",
                 )
                 if part
             )
@@ -348,7 +307,7 @@ class WeightSender:
             try:
                 works = [group.broadcast(t) for t in bucket.broadcast_tensors()]
             except (RuntimeError, GroupError) as err:
-                raise _BucketFailure(
+                raise BucketFailure(
                     f"bucket {bucket.index}: {err}", self._gather_calls(replies, deadline)
                 ) from None
             done_at: list[float] = []
@@ -364,12 +323,12 @@ class WeightSender:
                         deadline,
                     )
             except GroupError as err:
-                raise _BucketFailure(str(err), self._gather_calls(replies, deadline)) from None
+                raise BucketFailure(str(err), self._gather_calls(replies, deadline)) from None
             broadcast_done = done_at[0] if done_at else time.perf_counter()
             metrics.broadcast_s += broadcast_done - bucket_started
             bucket_errors = self._gather_calls(replies, deadline)
             if bucket_errors:
-                raise _BucketFailure(f"update of bucket {bucket.index}", bucket_errors)
+                raise BucketFailure(f"update of bucket {bucket.index}", bucket_errors)
             for name, future in replies.items():
                 status = metrics.engines.setdefault(name, EngineSyncStatus(name))
                 status.load_s += max(0.0, future.result() - broadcast_done)
@@ -419,7 +378,7 @@ class WeightSender:
                 )
         return errors
 
-    def _after_bucket_failure(self, failure: _BucketFailure) -> dict[str, str]:
+    def _after_bucket_failure(self, failure: BucketFailure) -> dict[str, str]:
         """Abort the group, decide which engines are to blame, drop them; the rest become stale."""
         members = list(self._group_clients)
         group_name = self._group.group_name if self._group else ""
@@ -436,10 +395,12 @@ class WeightSender:
         return errors
 
     def _verify(self, sent: SentRows, version: int, metrics: SyncMetrics) -> dict[str, str]:
-        """Ask every engine what it serves (see ``verify``); ``{engine: why}`` for those that differ."""
+        """Ask every engine what it serves (``verify``); ``{engine: why}`` for those that differ."""
         names = sent.sample(self.config.verify_tensors)
         futures = {
-            c.name: self._pool.submit(self._check_engine, c, sent, names, version)
+            c.name: self._pool.submit(
+                check_engine, c, sent, names, version, self.config.verify_rows, self._unchecked
+            )
             for c in self._group_clients
         }
         mismatched: dict[str, str] = {}
@@ -453,27 +414,6 @@ class WeightSender:
             if problem:
                 mismatched[name] = f"engine {name}: {problem}"
         return mismatched
-
-    def _check_engine(
-        self, client: EngineClient, sent: SentRows, names: list[str], version: int
-    ) -> str:
-        served = client.weight_version()
-        if served != str(version):
-            return f"serves version {served!r} (GET /model_info), learner sent {version}"
-        for name in names:
-            held = client.weights_by_name(name, self.config.verify_rows)
-            if held is None:
-                if client.name not in self._values_unchecked:
-                    self._values_unchecked.add(client.name)
-                    log.info(
-                        "engine %s cannot report weights by name; its versions are verified, "
-                        "its values are not",
-                        client.name,
-                    )
-                return ""
-            if not sent.matches(name, held):
-                return f"tensor {name} differs from the learner's (POST /get_weights_by_name)"
-        return ""
 
     # ------------------------------------------------------------------ group lifecycle
 
@@ -647,7 +587,3 @@ class WeightSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _describe(errors: dict[str, str], what: str) -> str:
-    return f"{what}: " + "; ".join(errors[name] for name in sorted(errors))

@@ -16,9 +16,18 @@ Left out: a full-weights digest (SGLang has no route for one).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+from fleetrl.log import get_logger
+
+if TYPE_CHECKING:
+    from weight_sync.engine_client import EngineClient
+
+log = get_logger(__name__)
 
 _NARROWER = (torch.bfloat16, torch.float16)
 
@@ -67,3 +76,44 @@ class SentRows:
         if torch.equal(got, sent):
             return True
         return any(torch.equal(got, sent.to(dtype).float()) for dtype in _NARROWER)
+
+
+class UncheckedEngines:
+    """Engines that cannot report weights by name: said once each in the log."""
+
+    def __init__(self) -> None:
+        self._names: set[str] = set()
+        self._lock = threading.Lock()
+
+    def note(self, name: str) -> None:
+        with self._lock:
+            if name in self._names:
+                return
+            self._names.add(name)
+        log.info(
+            "engine %s cannot report weights by name (SGLang answers /get_weights_by_name for "
+            "some architectures only): its versions are verified, its values are not",
+            name,
+        )
+
+
+def check_engine(
+    client: EngineClient,
+    sent: SentRows,
+    names: list[str],
+    version: int,
+    rows: int,
+    unchecked: UncheckedEngines,
+) -> str:
+    """'' when ``client`` serves ``version`` with the sampled rows as sent, else what differs."""
+    served = client.weight_version()
+    if served != str(version):
+        return f"serves version {served!r} (GET /model_info), learner sent {version}"
+    for name in names:
+        held = client.weights_by_name(name, rows)
+        if held is None:
+            unchecked.note(client.name)
+            return ""
+        if not sent.matches(name, held):
+            return f"tensor {name} differs from the learner's (POST /get_weights_by_name)"
+    return ""
