@@ -44,6 +44,7 @@ import yaml
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig, load_run_config
+from launcher.preflight import ensure_ready
 from launcher.prepare import prepare
 from launcher.report import summary_lines, write_score_plot
 from launcher.session import Run, StopRequested
@@ -111,7 +112,12 @@ def role_metrics(run_: Run) -> dict[str, float]:
 
 
 def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
-    """Run training end to end; returns a summary (run_dir, metrics_path, wall_s, samples, scores)."""
+    """Run training end to end; returns a summary (run_dir, metrics_path, wall_s, samples, scores).
+
+    Every precondition is checked first (``launcher.preflight``): nothing is built or
+    started when one is unmet, and ``PreflightFailed`` lists them all.
+    """
+    ensure_ready(cfg, address)
     run_dir = Path(cfg.trainer.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
