@@ -246,29 +246,23 @@ def shortfall(
 
 
 def check_resources(
-    cfg: RunConfig, nodes: list[Node], *, local: bool, autoscaling: bool = False
+    cfg: RunConfig,
+    nodes: list[Node],
+    *,
+    local: bool,
+    autoscaling: bool = False,
+    parts: tuple[str, ...] = ("learner", "rollout"),
 ) -> list[Finding]:
     """The learner group, then the engines, placed per node on what ``nodes`` offer."""
     free = [dict(n.resources) for n in nodes]
     found = []
-    for what, unit, demand, count, section, per in (
-        (
-            "the learner group",
-            "ranks",
-            learner_bundle(cfg),
-            cfg.learner.num_ranks,
-            "learner",
-            "rank",
-        ),  # fmt: skip
-        (
-            "the rollout fleet",
-            "engines",
-            engine_demand(cfg),
-            cfg.rollout.num_engines,
-            "rollout",
-            "engine",
-        ),  # fmt: skip
-    ):
+    groups = (
+        ("the learner group", "ranks", learner_bundle(cfg), cfg.learner.num_ranks, "learner", "rank"),
+        ("the rollout fleet", "engines", engine_demand(cfg), cfg.rollout.num_engines, "rollout", "engine"),
+    )  # fmt: skip
+    for what, unit, demand, count, section, per in groups:
+        if section not in parts:
+            continue
         marker = cfg.ray.learner_resource if section == "learner" else cfg.ray.rollout_resource
         count_key = "learner.num_ranks" if section == "learner" else "rollout.num_engines"
         keys = {
