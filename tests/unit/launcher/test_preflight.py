@@ -86,7 +86,8 @@ GPU_RUN = (
 def test_cpu_config_fits_the_local_instance_even_on_fewer_cores(tmp_path):
     cfg = _cfg(tmp_path, "learner.num_ranks=4", "learner.cpus_per_rank=4")
     node = local_node(cfg, _probes(cpu_count=lambda: 2))
-    assert node.resources["CPU"] == 17  # 4 ranks x 4 + 1 engine: the local instance oversubscribes, as init_ray does
+    # 4 ranks x 4 CPUs + 1 engine: the local instance oversubscribes, as init_ray does
+    assert node.resources["CPU"] == 17
     assert check_resources(cfg, [node], local=True) == []
 
 
