@@ -211,7 +211,7 @@ def shortfall(
     marker = next(k for k in demand if k not in ("CPU", "GPU"))
     marked = [(n, f) for n, f in zip(nodes, before, strict=True) if f.get(marker, 0.0) > 0]
     shape = ", ".join(f"{k} {_num(v)}" for k, v in demand.items() if k != marker)
-    need = f"{what} needs {count} {unit} × {{{shape}}} on '{marker}' nodes, {placed} fit"
+    need = f"{what} needs {count} {unit if count != 1 else unit[:-1]} × {{{shape}}} on '{marker}' nodes, {placed} fit"
     if not marked:
         return Finding(
             key=keys["marker"],

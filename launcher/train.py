@@ -77,8 +77,10 @@ class StartupInterrupted(Exception):
 class StopSignal:
     """SIGINT/SIGTERM set a flag the loop checks between steps; a second SIGINT forces.
 
-    While ``starting`` (until every role serves) a signal raises ``StopRequested`` at once:
-    start-up blocks in long waits (placement, engine start) that checking a flag would not end.
+    While ``starting`` (until every role serves) a signal raises ``KeyboardInterrupt`` at
+    once: start-up blocks in long waits (placement, engine start) that checking a flag would
+    not end, and Ray's blocking calls let only ``KeyboardInterrupt`` through a signal handler
+    (anything else surfaces as a SystemError). ``received`` names the signal.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -106,7 +108,7 @@ class StopSignal:
         if self.starting:
             self.starting = False  # once: the clean-up that follows is not interrupted again
             log.warning("%s during start-up: ending every role started so far", name)
-            raise StopRequested(name)
+            raise KeyboardInterrupt(name)
         log.warning(
             "%s: finishing this step, writing a checkpoint, then stopping (Ctrl-C again to force)",
             name,
@@ -155,9 +157,9 @@ def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
         prepare(cfg)
         tracker = Tracker(cfg.logging, run_dir, cfg.trainer.total_steps, to_dict(cfg))
         run_, tr = Run(cfg, address), cfg.trainer
-    except StopRequested as err:
+    except (StopRequested, KeyboardInterrupt):
         stop.restore()
-        raise StartupInterrupted(str(err), "preparing the run") from None
+        raise StartupInterrupted(stop.received or "SIGINT", "preparing the run") from None
     except BaseException:
         stop.restore()
         raise
@@ -220,7 +222,7 @@ def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
         summary.update(samples=samples, train_wall_s=time.monotonic() - loop_start)
     except (StopRequested, KeyboardInterrupt) as err:
         stop.starting = False
-        summary.update(interrupted=str(err) or "SIGINT", samples=samples)
+        summary.update(interrupted=str(err) or stop.received or "SIGINT", samples=samples)
         if not run_.started:
             interrupted_start = StartupInterrupted(summary["interrupted"], run_.phase)
         else:
