@@ -67,6 +67,9 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
             cores,
         )
     ray.init(
+        # "local": a new instance even where `ray start` left a cluster address in
+        # /tmp/ray (ray.init() would join that one instead, with other resources)
+        address="local",
         num_cpus=num_cpus,
         num_gpus=cfg.ray.num_gpus or None,
         resources={

@@ -16,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,8 +102,11 @@ def test_sigterm_during_placement_ends_every_role_with_one_line(tmp_path):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    # a temp dir of its own: `ray start` records its address there, where a plain ray.init()
+    # of another test on this machine would otherwise find and join it (short: socket paths)
+    temp_dir = tempfile.mkdtemp(prefix="frl-", dir="/tmp")
     head_cmd = [
-        str(RAY), "start", "--head", "--block", f"--port={port}",
+        str(RAY), "start", "--head", "--block", f"--port={port}", f"--temp-dir={temp_dir}",
         "--node-ip-address=127.0.0.1", "--num-cpus=2", "--num-gpus=0",
         '--resources={"rollout": 4}', "--include-dashboard=false", "--disable-usage-stats",
         f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
@@ -176,3 +181,4 @@ def test_sigterm_during_placement_ends_every_role_with_one_line(tmp_path):
             head.wait()
         head_log.close()
         _wait_gone(cluster, 30)
+        shutil.rmtree(temp_dir, ignore_errors=True)
