@@ -347,3 +347,19 @@ def test_7b_gpu_config_on_this_cpu_machine_exits_2_listing_gpus_and_wandb(tmp_pa
     assert "run 'wandb login', or set WANDB_MODE=offline" in by_key["logging.wandb"]
     assert not model.exists() and not (tmp_path / "run").exists()  # nothing built or started
     assert elapsed < 60  # seconds, not a model build or a wait for GPUs (2 shared cores)
+
+
+def test_check_passes_on_the_cpu_demo_and_builds_nothing(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "launcher.cli", "check", "--config", "configs/demo_cpu.yaml",
+            f"model.path={tmp_path / 'model'}", f"trainer.output_dir={tmp_path / 'run'}",
+            f"data.train_files=[{tmp_path / 'data' / 'train.parquet'}]",
+            f"data.val_files=[{tmp_path / 'data' / 'test.parquet'}]",
+        ],
+        cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "fleetrl check: ready to run on a local Ray instance"
+    assert list(tmp_path.iterdir()) == []  # no model, data or run directory made
