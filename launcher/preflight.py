@@ -222,9 +222,9 @@ def shortfall(
     limits = {
         k: sum(int((f.get(k, 0.0) + 1e-9) // v) for _, f in marked)
         for k, v in demand.items()
-        if k != marker and v > 0
+        if v > 0
     }
-    binding = min(limits, key=lambda k: limits[k]) if limits else "CPU"
+    binding = min(limits, key=lambda k: limits[k])
     largest = max(f.get(binding, 0.0) for _, f in marked)
     if 0 < largest < demand[binding]:  # a rank or an engine never spans nodes
         short = (
@@ -238,10 +238,11 @@ def shortfall(
         f"{n.name} has {', '.join(f'{k} {_num(n.resources.get(k, 0.0))}' for k in ('GPU', 'CPU'))}"
         for n, _ in marked[:3]
     ) + ("; ..." if len(marked) > 3 else "")
+    kind = binding if binding in ("CPU", "GPU") else "marker"
     return Finding(
-        key=keys[binding],
+        key=keys[kind],
         problem=f"{need}: not enough {binding} ({short}; {offers})",
-        fix=fixes[binding],
+        fix=fixes[kind],
     )
 
 
@@ -274,7 +275,7 @@ def check_resources(
             fixes = {
                 "GPU": f"run on GPU machines (--address), set ray.num_gpus if Ray misses GPUs, or {keys['GPU']}=0 for a CPU run",  # fmt: skip
                 "CPU": f"raise ray.num_cpus (0 = every core), or lower {keys['CPU']} or {count_key}",
-                "marker": f"keep ray.{section}_resource={marker!r}",
+                "marker": f"lower {count_key} (a local instance offers {LOCAL_CUSTOM_UNITS} '{marker}')",
             }
         else:
             later = "" if autoscaling else "; set ray.autoscaling=true if the cluster starts nodes on demand"  # fmt: skip

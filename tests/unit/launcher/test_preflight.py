@@ -363,3 +363,10 @@ def test_check_passes_on_the_cpu_demo_and_builds_nothing(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "fleetrl check: ready to run on a local Ray instance"
     assert list(tmp_path.iterdir()) == []  # no model, data or run directory made
+
+
+def test_too_few_learner_units_name_the_learner_resource(tmp_path):
+    cfg = _cfg(tmp_path, "learner.num_ranks=3")
+    nodes = [Node("node a", {"CPU": 64, "learner": 2, "rollout": 1})]
+    [f] = check_resources(cfg, nodes, local=False)
+    assert f.key == "ray.learner_resource" and "not enough learner (3 learner needed, 2 there" in f.problem  # fmt: skip
