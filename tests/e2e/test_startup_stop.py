@@ -1,4 +1,5 @@
-"""SIGTERM while the run waits for placement: one line, exit 128 + 15, no process of the run left.
+"""SIGTERM while the run waits for placement: one line, exit 128 + 15, no process of the run left;
+then the same wait with a short ray.placement_timeout_s stops the run by itself (exit 1, one line).
 
 The test starts its own one-node Ray cluster (``ray start --head --block``, loopback, a
 token of its own) that offers ``rollout`` but no ``learner`` resource, and points
@@ -98,7 +99,7 @@ def _wait_gone(pids, timeout_s: float) -> list[int]:
     return left
 
 
-def test_sigterm_during_placement_ends_every_role_with_one_line(tmp_path):
+def test_sigterm_during_placement_ends_every_role_and_the_timeout_stops_with_one_line(tmp_path):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
@@ -122,20 +123,24 @@ def test_sigterm_during_placement_ends_every_role_with_one_line(tmp_path):
         )
         cluster_before = _settled(head.pid)  # GCS, raylet and its agents, before the run
         log_path = tmp_path / "train.log"
+        cmd = [
+            sys.executable, "-m", "launcher.cli", "train",
+            "--config", "configs/demo_cpu.yaml", "--address", f"127.0.0.1:{port}",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'model'}", "model.warmstart.steps=0",
+            f"data.train_files=[{tmp_path / 'data' / 'train.parquet'}]",
+            f"data.val_files=[{tmp_path / 'data' / 'test.parquet'}]",
+            "data.synth_train_size=64", "data.synth_test_size=16", "ray.autoscaling=true",
+        ]  # fmt: skip
+        driver_env = {**env, "PYTHONPATH": str(REPO)}
         with open(log_path, "w") as out:
             driver = subprocess.Popen(
-                [
-                    sys.executable, "-m", "launcher.cli", "train",
-                    "--config", "configs/demo_cpu.yaml", "--address", f"127.0.0.1:{port}",
-                    f"trainer.output_dir={tmp_path / 'run'}",
-                    f"model.path={tmp_path / 'model'}", "model.warmstart.steps=0",
-                    f"data.train_files=[{tmp_path / 'data' / 'train.parquet'}]",
-                    f"data.val_files=[{tmp_path / 'data' / 'test.parquet'}]",
-                    "data.synth_train_size=64", "data.synth_test_size=16",
-                    "ray.autoscaling=true", "ray.placement_timeout_s=3600",
-                ],
-                cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, stdout=out, stderr=out,
-            )  # fmt: skip
+                [*cmd, "ray.placement_timeout_s=3600"],
+                cwd=REPO,
+                env=driver_env,
+                stdout=out,
+                stderr=out,
+            )
             _wait_for(
                 lambda: (
                     "to place the learner group" in log_path.read_text()
@@ -168,6 +173,24 @@ def test_sigterm_during_placement_ends_every_role_with_one_line(tmp_path):
         assert "waiting" in text and "no node offers the 'learner' resource" in text
         left = _wait_gone(run_pids, 60)
         assert left == [], f"processes of the run left after SIGTERM: {_names(left)}"
+
+        # the same placement with a short limit: the run stops by itself, saying what is missing
+        timed_out = subprocess.run(
+            [*cmd, "ray.placement_timeout_s=6"],
+            cwd=REPO,
+            env=driver_env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        text = timed_out.stdout + timed_out.stderr
+        assert timed_out.returncode == 1, text[-3000:]
+        [line] = [ln for ln in text.splitlines() if "training stopped:" in ln]
+        assert (
+            "the learner group was not placed within 6s (ray.placement_timeout_s): "
+            "the learner group needs 1 rank × {CPU 1} on 'learner' nodes, 0 fit: "
+            "no node offers the 'learner' resource (ray.learner_resource)"
+        ) in line
     finally:
         if driver is not None and driver.poll() is None:
             driver.kill()
