@@ -497,7 +497,8 @@ def check_cluster(
     try:
         return [], probes.cluster_nodes(address)
     except (ConnectionError, RuntimeError) as err:  # no cluster there, or not a usable one
-        return [Finding(key=key, problem=f"cannot join Ray at {address!r}: {_first_line(err)}", fix=fix)], None  # fmt: skip
+        token = "; a cluster with token authentication also needs RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN or ~/.ray/auth_token)"  # fmt: skip
+        return [Finding(key=key, problem=f"cannot join Ray at {address!r}: {_first_line(err)}", fix=fix + token)], None  # fmt: skip
 
 
 def run_checks(
