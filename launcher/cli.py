@@ -3,7 +3,8 @@
 Handlers live next to the code they drive and are imported only after the
 arguments are parsed, so ``fleetrl --help`` never imports torch or ray.
 A ``ConfigError`` (or any other user-input error a handler raises as
-``UsageError``) exits with status 2 and one line, no traceback.
+``UsageError``) exits with status 2 and one line, no traceback; a failed preflight
+(``launcher.preflight``) with one line per unmet precondition.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 # subcommand path -> "module:function" taking the parsed namespace, returning an exit code
 HANDLERS: dict[str, str] = {
     "train": "launcher.train:main",
+    "check": "launcher.preflight:main",
     "config show": "launcher.config_cmd:show",
     "config docs": "launcher.config_cmd:docs",
     "data gsm8k": "fleetrl.data.gsm8k:main",
@@ -56,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--address",
         default=None,
         help="Ray cluster address (default: RAY_ADDRESS or a new local instance)",
+    )
+
+    p = sub.add_parser(
+        "check", help="check every precondition of a run (resources, backend, credentials, disk)"
+    )
+    _add_config_args(p)
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address (default: RAY_ADDRESS or the local instance train would start)",
     )
 
     p = sub.add_parser("config", help="inspect configuration")
@@ -192,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         # FLEETRL_DEBUG=1 shows the traceback when the error is a bug, not input
         if os.environ.get("FLEETRL_DEBUG"):
             raise
-        print(f"fleetrl: {err}", file=sys.stderr)
+        for line in getattr(err, "lines", None) or [str(err)]:  # preflight: one per failure
+            print(f"fleetrl: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -91,6 +91,19 @@ class RayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     learner_resource: Annotated[
         str, Meta(description="Custom resource that marks learner nodes.")
     ] = "learner"
+    placement_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Longest wait for the learner group and the engines to be placed; then the run stops with one line saying what is missing where (a line every few seconds says what it waits for meanwhile).",
+        ),
+    ] = 600.0
+    autoscaling: Annotated[
+        bool,
+        Meta(
+            description="The cluster starts nodes on demand (ray up, KubeRay autoscaling): resources the current nodes lack are a preflight warning, not an error, and placement_timeout_s bounds the wait for new nodes.",
+        ),
+    ] = False
 
 
 class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -11,19 +11,34 @@ Placement: the learner group is one placement group of ``learner.num_ranks``
 bundles on ``learner`` nodes (PACK: ranks close together for collectives);
 engines go on ``rollout`` nodes (the fleet places them); the buffer and the
 rollout supervisor need no CPU of their own (their work is I/O).
+
+Waiting is bounded and explained: ``wait_for_learner_group`` and
+``wait_for_engine_room`` log, every ``PLACEMENT_PROGRESS_S``, what the cluster
+still lacks per node (the preflight's placement model run on the resources Ray
+reports free), and stop the run after ``ray.placement_timeout_s`` with one line
+saying what is missing where.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 from fleetrl.log import get_logger
 from launcher.config import RunConfig
+from launcher.supervision import TrainingStopped
 
 log = get_logger(__name__)
 
 LOCAL_CUSTOM_UNITS = 1000  # a local instance is both a rollout and a learner node
+PLACEMENT_PROGRESS_S = 5.0  # a line saying what placement waits for, this often
+PLACEMENT_POLL_S = 0.5
+
+
+class PlacementTimeout(TrainingStopped):
+    """A placement was not satisfied within ``ray.placement_timeout_s``."""
 
 
 def requested_cpus(cfg: RunConfig) -> float:
@@ -52,6 +67,9 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
             cores,
         )
     ray.init(
+        # "local": a new instance even where `ray start` left a cluster address in
+        # /tmp/ray (ray.init() would join that one instead, with other resources)
+        address="local",
         num_cpus=num_cpus,
         num_gpus=cfg.ray.num_gpus or None,
         resources={
@@ -87,3 +105,86 @@ def bundle_options(pg: Any, index: int, cfg: RunConfig) -> dict[str, Any]:
             placement_group=pg, placement_group_bundle_index=index
         ),
     }
+
+
+def free_nodes() -> list[Any]:
+    """Live nodes of the joined cluster with the resources still free on each."""
+    import ray
+    from ray._private.state import available_resources_per_node
+
+    from launcher.preflight import Node
+
+    names = {
+        n["NodeID"]: n.get("NodeManagerAddress") or n["NodeID"][:8]
+        for n in ray.nodes()
+        if n.get("Alive")
+    }
+    return [
+        Node(f"node {names[node_id]}", dict(free))
+        for node_id, free in available_resources_per_node().items()
+        if node_id in names
+    ]
+
+
+def missing(cfg: RunConfig, part: str) -> str:
+    """What the free resources lack for ``part`` ("learner" or "rollout"), per node."""
+    from launcher.preflight import check_resources
+
+    findings = check_resources(cfg, free_nodes(), local=False, parts=(part,))
+    if not findings:
+        return "the resources are free now but not yet granted (see `ray status`)"
+    return "; ".join(f"{f.problem} ({f.key})" for f in findings)
+
+
+def _wait(
+    cfg: RunConfig,
+    what: str,
+    part: str,
+    done: Callable[[float], bool],
+    on_timeout: Callable[[], None] | None = None,
+) -> None:
+    """Poll ``done(poll_s)`` until true; a progress line every few seconds; stop at the deadline."""
+    limit = cfg.ray.placement_timeout_s
+    started = last_line = time.monotonic()
+    while not done(min(PLACEMENT_POLL_S, max(limit - (time.monotonic() - started), 0.01))):
+        now = time.monotonic()
+        if now - started >= limit:
+            if on_timeout is not None:
+                on_timeout()
+            raise PlacementTimeout(
+                f"{what} was not placed within {limit:.0f}s (ray.placement_timeout_s): "
+                f"{missing(cfg, part)}"
+            )
+        if now - last_line >= PLACEMENT_PROGRESS_S:
+            last_line = now
+            log.info("waiting %.0fs of %.0fs to place %s: %s", now - started, limit, what, missing(cfg, part))  # fmt: skip
+
+
+def wait_for_learner_group(pg: Any, cfg: RunConfig) -> None:
+    """Block until the learner placement group is placed, or raise ``PlacementTimeout``."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    ready = pg.ready()
+
+    def placed(timeout_s: float) -> bool:
+        return bool(ray.wait([ready], timeout=timeout_s)[0])
+
+    _wait(cfg, "the learner group", "learner", placed, lambda: remove_placement_group(pg))
+
+
+def wait_for_engine_room(cfg: RunConfig) -> None:
+    """Block until the free resources fit every engine, or raise ``PlacementTimeout``.
+
+    Engines are placed by the fleet (one actor each); waiting here first, where the
+    driver can say what is missing, keeps their own start-up timeout for start-up.
+    """
+    from launcher.preflight import check_resources
+
+    def room(timeout_s: float) -> bool:
+        if not check_resources(cfg, free_nodes(), local=False, parts=("rollout",)):
+            return True
+        time.sleep(timeout_s)
+        return False
+
+    _wait(cfg, "the rollout fleet", "rollout", room)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ STALL_WARN_S = 60.0  # warn when the learner has waited this long for one batch
 MAX_BUFFER_RESTARTS = 5  # per run; a buffer that keeps dying stops the run
 BUFFER_REBIND_ATTEMPTS = 20  # its old port may linger a moment after a kill -9
 ROSTER_FILE = "roles.json"  # role -> pid, rewritten whenever a role is (re)started
+STARTUP_STOP_TIMEOUT_S = 30.0  # a stop during start-up: engines get this long to end
 
 
 class StopRequested(Exception):
@@ -70,26 +72,51 @@ class Run:
         self.last_checkpoint_watermark: int | None = None
         self.quarantined: set[str] = set()
         self.failed = False
+        self.placement_group: Any = None
+        self.started = False  # every role up and serving: from here a stop checkpoints
+        self.phase = "preparing"  # what start() is doing, for a stop's one-line message
 
     # ---- set-up ---------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, after_ray_init: Callable[[], None] | None = None) -> None:
+        """Start every role; ``after_ray_init`` runs once Ray is up (ray.init takes SIGTERM).
+
+        A ``StopRequested`` raised at any point leaves the roles started so far for
+        ``close`` to end.
+        """
         import ray
 
-        from launcher.placement import bundle_options, init_ray, learner_placement_group
+        from launcher.placement import (
+            bundle_options,
+            init_ray,
+            learner_placement_group,
+            wait_for_engine_room,
+            wait_for_learner_group,
+        )
         from launcher.roles import LearnerRole, RolloutRole, remote_class
 
         cfg = self.cfg
-        self.started_ray = init_ray(cfg, self.address)
+        self.phase = "starting Ray"
+        # known before ray.init returns, so that close() ends a half-started local instance
+        self.started_ray = not (self.address or cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+        try:
+            self.started_ray = init_ray(cfg, self.address)
+        except SystemExit as err:  # Ray's own SIGTERM handler, in force while ray.init runs
+            raise StopRequested("SIGTERM") from err
+        if after_ray_init is not None:
+            after_ray_init()
         local = self.started_ray
         self.local = local
         self.secrets = make_run_secrets(not local if self.secure is None else self.secure)
         if self.secrets.secure:
             log.info("CURVE on every buffer socket and an API key on every engine (this run's)")
         self.set_aside_unowned_bank()
+        self.phase = "starting the buffer"
         ingest, control = self.start_buffer()
 
-        pg = learner_placement_group(cfg)
-        ray.get(pg.ready())
+        self.phase = "placing the learner group"
+        pg = self.placement_group = learner_placement_group(cfg)
+        wait_for_learner_group(pg, cfg)
+        self.phase = "setting up the learner group"
         learner_cls = remote_class(LearnerRole)
         world = cfg.learner.num_ranks
         self.learners = [
@@ -103,6 +130,7 @@ class Run:
         gather([w.setup.remote(master, control, curve) for w in self.learners], "learner setup")
 
         extra: dict[str, Any] = {}
+        self.phase = "restoring the latest checkpoint"
         if cfg.trainer.resume == "auto":
             extra = self.restore_latest_checkpoint()
 
@@ -116,6 +144,9 @@ class Run:
             self.secrets.rollout_client,
         )
         self.supervisor.register("rollout supervisor", self.rollout)
+        self.phase = "placing and starting the engines"
+        if not local:
+            wait_for_engine_room(cfg)
         urls = ray.get(self.rollout.start_engines.remote())
         key = self.secrets.engine_api_key
         ray.get(
@@ -128,10 +159,12 @@ class Run:
             ray.get(self.rollout.load_reader_state.remote(extra["reader"]))
         # Engines serve only after they hold the learner's weights: after a resume these are
         # the restored ones (peers that skip this generate from stale weights or deadlock).
+        self.phase = "sending the first weights"
         sync = self.publish(self.version, restored=self.resumed_from is not None)
         if sync.get("weight_sync/num_failed"):
             raise TrainingStopped(f"initial weight sync failed: {sync}")
         ray.get(self.rollout.start_generation.remote())
+        self.started = True
 
     # ---- supervision ------------------------------------------------------------------------
     def start_buffer(self) -> tuple[str, str]:
@@ -373,6 +406,13 @@ class Run:
     def close(self) -> None:
         import ray
 
+        if not ray.is_initialized():  # ray.init did not complete
+            if self.started_ray:
+                ray.shutdown()
+            return
+        if not self.started and not self.failed:
+            self.end_partial_start()
+            return
         if self.failed:  # a role died: the others may be blocked on it; end them now
             self.supervisor.kill_all()
             if self.started_ray:
@@ -385,6 +425,32 @@ class Run:
             _quietly(lambda: ray.get(self.rollout.stop.remote(), timeout=60), "rollout stop")
         if self.buffer is not None:
             _quietly(lambda: ray.get(self.buffer.stop.remote(), timeout=30), "buffer stop")
+        if self.started_ray:
+            ray.shutdown()
+
+    def end_partial_start(self) -> None:
+        """A stop during start-up: end every role started so far, whatever its state.
+
+        The rollout supervisor stops its engines first (an SGLang server is a process of its
+        own, which killing its actor would leave behind); then every actor is killed and the
+        learner placement group removed (actors still waiting for it go with it).
+        """
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self.rollout is not None:
+            _quietly(
+                lambda: ray.get(self.rollout.stop.remote(), timeout=STARTUP_STOP_TIMEOUT_S),
+                "rollout stop",
+            )
+        actors = [h.actor for h in self.supervisor.roles.values()]
+        actors += [*self.learners, self.rollout, self.buffer]
+        for actor in {id(a): a for a in actors if a is not None}.values():
+            _quietly(lambda a=actor: ray.kill(a, no_restart=True), "kill")
+        if self.placement_group is not None:
+            _quietly(
+                lambda: remove_placement_group(self.placement_group), "placement group removal"
+            )
         if self.started_ray:
             ray.shutdown()
 

@@ -25,8 +25,11 @@ the fleet waits for admission, which opens B more groups per published version
 ``buffer.max_staleness = 0`` admission lets exactly one version's batch be in
 flight, which is synchronous on-policy training, by the same code.
 
-Stopping: SIGINT (Ctrl-C) or SIGTERM finishes the step in progress, writes a
-checkpoint and exits 0; a second Ctrl-C forces the stop. ``trainer.resume=auto``
+Before anything starts, ``launcher.preflight`` checks every precondition and lists
+every unmet one (exit 2). Stopping: SIGINT (Ctrl-C) or SIGTERM finishes the step in
+progress, writes a checkpoint and exits 0; a second Ctrl-C forces the stop. During
+start-up a signal ends every role started so far at once and exits 128 + the
+signal's number with one line. ``trainer.resume=auto``
 continues from there. The roles and their supervision live in ``launcher.session``.
 """
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,7 @@ import yaml
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig, load_run_config
+from launcher.preflight import ensure_ready
 from launcher.prepare import prepare
 from launcher.report import summary_lines, write_score_plot
 from launcher.session import Run, StopRequested
@@ -55,18 +60,40 @@ log = get_logger(__name__)
 __all__ = ["Run", "TrainingStopped", "main", "run"]
 
 
+class StartupInterrupted(Exception):
+    """A stop signal arrived before training began; every role started so far was ended."""
+
+    def __init__(self, signal_name: str, phase: str):
+        self.signal_name = signal_name
+        super().__init__(
+            f"stopped by {signal_name} while {phase}; every role started so far has been ended"
+        )
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(signal.Signals[self.signal_name])
+
+
 class StopSignal:
-    """SIGINT/SIGTERM set a flag the loop checks between steps; a second SIGINT forces."""
+    """SIGINT/SIGTERM set a flag the loop checks between steps; a second SIGINT forces.
+
+    While ``starting`` (until every role serves) a signal raises ``KeyboardInterrupt`` at
+    once: start-up blocks in long waits (placement, engine start) that checking a flag would
+    not end, and Ray's blocking calls let only ``KeyboardInterrupt`` through a signal handler
+    (anything else surfaces as a SystemError). ``received`` names the signal.
+    """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.received: str | None = None
+        self.starting = True
         self._previous: dict[int, Any] = {}
 
-    def install(self) -> None:  # after ray.init, which installs handlers of its own
+    def install(self) -> None:  # again after ray.init, which installs a SIGTERM handler
         for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)  # restore() brings back the first
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -78,6 +105,10 @@ class StopSignal:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = name
+        if self.starting:
+            self.starting = False  # once: the clean-up that follows is not interrupted again
+            log.warning("%s during start-up: ending every role started so far", name)
+            raise KeyboardInterrupt(name)
         log.warning(
             "%s: finishing this step, writing a checkpoint, then stopping (Ctrl-C again to force)",
             name,
@@ -111,20 +142,35 @@ def role_metrics(run_: Run) -> dict[str, float]:
 
 
 def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
-    """Run training end to end; returns a summary (run_dir, metrics_path, wall_s, samples, scores)."""
-    run_dir = Path(cfg.trainer.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    prepare(cfg)
-    tracker = Tracker(cfg.logging, run_dir, cfg.trainer.total_steps, to_dict(cfg))
-    run_, stop, tr = Run(cfg, address), StopSignal(), cfg.trainer
+    """Run training end to end; returns a summary (run_dir, metrics_path, wall_s, samples, scores).
+
+    Every precondition is checked first (``launcher.preflight``): nothing is built or
+    started when one is unmet, and ``PreflightFailed`` lists them all.
+    """
+    stop = StopSignal()
+    stop.install()  # from here on a stop is clean: see StopSignal
+    try:
+        ensure_ready(cfg, address)
+        run_dir = Path(cfg.trainer.output_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        prepare(cfg)
+        tracker = Tracker(cfg.logging, run_dir, cfg.trainer.total_steps, to_dict(cfg))
+        run_, tr = Run(cfg, address), cfg.trainer
+    except (StopRequested, KeyboardInterrupt):
+        stop.restore()
+        raise StartupInterrupted(stop.received or "SIGINT", "preparing the run") from None
+    except BaseException:
+        stop.restore()
+        raise
+    interrupted_start: StartupInterrupted | None = None
     wall0 = time.monotonic()
     summary: dict[str, Any] = {"run_dir": str(run_dir), "metrics_path": str(tracker.metrics_path)}
     val_scores: list[tuple[int, float]] = []
     samples, waited_total, checkpointed_step = 0, 0.0, -1
     try:
-        run_.start()
-        stop.install()
+        run_.start(after_ray_init=stop.install)
+        stop.starting = False
         summary["resumed_from"] = run_.resumed_from
         if run_.resumed_from is not None:
             checkpointed_step = run_.step  # a stop right away must not rewrite that checkpoint
@@ -175,19 +221,20 @@ def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
             tracker.log(run_.step, m)
         summary.update(samples=samples, train_wall_s=time.monotonic() - loop_start)
     except (StopRequested, KeyboardInterrupt) as err:
-        summary.update(interrupted=str(err) or "SIGINT", samples=samples)
-        log.warning("stopping at step %d on %s", run_.step, summary["interrupted"])
-        if (
-            run_.learners
-            and run_.rollout is not None
-            and not run_.failed
-            and run_.step != checkpointed_step
-        ):
-            run_.checkpoint()
+        stop.starting = False
+        summary.update(interrupted=str(err) or stop.received or "SIGINT", samples=samples)
+        if not run_.started:
+            interrupted_start = StartupInterrupted(summary["interrupted"], run_.phase)
+        else:
+            log.warning("stopping at step %d on %s", run_.step, summary["interrupted"])
+            if not run_.failed and run_.step != checkpointed_step:
+                run_.checkpoint()
     finally:
         stop.restore()
         run_.close()
         tracker.close()
+    if interrupted_start is not None:
+        raise interrupted_start
     if val_scores:
         summary["final_val_score"] = val_scores[-1][1]
         summary["val_scores"] = val_scores
@@ -208,5 +255,8 @@ def main(args: argparse.Namespace) -> int:
     except TrainingStopped as err:
         log.error("training stopped: %s", err)
         return 1
+    except StartupInterrupted as err:
+        print(f"fleetrl: {err}", file=sys.stderr)  # the CLI's result: one line
+        return err.exit_code
     print("\n".join(summary_lines(summary)))  # the CLI's result, on stdout
     return 0
