@@ -47,13 +47,12 @@ from fleetrl.log import get_logger
 from launcher.config import RunConfig, load_run_config
 from launcher.placement import LOCAL_CUSTOM_UNITS, requested_cpus
 from rollout_fleet.actors import NODE_MARKER_SHARE
+from rollout_fleet.sglang_version import TESTED_SGLANG
 
 log = get_logger(__name__)
 
-# The SGLang releases fleetrl is tested against: the `sglang` extra's range in
-# pyproject.toml. Kept in this one constant so it can later point at the shared
-# definition (rollout_fleet/sglang_version.py) instead.
-SGLANG_SUPPORTED = ">=0.5.23,<0.5.24"
+# The SGLang releases fleetrl is tested against (one definition, shared with the launcher's gate).
+SGLANG_SUPPORTED = TESTED_SGLANG
 
 CKPT_BYTES_PER_PARAM = 12  # fp32 master weights + AdamW's two fp32 moments (DCP shards)
 BANK_BYTES_PER_TOKEN = 16  # token id, behaviour logprob, version, mask, plus Arrow overhead
