@@ -347,3 +347,26 @@ def test_get_weights_by_name_and_update_weight_version(sglang_engine):
     assert r.status_code == 200 and r.json()["new_version"] == "renamed"
     assert model_info(engine)["weight_version"] == "renamed"
     assert engine.rank_weight_versions() == ["renamed"]
+
+
+def test_flush_is_refused_while_running_and_abort_request_ends_one_request(sglang_engine):
+    engine = sglang_engine
+    chunks = _stream(engine, n_tokens=400)
+    rid = next(chunks)["meta_info"]["id"]
+    assert post(engine, "/flush_cache").status_code == 400
+    assert post(engine, "/abort_request", {"rid": rid}).status_code == 200
+    *_, last = chunks
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert post(engine, "/flush_cache").status_code == 200
+
+
+def test_batch_generate_and_health_generate(sglang_engine):
+    outs = generate(
+        sglang_engine,
+        input_ids=[[1, 2, 3], [4, 5]],
+        sampling_params={"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+    )
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [3, 2]
+    assert all(len(o["output_ids"]) == 3 for o in outs)
+    url = f"{sglang_engine.url}/health_generate"
+    assert requests.get(url, timeout=60).status_code == 200

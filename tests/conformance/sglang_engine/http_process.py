@@ -81,8 +81,12 @@ def build_app(cfg: HttpConfig, conns: list[Connection]):
 
 def http_main(cfg: HttpConfig, conns: list[Connection]) -> None:
     """Process entry (spawn target)."""
+    import warnings
+
     import uvicorn
 
+    # SGLang's handlers use ORJSONResponse, which this FastAPI deprecates: not ours to fix
+    warnings.filterwarnings("ignore", message="ORJSONResponse is deprecated")
     logging.basicConfig(
         level=os.environ.get("SGLANG_ENGINE_LOG_LEVEL", "WARNING"),
         format="[http] %(levelname)s %(name)s: %(message)s",

@@ -6,7 +6,7 @@ Usage::
         requests.get(f"{engine.url}/model_info", headers={"Authorization": "Bearer k"})
         weights = engine.rank_weights()  # one {name: tensor} per TP rank
 
-Processes are started with the ``spawn`` context and ended by their own pid
+Processes come from a fork server that has SGLang imported, and are ended by their own pid
 (``Process.terminate`` / ``kill``), never by name.
 """
 
@@ -121,6 +121,29 @@ def _wait_ready(url: str, headers: dict, procs: list[mp.Process], timeout: float
     raise TimeoutError(f"the engine at {url} was not ready within {timeout}s")
 
 
+# Imported once by the fork server, so each engine process starts with SGLang loaded.
+PRELOAD = [
+    "tests.conformance.sglang_engine.rank",
+    "tests.conformance.sglang_engine.http_process",
+    "sglang.srt.entrypoints.http_server",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.scheduler_components.weight_updater",
+    "sglang.srt.model_executor.model_runner_components.weight_updater",
+    "transformers",
+]
+
+
+def _context():
+    """A fork-server context that preloads SGLang (importing it costs seconds per process).
+
+    The fork server is a fresh process started before any engine; engine processes are
+    forked from it, never from the test process.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def start_sglang_engine(
     model_dir: str | Path,
     tp_size: int = 1,
@@ -133,7 +156,7 @@ def start_sglang_engine(
 
     if tp_size not in (1, 2):
         raise ValueError(f"tp_size must be 1 or 2, got {tp_size}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     model_dir = str(model_dir)
     group_port = free_port()
     procs: list[mp.Process] = []

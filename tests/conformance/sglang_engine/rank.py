@@ -234,15 +234,31 @@ class RankProcess:
                     self.running = False
                     break
                 seq, obj = m.decode(data)
-                if conn is self.ctrl:
-                    reply = self.handle_control(obj, seq)
-                else:
-                    reply = self.handle_inspect(obj)
+                try:
+                    if conn is self.ctrl:
+                        reply = self.handle_control(obj, seq)
+                    else:
+                        reply = self.handle_inspect(obj)
+                except Exception as exc:
+                    logger.exception(
+                        "TP rank %d failed on %s", self.cfg.tp_rank, type(obj).__name__
+                    )
+                    reply = _failure_reply(obj, exc) if seq else None
                 if reply is not None:
                     conn.send_bytes(m.encode(reply, seq))
             if self.running:
                 self.scheduler.step()
                 self.flush_wrapper.check_pending()
+
+
+def _failure_reply(obj: Any, exc: Exception) -> Any:
+    """The failed ``*ReqOutput`` for a request whose handler raised (None if it has no success field)."""
+    from sglang.srt.managers import io_struct as io
+
+    out_type = getattr(io, type(obj).__name__.replace("ReqInput", "ReqOutput"), None)
+    if out_type is None or "success" not in getattr(out_type, "__struct_fields__", ()):
+        return None
+    return out_type(success=False, message=f"{type(exc).__name__}: {exc}")
 
 
 def _tensor_bytes(t) -> bytes:
@@ -261,3 +277,6 @@ def rank_main(cfg: RankConfig, ctrl: Connection, inspect: Connection) -> None:
     rank = RankProcess(cfg, ctrl, inspect)
     inspect.send_bytes(m.encode(m.Ready()))
     rank.serve()
+    # Leave without torch's exit-time teardown: a gloo group whose peers are gone can block it.
+    logging.shutdown()
+    os._exit(0)
