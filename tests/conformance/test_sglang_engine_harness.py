@@ -27,6 +27,8 @@ SESSION_MESSAGE = (
     "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
 )
 _group_ids = itertools.count()
+# A request long enough to still be running when the test pauses the engine (context is 512).
+LONG = 480
 
 
 def post(engine, path: str, body: dict | None = None, **kw) -> requests.Response:
@@ -278,7 +280,7 @@ def test_in_place_pause_and_update_mid_generation_reports_two_version_spans(sgla
     before = model_info(engine)["weight_version"]
     trainer = Trainer(engine)
     try:
-        chunks = _stream(engine, n_tokens=300)
+        chunks = _stream(engine, n_tokens=LONG)
         first = next(chunks)
         assert first["meta_info"]["finish_reason"] is None
         assert post(engine, "/pause_generation", {"mode": "in_place"}).status_code == 200
@@ -293,13 +295,13 @@ def test_in_place_pause_and_update_mid_generation_reports_two_version_spans(sgla
     finally:
         trainer.close()
     meta = last["meta_info"]
-    assert meta["finish_reason"] == {"type": "length", "length": 300}
+    assert meta["finish_reason"] == {"type": "length", "length": LONG}
     # the refused-flush update loaded its weights and moved the version too, but no token was
     # generated under it while paused: SGLang's spans leave out that zero-width span
     assert [s["version"] for s in meta["weight_versions"]] == [before, "mid-flight"]
     old_span, new_span = meta["weight_versions"]
     assert old_span["start"] == 0 and old_span["end"] == new_span["start"] >= 1
-    assert new_span["end"] == 300
+    assert new_span["end"] == LONG
     assert meta["weight_version"] == "mid-flight"
 
 
@@ -307,7 +309,7 @@ def test_retract_pause_allows_the_flush_and_counts_the_retraction(sglang_engine)
     engine = sglang_engine
     trainer = Trainer(engine)
     try:
-        chunks = _stream(engine, n_tokens=300)
+        chunks = _stream(engine, n_tokens=LONG)
         next(chunks)
         assert post(engine, "/pause_generation", {"mode": "retract"}).status_code == 200
         r = trainer.sync(new_weights(engine, seed=8), "after-retract", "flattened_bucket")
@@ -320,19 +322,19 @@ def test_retract_pause_allows_the_flush_and_counts_the_retraction(sglang_engine)
     meta = last["meta_info"]
     assert meta["num_retractions"] == 1
     assert meta["weight_versions"][-1]["version"] == "after-retract"
-    assert meta["weight_versions"][-1]["end"] == 300
+    assert meta["weight_versions"][-1]["end"] == LONG
 
 
 def test_abort_pause_returns_partial_output(sglang_engine):
     engine = sglang_engine
-    chunks = _stream(engine, n_tokens=400)
+    chunks = _stream(engine, n_tokens=LONG)
     seen = next(chunks)
     assert post(engine, "/pause_generation", {"mode": "abort"}).status_code == 200
     *_, last = chunks
     assert post(engine, "/continue_generation").status_code == 200
     meta = last["meta_info"]
     assert meta["finish_reason"]["type"] == "abort"
-    assert len(seen["output_ids"]) <= meta["completion_tokens"] < 400
+    assert len(seen["output_ids"]) <= meta["completion_tokens"] < LONG
 
 
 def test_get_weights_by_name_and_update_weight_version(sglang_engine):
@@ -351,7 +353,7 @@ def test_get_weights_by_name_and_update_weight_version(sglang_engine):
 
 def test_flush_is_refused_while_running_and_abort_request_ends_one_request(sglang_engine):
     engine = sglang_engine
-    chunks = _stream(engine, n_tokens=400)
+    chunks = _stream(engine, n_tokens=LONG)
     rid = next(chunks)["meta_info"]["id"]
     assert post(engine, "/flush_cache").status_code == 400
     assert post(engine, "/abort_request", {"rid": rid}).status_code == 200
@@ -370,3 +372,24 @@ def test_batch_generate_and_health_generate(sglang_engine):
     assert all(len(o["output_ids"]) == 3 for o in outs)
     url = f"{sglang_engine.url}/health_generate"
     assert requests.get(url, timeout=60).status_code == 200
+
+
+def test_sampling_follows_the_seed(sglang_engine):
+    body = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "top_p": 0.9},
+        "return_logprob": True,
+    }
+    seeded = {**body, "sampling_params": {**body["sampling_params"], "sampling_seed": 11}}
+    a, b = generate(sglang_engine, **seeded), generate(sglang_engine, **seeded)
+    assert a["output_ids"] == b["output_ids"]
+    assert all(lp <= 0.0 for lp, _, _ in a["meta_info"]["output_token_logprobs"])
+
+
+def test_stop_ends_every_process_it_started(sglang_engine_factory):
+    engine = sglang_engine_factory(tp_size=2, api_key="other-key")
+    assert post(engine, "/begin_weight_update").status_code == 200
+    assert post(engine, "/end_weight_update").status_code == 200
+    assert len(engine.pids) == 3
+    engine.stop()
+    assert not any(proc.is_alive() for proc in engine._processes)

@@ -46,6 +46,11 @@ class SGLangEngine:
     _inspect: list[Connection]
 
     @property
+    def pids(self) -> list[int]:
+        """The processes this engine started: one per TP rank, then the HTTP process."""
+        return [proc.pid for proc in self._processes]
+
+    @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
