@@ -393,3 +393,26 @@ def test_stop_ends_every_process_it_started(sglang_engine_factory):
     assert len(engine.pids) == 3
     engine.stop()
     assert not any(proc.is_alive() for proc in engine._processes)
+
+
+def test_load_errors_follow_sglangs_qwen2_loader(sglang_engine):
+    """A wrong shape fails the call; a name the model lacks is skipped (SGLang only warns)."""
+    engine = sglang_engine
+    trainer = Trainer(engine)
+    try:
+        wrong_shape = [("model.norm.weight", torch.ones(32))]
+        r = trainer.sync(wrong_shape, "bad-shape", None)
+        assert r.status_code == 400
+        assert r.json()["message"].startswith("Failed to update parameter online")
+        r = trainer.sync([("model.no_such.weight", torch.ones(4))], "unknown-name", None)
+        assert r.status_code == 200, r.text
+        assert model_info(engine)["weight_version"] == "unknown-name"
+    finally:
+        trainer.close()
+
+
+def test_routes_gone_in_0_5_23_are_404(sglang_engine):
+    r = requests.get(
+        f"{sglang_engine.url}/get_weight_version", headers=sglang_engine.headers, timeout=30
+    )
+    assert r.status_code == 404

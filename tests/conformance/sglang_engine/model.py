@@ -8,10 +8,13 @@ holds a full copy: sharding is not what the protocol tests exercise.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+logger = logging.getLogger(__name__)
 
 
 class HFModelAdapter(torch.nn.Module):
@@ -36,14 +39,16 @@ class HFModelAdapter(torch.nn.Module):
         return dict(self.hf_model.named_parameters())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy each named tensor into the parameter of that HF name (SGLang's loader rules:
-        a tied ``lm_head.weight`` is skipped, an unknown name raises)."""
+        """Copy each named tensor into the parameter of that HF name, with the rules of
+        SGLang's Qwen2/Llama ``load_weights``: rotary caches are skipped, a name the model
+        does not have is skipped with a warning (not an error), a shape mismatch raises."""
         params = self.named_weights()
         for name, tensor in weights:
-            if name == "lm_head.weight" and self._tied():
+            if "rotary_emb." in name:
                 continue
             if name not in params:
-                raise KeyError(f"no parameter named {name!r} in the model")
+                logger.warning("Parameter %s not found in params_dict", name)
+                continue
             with torch.no_grad():
                 default_weight_loader(params[name], tensor)
 
