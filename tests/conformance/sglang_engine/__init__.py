@@ -16,6 +16,13 @@ weight-update code in real processes, over a small Hugging Face model:
                                         SchedulerFlushWrapper
     trainer rank 0 ──gloo (init_custom_process_group)──> every TP rank
 
+Where it differs from a real SGLang server (none of it is in the weight-sync
+protocol): no KV or radix cache (each step recomputes the sequence, so after an
+in-place pause the old prefix is not reused as stale KV), an aborted running
+request finishes at once instead of after one more decode step, no input-token
+or top-k logprobs, no stop strings, no OpenAI chat templates, TP ranks hold
+full weight copies (TP rank 0 alone generates).
+
 Modules: ``launcher`` (start / stop, the test's read-out of each rank's
 weights), ``http_process``, ``backend``, ``rank``, ``scheduler`` (state and the
 token loop), ``model`` (the HF model behind SGLang's ``load_weights``),

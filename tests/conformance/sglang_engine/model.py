@@ -26,7 +26,10 @@ class HFModelAdapter(torch.nn.Module):
     @classmethod
     def from_pretrained(cls, model_dir: str) -> HFModelAdapter:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        # tqdm's bar takes a multiprocessing lock that a rank's os._exit would leak
+        hf_logging.disable_progress_bar()
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         hf_model.eval()
         return cls(hf_model)
