@@ -416,3 +416,27 @@ def test_routes_gone_in_0_5_23_are_404(sglang_engine):
         f"{sglang_engine.url}/get_weight_version", headers=sglang_engine.headers, timeout=30
     )
     assert r.status_code == 404
+
+
+def test_tp2_refused_flush_on_rank0_fails_the_call_and_spans_still_hold(sglang_engine_tp2):
+    """TP rank 0 runs the request and refuses the flush, rank 1 is idle and flushes: the
+    combined reply fails (success only if every rank succeeds), as SGLang answers from rank 0."""
+    engine = sglang_engine_tp2
+    before = model_info(engine)["weight_version"]
+    trainer = Trainer(engine)
+    try:
+        chunks = _stream(engine, n_tokens=LONG)
+        next(chunks)
+        assert post(engine, "/pause_generation", {"mode": "in_place"}).status_code == 200
+        r = trainer.sync(new_weights(engine, seed=9), "tp2-mid-flight", "flattened_bucket")
+        assert r.status_code == 400 and "cache was not flushed" in r.json()["message"]
+        # the weights and version moved anyway, on both ranks; the tokenizer kept its version
+        assert engine.rank_weight_versions() == ["tp2-mid-flight"] * 2
+        assert model_info(engine)["weight_version"] == before
+        assert post(engine, "/continue_generation").status_code == 200
+        *_, last = chunks
+    finally:
+        trainer.close()
+    spans = last["meta_info"]["weight_versions"]
+    assert [s["version"] for s in spans] == [before, "tp2-mid-flight"]
+    assert spans[-1]["end"] == LONG
