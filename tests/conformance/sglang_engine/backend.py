@@ -100,8 +100,7 @@ class SchedulerLink:
         seq = 0
         if isinstance(obj, _ANSWERED):
             seq = next(self._seq)
-            out_type = getattr(io, type(obj).__name__.replace("ReqInput", "ReqOutput"))
-            self._pending[seq] = (out_type, {})
+            self._pending[seq] = (m.output_type(obj), {})
         data = m.encode(obj, seq)
         for conn in self.conns:
             conn.send_bytes(data)
@@ -125,13 +124,7 @@ class SchedulerLink:
         logger.error("TP rank %d closed its pipe", rank)
         pending, self._pending = self._pending, {}
         for out_type, _ in pending.values():
-            fields = getattr(out_type, "__struct_fields__", ())
-            kwargs: dict[str, Any] = {}
-            if "success" in fields:
-                kwargs.update(success=False, message=f"TP rank {rank} exited")
-            if "parameter" in fields:
-                kwargs["parameter"] = None
-            self.on_reply(out_type(**kwargs))
+            self.on_reply(m.failed_output(out_type, f"TP rank {rank} exited"))
         self.on_rank_lost(rank)
 
 

@@ -102,6 +102,22 @@ def _type_of(name: str) -> type:
     return cls
 
 
+def output_type(request: Any) -> type | None:
+    """SGLang's ``*ReqOutput`` for a ``*ReqInput`` (None if it has none)."""
+    return getattr(io_struct, type(request).__name__.replace("ReqInput", "ReqOutput"), None)
+
+
+def failed_output(out_type: type, message: str) -> Any:
+    """A failed reply of ``out_type`` (success False, no parameter), so no caller waits forever."""
+    fields = getattr(out_type, "__struct_fields__", ())
+    kwargs: dict[str, Any] = {}
+    if "success" in fields:
+        kwargs.update(success=False, message=message)
+    if "parameter" in fields:
+        kwargs["parameter"] = None
+    return out_type(**kwargs)
+
+
 def encode(obj: Any, seq: int = 0) -> bytes:
     body = msgspec.msgpack.encode(obj)
     return msgspec.msgpack.encode(Envelope(seq, type(obj).__name__, msgspec.Raw(body)))

@@ -252,13 +252,9 @@ class RankProcess:
 
 
 def _failure_reply(obj: Any, exc: Exception) -> Any:
-    """The failed ``*ReqOutput`` for a request whose handler raised (None if it has no success field)."""
-    from sglang.srt.managers import io_struct as io
-
-    out_type = getattr(io, type(obj).__name__.replace("ReqInput", "ReqOutput"), None)
-    if out_type is None or "success" not in getattr(out_type, "__struct_fields__", ()):
-        return None
-    return out_type(success=False, message=f"{type(exc).__name__}: {exc}")
+    """SGLang's failed ``*ReqOutput`` for a request whose handler raised."""
+    out_type = m.output_type(obj)
+    return None if out_type is None else m.failed_output(out_type, f"{type(exc).__name__}: {exc}")
 
 
 def _tensor_bytes(t) -> bytes:
