@@ -11,7 +11,7 @@ TORCH  ?= torch==2.14.1 torchvision==0.29.1
 SGLANG ?= sglang==0.5.23
 DEMO_OUT ?= runs/demo/run
 
-.PHONY: demo test test-unit test-integration test-e2e lint format bench docs clean venv gpu-check
+.PHONY: demo test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check
 
 venv: $(STAMP)
 
@@ -40,6 +40,10 @@ test-integration: $(STAMP)
 
 test-e2e: $(STAMP)
 	env -u RAY_ADDRESS $(PY) -m pytest -q tests/e2e
+
+# SGLang's own HTTP server and weight-update code on CPU (tests/conformance/sglang_engine)
+test-conformance: $(STAMP)
+	$(PY) -m pytest -q tests/conformance
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
