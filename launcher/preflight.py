@@ -55,7 +55,11 @@ log = get_logger(__name__)
 SGLANG_SUPPORTED = TESTED_SGLANG
 
 CKPT_BYTES_PER_PARAM = 12  # fp32 master weights + AdamW's two fp32 moments (DCP shards)
-BANK_BYTES_PER_TOKEN = 16  # token id, behaviour logprob, version, mask, plus Arrow overhead
+# the rollout bank, per sample: prompt token ids; per response token an id, a behaviour
+# logprob and a version; per sample its metadata, score and metrics (measured ~0.6 KiB)
+BANK_BYTES_PER_PROMPT_TOKEN = 4
+BANK_BYTES_PER_RESPONSE_TOKEN = 12
+BANK_BYTES_PER_SAMPLE = 1024
 DISK_HEADROOM = 1.1  # segments, metrics, plots, hf/ copies in checkpoints
 ADDRESS_TIMEOUT_S = 3.0
 WANDB_OFF_MODES = ("offline", "disabled", "dryrun")
@@ -429,9 +433,12 @@ def disk_needed(cfg: RunConfig, params: int) -> int:
     )
     per_ckpt = params * CKPT_BYTES_PER_PARAM * (2 if critic else 1)
     samples = tr.total_steps * cfg.data.train_batch_size * cfg.rollout.n
-    bank = (
-        samples * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens) * BANK_BYTES_PER_TOKEN
+    per_sample = (
+        cfg.data.max_prompt_length * BANK_BYTES_PER_PROMPT_TOKEN
+        + cfg.rollout.max_new_tokens * BANK_BYTES_PER_RESPONSE_TOKEN  # at most; usually less
+        + BANK_BYTES_PER_SAMPLE
     )
+    bank = samples * per_sample
     return int((checkpoints * per_ckpt + bank) * DISK_HEADROOM)
 
 
@@ -467,8 +474,8 @@ def check_output_dir(cfg: RunConfig, probes: Probes) -> list[Finding]:
         Finding(
             key="trainer.output_dir",
             problem=(
-                f"the run will write about {_gib(need)} ({checkpoints} checkpoints of a "
-                f"{params / 1e9:.2f}B-parameter model plus the rollout bank), {where} has {_gib(free)} free"
+                f"the run will write up to about {_gib(need)} ({checkpoints} checkpoints of a "
+                f"{_count(params)}-parameter model plus the rollout bank), {where} has {_gib(free)} free"
             ),
             fix="free disk there, choose another trainer.output_dir, or save less often (trainer.save_freq)",
         )
@@ -591,6 +598,13 @@ def _ray_nodes(address: str) -> list[Node]:
 
 def _num(value: float) -> str:
     return f"{value:g}"
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return str(n)
 
 
 def _gib(n: float) -> str:

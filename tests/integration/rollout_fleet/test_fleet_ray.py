@@ -22,7 +22,12 @@ from rollout_fleet.router import EngineState, Router  # noqa: E402
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",  # not a cluster `ray start` left recorded in /tmp/ray
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     yield
     ray.shutdown()
 
