@@ -62,6 +62,7 @@ SIZE_PARAMETERS: dict[str, tuple[str, ...]] = {
     "batch": ("batch", "batch_size"),
     "max_new_tokens": ("max_new_tokens",),
     "device": ("device",),
+    "headline_eta": ("headline_eta",),
 }
 CHILD_ENV = "FLEETRL_BENCH_CHILD"  # set for the children of `all`: the parent reports
 # --quick: seconds each child may run in `all` (unused time passes on to the next suite)
@@ -70,7 +71,7 @@ QUICK_BUDGET_S: dict[str, float] = {
     "weight-sync": 60.0,
     "rollout": 80.0,
     "learner": 80.0,
-    "e2e": 290.0,
+    "e2e": 480.0,
 }
 
 
@@ -255,7 +256,7 @@ def _child_command(suite: str, args: argparse.Namespace, reps: int | None) -> li
         cmd.append("--quick")
     if args.hidden:
         cmd += ["--hidden", *[str(h) for h in args.hidden]]
-    for flag in ("layers", "engines", "learner_ranks", "batch", "max_new_tokens"):
+    for flag in ("layers", "engines", "learner_ranks", "batch", "max_new_tokens", "headline_eta"):
         value = getattr(args, flag, None)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]

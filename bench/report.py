@@ -33,8 +33,13 @@ HEADLINES: dict[str, list[tuple[str, str, str]]] = {
     "transport": [
         (
             "vs_ray_queue",
-            "ZMQ+msgspec trajectories/s ÷ Ray actor queue of cloudpickled samples",
-            "verl fully-async MessageQueue, OpenRLHF async queue",
+            "ZMQ+msgspec trajectories/s ÷ Ray actor queue, one cloudpickled object per group",
+            "verl fully-async rollouter -> MessageQueue (one put per prompt's n samples)",
+        ),
+        (
+            "vs_ray_queue_per_sample",
+            "ZMQ+msgspec trajectories/s ÷ Ray actor queue, one cloudpickled object per sample",
+            "a queue fed sample by sample (per-call overhead x n)",
         ),
         (
             "vs_raw_zmq",
@@ -57,21 +62,22 @@ HEADLINES: dict[str, list[tuple[str, str, str]]] = {
     "rollout": [
         (
             "vs_hf_generate",
-            "embedded engine tokens/s ÷ transformers generate (same batch and lengths)",
+            "embedded engine tokens/s ÷ transformers generate(num_return_sequences=n), GRPO groups",
             "naive rollout",
         ),
     ],
     "learner": [
         (
             "packed_vs_padded",
-            "packed tokens/s ÷ padded micro-batches",
+            "packed tokens/s ÷ padded micro-batches (median of paired repetitions)",
             "no packing",
         ),
     ],
     "e2e": [
         (
             "async_vs_sync",
-            "samples/s at the best η in {1, 2, 4} ÷ η = 0 (long-tailed lengths)",
+            "median over alternated repetitions of samples/s at the declared η ÷ η = 0,"
+            " paired per repetition, validation included on both (long-tailed lengths)",
             "synchronous trainer (verl default)",
         ),
     ],
@@ -158,8 +164,8 @@ def _e2e_lines(record: Mapping[str, Any]) -> list[str]:
         return []
     lines = [
         "",
-        "| run | η | correction | samples/s | response tokens/s | final val score | best val score | trainer idle | rollout idle | staleness max | mean response tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | rep | η | correction | samples/s | response tokens/s | final val score | best val score | trainer idle | rollout idle | staleness max | mean response tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         lines.append(
@@ -168,6 +174,7 @@ def _e2e_lines(record: Mapping[str, Any]) -> list[str]:
                 fmt(run.get(k))
                 for k in (
                     "label",
+                    "rep",
                     "eta",
                     "correction",
                     "samples_per_s",
