@@ -6,6 +6,7 @@ import pytest
 import requests
 import torch
 
+from rollout_fleet.engine import server
 from weight_sync.config import WeightSyncConfig
 from weight_sync.digest import StreamDigest, module_named_tensors
 from weight_sync.sender import EngineEndpoint, WeightSender
@@ -14,7 +15,6 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def test_embedded_engine_receives_every_version_bit_exact(tiny_model_dir):
-    server = pytest.importorskip("rollout_fleet.engine.server")
     from transformers import AutoModelForCausalLM
 
     learner = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
