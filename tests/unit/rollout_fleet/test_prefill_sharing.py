@@ -5,6 +5,7 @@ steps, and generate exactly what they would have without sharing."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -102,6 +103,26 @@ def test_group_admitted_across_steps_is_prefilled_once(runner):
         for seq in seqs:  # greedy: every sample of a group is the same
             by_prompt.setdefault(tuple(seq.prompt_ids), set()).add(tuple(seq.output_ids))
         assert all(len(outs) == 1 for outs in by_prompt.values())
+    finally:
+        scheduler.stop()
+
+
+def test_an_idle_engine_gathers_a_burst_of_submissions_into_one_prefill(runner):
+    runner.kv.clear()
+    # A window far wider than the gap between the two submissions below.
+    scheduler = Scheduler(runner, max_running_requests=64, admission_window_s=0.5)
+    scheduler.start()
+    try:
+        seqs = [s for s in _group_requests(0.0) if len(s.prompt_ids) == 5]  # prompts 0 and 1
+        done = threading.Semaphore(0)
+        for seq in seqs:
+            seq.on_event = lambda s, finished: done.release() if finished else None
+        scheduler.submit(seqs[:GROUP]).result(10)
+        time.sleep(0.05)
+        scheduler.submit(seqs[GROUP:]).result(10)
+        for _ in seqs:
+            assert done.acquire(timeout=60)
+        assert scheduler.stats["prefills"] == 1 and scheduler.stats["prefill_tokens"] == 10
     finally:
         scheduler.stop()
 
