@@ -247,7 +247,14 @@ def run(
     parent, child = spawn.Pipe()
     proc = spawn.Process(target=_producer, args=(child, count, seed), daemon=True)
     proc.start()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # address="local": a fresh instance even if `ray start` left one on this machine
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     rep = [0]
     try:
         queue, producer = _ray_setup(count, seed)

@@ -51,7 +51,9 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
             requested_cpus(cfg),
             cores,
         )
+    # "local": a new instance, never one a `ray start` on this machine left behind
     ray.init(
+        address="local",
         num_cpus=num_cpus,
         num_gpus=cfg.ray.num_gpus or None,
         resources={
