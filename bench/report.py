@@ -301,7 +301,7 @@ def plot_sweep(suite: str, sweep: Mapping[str, Any], path: Path) -> Path | None:
     ax.set_ylabel(str(sweep.get("unit", "throughput")))
     ax.set_title(f"{suite}: throughput vs size")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -315,18 +315,24 @@ def plot_e2e_scores(record: Mapping[str, Any], path: Path) -> Path | None:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    # one colour per η (the repetitions of an η share it), dashed for the bypass loss
+    etas = sorted({run.get("eta") for run in runs}, key=lambda e: (e is None, e))
+    colours = {eta: f"C{i}" for i, eta in enumerate(etas)}
     for run in runs:
         curve = [(t, s) for t, s in run["curve"] if t is not None and s is not None]
         if not curve:
             continue
         style = "--" if run.get("correction") == "bypass" else "-"
+        rep = run.get("rep")
         ax.plot(
             [t for t, _ in curve],
             [s for _, s in curve],
             style,
+            color=colours[run.get("eta")],
             marker="o",
             markersize=3,
-            label=str(run.get("label")),
+            alpha=1.0 if not rep else 0.6,
+            label=str(run.get("label")) + (f" rep {rep + 1}" if rep is not None else ""),
         )
     ax.set_xlabel("training-loop wall time (s, after start-up)")
     ax.set_ylabel("validation score")
