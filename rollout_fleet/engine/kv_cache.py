@@ -192,7 +192,7 @@ class PrefillCache:
         if max_bytes < 0:
             raise ValueError(f"prefill cache max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[int, ...], _PrefillEntry] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, ...], PrefillEntry] = OrderedDict()
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -201,7 +201,7 @@ class PrefillCache:
     def nbytes(self) -> int:
         return self._bytes
 
-    def get(self, tokens: tuple[int, ...]) -> _PrefillEntry | None:
+    def get(self, tokens: tuple[int, ...]) -> PrefillEntry | None:
         entry = self._entries.get(tokens)
         if entry is not None:
             self._entries.move_to_end(tokens)
@@ -213,11 +213,9 @@ class PrefillCache:
         logits: torch.Tensor,
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
-    ) -> _PrefillEntry:
+    ) -> PrefillEntry:
         """Store one row (clones, so the batch's tensors are not kept alive); returns it."""
-        entry = _PrefillEntry(
-            logits.clone(), [k.clone() for k in keys], [v.clone() for v in values]
-        )
+        entry = PrefillEntry(logits.clone(), [k.clone() for k in keys], [v.clone() for v in values])
         if self.max_bytes == 0 or entry.nbytes > self.max_bytes:
             return entry
         old = self._entries.pop(tokens, None)
@@ -235,7 +233,7 @@ class PrefillCache:
         self._bytes = 0
 
 
-class _PrefillEntry:
+class PrefillEntry:
     """One prefilled token sequence: its last logits and its KV, batch dimension 1."""
 
     __slots__ = ("keys", "logits", "nbytes", "values")

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from fleetrl.log import get_logger
-from rollout_fleet.engine.kv_cache import PrefillCache
+from rollout_fleet.engine.kv_cache import PrefillCache, PrefillEntry
 from rollout_fleet.engine.runner import ModelRunner
 from rollout_fleet.engine.sampling import BatchSampling, RowSampling, sample_next_tokens
 from rollout_fleet.protocol import (
@@ -447,12 +447,13 @@ class Scheduler:
             self.stats["prefills"] += 1
             self.stats["prefill_tokens"] += length * len(batch)
             for row, (tokens, group) in enumerate(batch):
-                entry = self.prefill_cache.put(
-                    tokens,
+                entry = PrefillEntry(
                     logits[row : row + 1],
                     [k[row : row + 1] for k in keys],
                     [v[row : row + 1] for v in values],
                 )
+                if self.share_prefill:  # (unshared keys are not token tuples: never cached)
+                    entry = self.prefill_cache.put(tokens, entry.logits, entry.keys, entry.values)
                 entries.append((group, entry))
                 for j, seq in enumerate(group):
                     seq.cached_tokens = len(seq.prompt_ids) if j > 0 else 0

@@ -127,6 +127,17 @@ def test_an_idle_engine_gathers_a_burst_of_submissions_into_one_prefill(runner):
         scheduler.stop()
 
 
+def test_sharing_switched_off_at_run_time_caches_nothing(runner):
+    scheduler = _scheduler(runner, share=True)
+    try:
+        scheduler.share_prefill = False  # as the rollout bench's unshared arm does
+        _generate(scheduler, _group_requests(0.0))
+        assert len(scheduler.prefill_cache) == 0
+        assert scheduler.stats["prefill_tokens"] == GROUP * sum(len(p) for p in PROMPTS)
+    finally:
+        scheduler.stop()
+
+
 def test_new_weights_clear_the_shared_prefills(runner):
     scheduler = _scheduler(runner, share=True)
     try:
