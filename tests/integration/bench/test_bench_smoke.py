@@ -46,6 +46,7 @@ def test_suite_runs_at_its_smallest_size_and_reports_its_headline_ratios(suite, 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # three training runs; on a shared 2-core machine they take minutes
 def test_e2e_trains_sync_and_async_and_writes_scores_idle_fractions_and_plots(tmp_path):
     sizes = dataclasses.replace(
         e2e.QUICK_SIZES,
