@@ -7,7 +7,8 @@ written to ``DIR/<suite>.json`` inside the standard envelope of
 ``bench.common.suite_record``. ``all`` runs each suite in a child process of its
 own (``python -m launcher.cli bench SUITE ...``) so a crash, a hang or leaked
 state (Ray, process groups) in one cannot spoil the next; with ``--quick`` the
-children share a deadline that keeps the whole run under ten minutes. A suite
+children share a deadline that keeps the whole run under fifteen minutes (e2e,
+every η twice, takes most of it). A suite
 that is missing, fails or times out still gets its JSON, with ``status: error``
 and a one-line ``error`` (``suite unavailable: ...``), and the table shows it.
 Either way ``bench.report`` then writes ``report.md`` and the plots (in the parent
@@ -62,6 +63,7 @@ SIZE_PARAMETERS: dict[str, tuple[str, ...]] = {
     "batch": ("batch", "batch_size"),
     "max_new_tokens": ("max_new_tokens",),
     "device": ("device",),
+    "headline_eta": ("headline_eta",),
 }
 CHILD_ENV = "FLEETRL_BENCH_CHILD"  # set for the children of `all`: the parent reports
 # --quick: seconds each child may run in `all` (unused time passes on to the next suite)
@@ -70,7 +72,7 @@ QUICK_BUDGET_S: dict[str, float] = {
     "weight-sync": 60.0,
     "rollout": 80.0,
     "learner": 80.0,
-    "e2e": 290.0,
+    "e2e": 600.0,
 }
 
 
@@ -255,7 +257,7 @@ def _child_command(suite: str, args: argparse.Namespace, reps: int | None) -> li
         cmd.append("--quick")
     if args.hidden:
         cmd += ["--hidden", *[str(h) for h in args.hidden]]
-    for flag in ("layers", "engines", "learner_ranks", "batch", "max_new_tokens"):
+    for flag in ("layers", "engines", "learner_ranks", "batch", "max_new_tokens", "headline_eta"):
         value = getattr(args, flag, None)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]

@@ -15,13 +15,23 @@ measured mean response length is recorded beside the target distribution.
 The model is built once per output folder, before any timed run.
 
 Figures per run, from its ``metrics.jsonl``: samples/s = trajectories trained
-per second of wall time after ``warmup_steps`` (validation time excluded when
-the run reports it), the validation score curve against wall time, trainer and
-rollout idle fractions, the largest staleness seen. Headline: ``async_vs_sync``
-= samples/s at the best η among 1, 2, 4 ÷ samples/s at η = 0.
+per second of wall time after ``warmup_steps``, the validations and the final
+checkpoint in that window *included*, for every η alike (an async fleet keeps
+generating while the trainer validates; a sync one cannot; both are charged the
+same wall clock for the same work), the validation score curve against wall
+time, trainer and rollout idle fractions, the largest staleness seen.
 
-Left out: repetitions under ``--quick`` (each repetition is a whole training
-run; one per η), and any claim about final accuracy beyond the scores measured.
+Fairness: the headline η is declared before anything runs (``headline_eta``,
+default 2, recorded in the JSON's config); every η runs ``reps`` times (quick:
+2, full: 3), the order of a repetition reversed on the next (0 1 2 4, then
+4 2 1 0), so drift in a shared machine's load hits sync and async alike.
+Headline: ``async_vs_sync`` = the median over repetitions of the paired ratio
+samples/s(η = headline) ÷ samples/s(η = 0) of the same repetition, with its
+min and max (``async_vs_sync_min`` / ``_max``) and every pair; each η gets its
+own ``async_vs_sync_eta{η}``. ``best_eta`` is reported after the fact only.
+The bypass-loss run (scores, not speed) runs once, in the first repetition.
+
+Left out: any claim about final accuracy beyond the scores measured.
 """
 
 from __future__ import annotations
@@ -43,6 +53,8 @@ log = get_logger(__name__)
 
 SUITE = "e2e"
 ETAS: tuple[int, ...] = (0, 1, 2, 4)
+HEADLINE_ETA = 2  # declared before the runs; the headline ratio is at this η
+QUICK_REPS, FULL_REPS = 2, 3
 DEFAULT_BASE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo_cpu.yaml"
 # metrics.jsonl keys (the launcher's contract), with the alternatives accepted for each
 ELAPSED_KEYS = ("time/elapsed_s", "timing_s/elapsed", "elapsed_s", "wall_s")
@@ -215,12 +227,11 @@ def analyse_run(
 
     Wall time at each row is the run's own elapsed clock when it logs one, else the
     running sum of ``timing_s/step``. Training rows after the first ``warmup_steps``
-    are measured. When the run times its validations, samples/s is their samples
-    over the window's wall time less validation time ("window"); otherwise steps
-    that validated, and the last step (final validation and checkpoint), are left
-    out of both sums ("steps"). Trainer idle is the share of measured step time
-    spent waiting for a batch (``timing_s/gen``); rollout idle is the run's
-    cumulative figure at the last measured step.
+    are measured: samples/s is their samples over the wall time of that window,
+    validations and checkpoints in it included (the same accounting for every η;
+    ``validation_s`` reports how much of the window they took). Trainer idle is the
+    share of measured step time spent waiting for a batch (``timing_s/gen``);
+    rollout idle is the run's cumulative figure at the last measured step.
     """
     clock, elapsed = 0.0, []
     for row in rows:
@@ -230,17 +241,13 @@ def analyse_run(
     train_index = [i for i, r in enumerate(rows) if _first(r, STEP_TIME_KEYS) is not None]
     measured_index = train_index[warmup_steps:]
     measured = [rows[i] for i in measured_index]
-    timed_validation = any(_first(r, VALIDATION_TIME_KEYS) is not None for r in rows)
-    samples_per_s, method = None, "window" if timed_validation else "steps"
-    if measured and timed_validation:
+    samples_per_s, window_s = None, None
+    if measured:
         start = elapsed[train_index[warmup_steps - 1]] if warmup_steps else 0.0
-        validation_s = sum(_first(r, VALIDATION_TIME_KEYS) or 0.0 for r in measured)
+        window_s = elapsed[measured_index[-1]] - start
         samples = sum(_first(r, SAMPLES_KEYS) or samples_per_step for r in measured)
-        samples_per_s = ratio(samples, elapsed[measured_index[-1]] - start - validation_s)
-    elif measured:
-        plain = [r for r in measured[:-1] if _first(r, SCORE_KEYS) is None]
-        samples = sum(_first(r, SAMPLES_KEYS) or samples_per_step for r in plain)
-        samples_per_s = ratio(samples, sum(_first(r, STEP_TIME_KEYS) or 0.0 for r in plain))
+        samples_per_s = ratio(samples, window_s)
+    validation_s = sum(_first(r, VALIDATION_TIME_KEYS) or 0.0 for r in measured)
     curve = [
         [elapsed[i], _first(row, SCORE_KEYS)]
         for i, row in enumerate(rows)
@@ -256,8 +263,10 @@ def analyse_run(
     return {
         "steps": len(train_index),
         "measured_steps": len(measured),
-        "throughput_method": method,
+        "throughput_method": "window, validation included",
         "samples_per_s": samples_per_s,
+        "window_s": window_s,
+        "validation_s": validation_s,
         "curve": curve,
         "final_val_score": scores[-1] if scores else None,
         "best_val_score": max(scores) if scores else None,
@@ -275,9 +284,29 @@ def analyse_run(
     }
 
 
-def summarise(runs: list[dict[str, Any]], etas: Sequence[int]) -> dict[str, Any]:
-    """Headline ratio, best η, and per-η score / idle fractions (medians over repetitions)."""
-    summary: dict[str, Any] = {}
+def paired_ratios(runs: list[dict[str, Any]], eta: int) -> list[float]:
+    """samples/s at ``eta`` ÷ samples/s at η = 0, one per repetition that has both."""
+
+    def rate(e: int, rep: int) -> float | None:
+        for r in runs:
+            if r["eta"] == e and r["rep"] == rep and r["correction"] == "decoupled":
+                return r.get("samples_per_s")
+        return None
+
+    pairs = []
+    for rep in sorted({r["rep"] for r in runs}):
+        value = ratio(rate(eta, rep), rate(0, rep))
+        if value is not None:
+            pairs.append(value)
+    return pairs
+
+
+def summarise(
+    runs: list[dict[str, Any]], etas: Sequence[int], headline_eta: int = HEADLINE_ETA
+) -> dict[str, Any]:
+    """Headline (paired, at the declared η), per-η ratios, scores and idle fractions
+    (medians over repetitions)."""
+    summary: dict[str, Any] = {"headline_eta": headline_eta}
     per_eta: dict[int, dict[str, float | None]] = {}
     for eta in etas:
         mine = [r for r in runs if r["eta"] == eta and r["correction"] == "decoupled"]
@@ -293,15 +322,24 @@ def summarise(runs: list[dict[str, Any]], etas: Sequence[int]) -> dict[str, Any]
                 "response_tokens_per_s",
             )
         }
-    sync = per_eta.get(0, {}).get("samples_per_s")
-    async_rates = {
-        eta: f["samples_per_s"]
-        for eta, f in per_eta.items()
-        if eta > 0 and f["samples_per_s"] is not None
-    }
-    best_eta = max(async_rates, key=async_rates.__getitem__) if async_rates else None
-    summary["async_vs_sync"] = ratio(async_rates.get(best_eta), sync) if best_eta else None
-    summary["best_eta"] = best_eta
+    per_eta_ratio: dict[int, float] = {}
+    for eta in etas:
+        if eta == 0:
+            continue
+        pairs = paired_ratios(runs, eta)
+        summary[f"async_vs_sync_eta{eta}"] = median(pairs) if pairs else None
+        summary[f"async_vs_sync_eta{eta}_min"] = min(pairs) if pairs else None
+        summary[f"async_vs_sync_eta{eta}_max"] = max(pairs) if pairs else None
+        summary[f"async_vs_sync_eta{eta}_pairs"] = pairs
+        if pairs:
+            per_eta_ratio[eta] = median(pairs)
+    for suffix in ("", "_min", "_max", "_pairs"):
+        summary[f"async_vs_sync{suffix}"] = summary.get(f"async_vs_sync_eta{headline_eta}{suffix}")
+    summary["repetitions"] = len({r["rep"] for r in runs})
+    # after the fact, for information: the headline stays at the declared η
+    summary["best_eta"] = (
+        max(per_eta_ratio, key=per_eta_ratio.__getitem__) if per_eta_ratio else None
+    )
     for eta, figures in per_eta.items():
         summary[f"samples_per_s_eta{eta}"] = figures["samples_per_s"]
         summary[f"val_score_eta{eta}"] = figures["final_val_score"]
@@ -322,6 +360,18 @@ def summarise(runs: list[dict[str, Any]], etas: Sequence[int]) -> dict[str, Any]
     return summary
 
 
+def run_plan(etas: Sequence[int], reps: int) -> list[tuple[int, int, str]]:
+    """(rep, η, correction) in running order: every η each repetition, the order reversed
+    on odd repetitions; the bypass run at the largest η once, in the first."""
+    plan = []
+    for rep in range(reps):
+        order = list(etas) if rep % 2 == 0 else list(reversed(etas))
+        plan += [(rep, eta, "decoupled") for eta in order]
+        if rep == 0:
+            plan.append((rep, max(etas), "bypass"))
+    return plan
+
+
 def _default_train_fn() -> TrainFn:
     from launcher.train import run as train_run  # the integrator's training loop
 
@@ -331,8 +381,9 @@ def _default_train_fn() -> TrainFn:
 def run(
     out_dir: str | Path,
     quick: bool = False,
-    reps: int = 1,
+    reps: int | None = None,
     *,
+    headline_eta: int = HEADLINE_ETA,
     hidden: int | Sequence[int] | None = None,
     layers: int | None = None,
     engines: int | None = None,
@@ -345,11 +396,17 @@ def run(
     train_fn: TrainFn | None = None,
     sizes: E2ESizes | None = None,
 ) -> dict[str, Any]:
-    """Train once per η (and once with the bypass loss at the largest η); write ``e2e.json``."""
+    """Train every η ``reps`` times, alternated (and once with the bypass loss at the
+    largest η); write ``e2e.json``."""
     from launcher.config import load_run_config
 
     if 0 not in etas or len(etas) < 2:
         raise ValueError(f"e2e: etas must include 0 and at least one async bound, got {list(etas)}")
+    if headline_eta not in etas or headline_eta == 0:
+        raise ValueError(
+            f"e2e: headline_eta must be one of the async bounds {[e for e in etas if e]},"
+            f" got {headline_eta}"
+        )
     started = time.monotonic()
     sizes = sizes or sizes_from_flags(
         quick,
@@ -361,7 +418,7 @@ def run(
         max_new_tokens=max_new_tokens,
         device=device,
     )
-    reps = 1 if quick else max(1, reps)
+    reps = max(1, reps) if reps is not None else (QUICK_REPS if quick else FULL_REPS)
     base = Path(base_config) if base_config is not None else DEFAULT_BASE_CONFIG
     train = train_fn or _default_train_fn()
     work = Path(out_dir) / "e2e"
@@ -373,58 +430,70 @@ def run(
         f"model-h{sizes.hidden}-l{sizes.layers}-w{warm}"
         f"-len{sizes.budget_median:g}x{sizes.budget_sigma:g}-cap{sizes.max_new_tokens}"
     )
-    progress = Progress(SUITE, total=(len(etas) + 1) * reps)
+    plan = run_plan(etas, reps)
+    config = {
+        "base_config": str(base),
+        "etas": list(etas),
+        "headline_eta": headline_eta,
+        "reps": reps,
+        "plan": [f"rep{rep} eta{eta} {correction}" for rep, eta, correction in plan],
+        "sizes": dataclasses.asdict(sizes),
+    }
+    # Declared before any run: written now, so a reader can check it was not chosen after.
+    write_json(
+        suite_json_path(out_dir, SUITE),
+        suite_record(SUITE, config=config, error="running: no figures yet"),
+    )
+    progress = Progress(SUITE, total=len(plan))
+    progress.note(f"headline η = {headline_eta} (declared); {reps} repetitions per η")
     progress.note(f"building the warm-started model at {model_dir} (once per output folder)")
     build_model(model_dir, train_file, sizes, base_cfg.model.warmstart, base_cfg.model.tiny)
     max_eta = max(etas)
-    plan = [(eta, "decoupled") for eta in etas] + [(max_eta, "bypass")]
     runs: list[dict[str, Any]] = []
-    for rep in range(reps):
-        order = plan if rep % 2 == 0 else list(reversed(plan))
-        for eta, correction in order:
-            label = f"η={eta}" + (" bypass" if correction == "bypass" else "")
-            run_dir = work / "runs" / f"rep{rep}-eta{eta}-{correction}"
-            overrides = run_overrides(
-                sizes,
-                eta=eta,
-                correction=correction,
-                run_dir=run_dir,
-                model_dir=model_dir,
-                train_file=train_file,
-                val_file=val_file,
-                max_eta=max_eta,
-            )
-            cfg = load_run_config(base if base.is_file() else None, overrides)
-            if run_dir.exists():  # metrics.jsonl is appended to: start every run afresh
-                shutil.rmtree(run_dir)
-            progress.note(f"training {label} (rep {rep + 1}/{reps}) -> {run_dir}")
-            result = train(cfg)
-            rows = read_metrics(result["metrics_path"])
-            figures = analyse_run(
-                rows,
-                samples_per_step=sizes.train_batch_size * sizes.group_size,
-                warmup_steps=sizes.warmup_steps,
-            )
-            runs.append(
-                {
-                    "label": label,
-                    "eta": eta,
-                    "correction": correction,
-                    "rep": rep,
-                    "run_dir": str(result.get("run_dir", run_dir)),
-                    "train_summary": {
-                        k: v for k, v in result.items() if isinstance(v, int | float | str)
-                    },
-                    **figures,
-                }
-            )
-            shown = {
-                k: f"{v:.3g}" if isinstance(v, float) else v
-                for k, v in figures.items()
-                if k not in ("curve", "throughput_method")
+    for rep, eta, correction in plan:
+        label = f"η={eta}" + (" bypass" if correction == "bypass" else "")
+        run_dir = work / "runs" / f"rep{rep}-eta{eta}-{correction}"
+        overrides = run_overrides(
+            sizes,
+            eta=eta,
+            correction=correction,
+            run_dir=run_dir,
+            model_dir=model_dir,
+            train_file=train_file,
+            val_file=val_file,
+            max_eta=max_eta,
+        )
+        cfg = load_run_config(base if base.is_file() else None, overrides)
+        if run_dir.exists():  # metrics.jsonl is appended to: start every run afresh
+            shutil.rmtree(run_dir)
+        progress.note(f"training {label} (rep {rep + 1}/{reps}) -> {run_dir}")
+        result = train(cfg)
+        rows = read_metrics(result["metrics_path"])
+        figures = analyse_run(
+            rows,
+            samples_per_step=sizes.train_batch_size * sizes.group_size,
+            warmup_steps=sizes.warmup_steps,
+        )
+        runs.append(
+            {
+                "label": label,
+                "eta": eta,
+                "correction": correction,
+                "rep": rep,
+                "run_dir": str(result.get("run_dir", run_dir)),
+                "train_summary": {
+                    k: v for k, v in result.items() if isinstance(v, int | float | str)
+                },
+                **figures,
             }
-            progress.step(f"{label}: {shown}")
-    summary = summarise(runs, etas)
+        )
+        shown = {
+            k: f"{v:.3g}" if isinstance(v, float) else v
+            for k, v in figures.items()
+            if k not in ("curve", "throughput_method")
+        }
+        progress.step(f"{label}: {shown}")
+    summary = summarise(runs, etas, headline_eta)
     lengths = [r["response_length_mean"] for r in runs if r["response_length_mean"] is not None]
     measured_length = median(lengths) if lengths else None
     long_tail = {
@@ -440,12 +509,6 @@ def run(
         {"x": eta, "series": {"samples/s (decoupled)": summary[f"samples_per_s_eta{eta}"]}}
         for eta in etas
     ]
-    config = {
-        "base_config": str(base),
-        "etas": list(etas),
-        "reps": reps,
-        "sizes": dataclasses.asdict(sizes),
-    }
     results = {"runs": runs, "long_tail": long_tail}
     sweep = {"x": "max_staleness η", "unit": "samples/s", "rows": sweep_rows}
     write_json(

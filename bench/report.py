@@ -33,8 +33,13 @@ HEADLINES: dict[str, list[tuple[str, str, str]]] = {
     "transport": [
         (
             "vs_ray_queue",
-            "ZMQ+msgspec trajectories/s ÷ Ray actor queue of cloudpickled samples",
-            "verl fully-async MessageQueue, OpenRLHF async queue",
+            "ZMQ+msgspec trajectories/s ÷ Ray actor queue, one cloudpickled object per group",
+            "verl fully-async rollouter -> MessageQueue (one put per prompt's n samples)",
+        ),
+        (
+            "vs_ray_queue_per_sample",
+            "ZMQ+msgspec trajectories/s ÷ Ray actor queue, one cloudpickled object per sample",
+            "a queue fed sample by sample (per-call overhead x n)",
         ),
         (
             "vs_raw_zmq",
@@ -57,21 +62,22 @@ HEADLINES: dict[str, list[tuple[str, str, str]]] = {
     "rollout": [
         (
             "vs_hf_generate",
-            "embedded engine tokens/s ÷ transformers generate (same batch and lengths)",
+            "embedded engine tokens/s ÷ transformers generate(num_return_sequences=n), GRPO groups",
             "naive rollout",
         ),
     ],
     "learner": [
         (
             "packed_vs_padded",
-            "packed tokens/s ÷ padded micro-batches",
+            "packed tokens/s ÷ padded micro-batches (median of paired repetitions)",
             "no packing",
         ),
     ],
     "e2e": [
         (
             "async_vs_sync",
-            "samples/s at the best η in {1, 2, 4} ÷ η = 0 (long-tailed lengths)",
+            "median over alternated repetitions of samples/s at the declared η ÷ η = 0,"
+            " paired per repetition, validation included on both (long-tailed lengths)",
             "synchronous trainer (verl default)",
         ),
     ],
@@ -158,8 +164,8 @@ def _e2e_lines(record: Mapping[str, Any]) -> list[str]:
         return []
     lines = [
         "",
-        "| run | η | correction | samples/s | response tokens/s | final val score | best val score | trainer idle | rollout idle | staleness max | mean response tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | rep | η | correction | samples/s | response tokens/s | final val score | best val score | trainer idle | rollout idle | staleness max | mean response tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         lines.append(
@@ -168,6 +174,7 @@ def _e2e_lines(record: Mapping[str, Any]) -> list[str]:
                 fmt(run.get(k))
                 for k in (
                     "label",
+                    "rep",
                     "eta",
                     "correction",
                     "samples_per_s",
@@ -294,7 +301,7 @@ def plot_sweep(suite: str, sweep: Mapping[str, Any], path: Path) -> Path | None:
     ax.set_ylabel(str(sweep.get("unit", "throughput")))
     ax.set_title(f"{suite}: throughput vs size")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -308,18 +315,24 @@ def plot_e2e_scores(record: Mapping[str, Any], path: Path) -> Path | None:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    # one colour per η (the repetitions of an η share it), dashed for the bypass loss
+    etas = sorted({run.get("eta") for run in runs}, key=lambda e: (e is None, e))
+    colours = {eta: f"C{i}" for i, eta in enumerate(etas)}
     for run in runs:
         curve = [(t, s) for t, s in run["curve"] if t is not None and s is not None]
         if not curve:
             continue
         style = "--" if run.get("correction") == "bypass" else "-"
+        rep = run.get("rep")
         ax.plot(
             [t for t, _ in curve],
             [s for _, s in curve],
             style,
+            color=colours[run.get("eta")],
             marker="o",
             markersize=3,
-            label=str(run.get("label")),
+            alpha=1.0 if not rep else 0.6,
+            label=str(run.get("label")) + (f" rep {rep + 1}" if rep is not None else ""),
         )
     ax.set_xlabel("training-loop wall time (s, after start-up)")
     ax.set_ylabel("validation score")

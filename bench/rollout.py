@@ -1,29 +1,41 @@
-"""Rollout throughput: the embedded engine against transformers ``generate``.
+"""Rollout throughput: the embedded engine against transformers ``generate``, on GRPO groups.
 
-Both sides decode the same ``batch`` prompts for exactly ``max_new_tokens``
-tokens (EOS ignored, so lengths are equal), at temperature 1, on the same
-device and thread count, in alternation (as ``bench.common.alternate`` does); figures
-are output tokens per second, medians over ``reps``.
+The workload is what a GRPO rollout generates: ``batch`` prompts, ``group_size``
+samples of each (``rollout.n``), prompts about as long as the responses (math
+RL: a templated question of a few hundred tokens, an answer of a few hundred).
+Both sides decode every sample for exactly ``max_new_tokens`` tokens (EOS
+ignored, so lengths are equal), at temperature 1, on the same device and thread
+count, in alternation (as ``bench.common.alternate`` does); figures are output
+tokens per second, medians over ``reps``.
 
 - engine: an in-process ``EmbeddedEngine`` behind its HTTP server, driven the
-  way rollout workers drive it: ``batch`` concurrent ``/generate`` requests
+  way rollout workers drive it: one ``/generate`` request per *sample* (its own
+  rid; the engine shares the prompt's prefill across them), all concurrent,
   through one long-lived ``EngineClient`` (so HTTP, JSON and scheduling costs
   are included; client, server and scheduler share this process and its GIL);
 - remote client: the same requests from a client in a child process, as in a
   real run (engine and rollout workers are separate Ray actors), so the
   client's own Python work does not share the engine's GIL;
-- scheduler: the same engine's scheduler fed the same prompts in-process (no
-  HTTP), to separate engine speed from serving overhead;
-- baseline: one ``model.generate(do_sample=True)`` call on the batch (equal
-  prompt lengths, so no padding), with the HF model the engine serves.
+- scheduler: the same engine's scheduler fed the same samples in-process (no
+  HTTP), to separate engine speed from serving overhead; ``scheduler_unshared``
+  the same with prefill sharing off (every sample prefills its prompt);
+- baseline: one ``model.generate(do_sample=True, num_return_sequences=n)`` call
+  on the prompts (equal lengths, so no padding), with the HF model the engine
+  serves: the naive rollout (TRL's GRPO trainer generates this way), which runs
+  each prompt through the model n times.
+
+The engine's prefill cache is flushed before every engine round (outside the
+timed part), so no round reuses a prompt prefilled by an earlier one.
 
 Headline: ``summary.vs_hf_generate`` = engine (over HTTP, client in-process)
 tokens/s / generate tokens/s; ``summary.remote_client_vs_hf_generate`` with the
-client in its own process; ``summary.scheduler_vs_hf_generate`` without HTTP. The
+client in its own process; ``summary.scheduler_vs_hf_generate`` without HTTP;
+``summary.prefill_sharing_speedup`` = scheduler / scheduler_unshared. The
 ``paired_*`` figures are medians of per-round ratios, steadier on a shared machine.
 
-Run: ``python -m bench.rollout --out DIR [--quick]`` or ``fleetrl bench rollout --out DIR``.
-Left out: SGLang (GPU nodes only), prefill-heavy workloads, varying lengths.
+Run: ``python -m bench.rollout --out DIR [--quick] [--group-size N] [--prompt-tokens P]``
+or ``fleetrl bench rollout --out DIR``.
+Left out: SGLang (GPU nodes only), varying lengths within a round.
 """
 
 from __future__ import annotations
@@ -54,13 +66,37 @@ from fleetrl.log import get_logger, setup_logging
 
 log = get_logger(__name__)
 
-PROMPT_TOKENS = 16
 REMOTE_CLIENT_FLAG = "--remote-client"  # internal: run as _RemoteClient's child
-QUICK = {"batch": 16, "max_new_tokens": 48, "hidden": 64, "layers": 2, "reps": 5}
-FULL = {"batch": 32, "max_new_tokens": 128, "hidden": 256, "layers": 4, "reps": 5}
+# batch = prompts per round; every prompt is sampled group_size times
+# (n = 8 as in configs/demo_cpu.yaml; rounds are short, so many of them)
+QUICK = {
+    "batch": 4,
+    "group_size": 8,
+    "prompt_tokens": 64,
+    "max_new_tokens": 64,
+    "hidden": 64,
+    "layers": 2,
+    "reps": 11,
+}
+FULL = {
+    "batch": 8,
+    "group_size": 8,
+    "prompt_tokens": 256,
+    "max_new_tokens": 256,
+    "hidden": 256,
+    "layers": 4,
+    "reps": 7,
+}
 
 
-def _scheduler_round(scheduler: Any, prompts: list[list[int]], max_new_tokens: int) -> float:
+def _samples(prompts: list[list[int]], group_size: int) -> list[list[int]]:
+    """One entry per sample, prompt-major (the order of ``num_return_sequences``)."""
+    return [prompt for prompt in prompts for _ in range(group_size)]
+
+
+def _scheduler_round(
+    scheduler: Any, samples: list[list[int]], max_new_tokens: int, share_prefill: bool
+) -> float:
     """Output tokens/s of the engine's scheduler driven in-process (no HTTP, no JSON)."""
     from rollout_fleet.engine.sampling import RowSampling
     from rollout_fleet.engine.scheduler import Sequence as EngineSequence
@@ -81,17 +117,19 @@ def _scheduler_round(scheduler: Any, prompts: list[list[int]], max_new_tokens: i
             stop_token_ids=frozenset(),
             stop_strings=[],
             on_event=on_event,
-            share_key=f"bench-{i}",
         )
-        for i, prompt in enumerate(prompts)
+        for i, prompt in enumerate(samples)
     ]
+    scheduler.flush_cache().result()
+    scheduler.share_prefill = share_prefill  # read by the scheduler thread, now idle
     t0 = time.perf_counter()
     scheduler.submit(seqs).result()
     for _ in seqs:
         remaining.acquire()
     wall = time.perf_counter() - t0
+    scheduler.share_prefill = True
     tokens = sum(len(s.output_ids) for s in seqs)
-    if tokens != len(prompts) * max_new_tokens:
+    if tokens != len(samples) * max_new_tokens:
         raise RuntimeError(f"scheduler produced {tokens} tokens, expected the full length")
     return tokens / wall
 
@@ -204,8 +242,10 @@ def run(
     hidden: int | Sequence[int] | None = None,
     layers: int | None = None,
     device: str = "cpu",
+    group_size: int | None = None,
+    prompt_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Measure both sides; write ``out_dir/rollout.json``; return the suite dict."""
+    """Measure every side; write ``out_dir/rollout.json``; return the suite dict."""
     import torch
 
     from fleetrl.models.tiny import make_tiny_model
@@ -214,6 +254,8 @@ def run(
 
     defaults = QUICK if quick else FULL
     batch = batch or defaults["batch"]
+    group_size = group_size or defaults["group_size"]
+    prompt_tokens = prompt_tokens or defaults["prompt_tokens"]
     max_new_tokens = max_new_tokens or defaults["max_new_tokens"]
     hidden = _first(hidden) or defaults["hidden"]
     layers = layers or defaults["layers"]
@@ -221,14 +263,17 @@ def run(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     progress = Progress("rollout")
+    rows = batch * group_size
     config = {
         "batch": batch,
+        "group_size": group_size,
+        "rows": rows,
+        "prompt_tokens": prompt_tokens,
         "max_new_tokens": max_new_tokens,
         "hidden": hidden,
         "layers": layers,
         "reps": reps,
         "device": device,
-        "prompt_tokens": PROMPT_TOKENS,
         "torch_threads": 1,
     }
     started = time.monotonic()
@@ -240,10 +285,10 @@ def run(
             layers=layers,
             hidden=hidden,
             heads=heads,
-            max_positions=PROMPT_TOKENS + max_new_tokens + 8,
+            max_positions=prompt_tokens + max_new_tokens + 8,
         )
         engine = EmbeddedEngine(
-            model_dir, engine_id="bench", device=device, max_running_requests=batch, num_threads=1
+            model_dir, engine_id="bench", device=device, max_running_requests=rows, num_threads=1
         )
         # One long-lived client on one event loop, as a rollout worker holds it.
         loop = asyncio.new_event_loop()
@@ -255,17 +300,21 @@ def run(
             vocab = engine.runner.vocab_size
             rng = random.Random(0)
             prompts = [
-                [rng.randrange(6, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(batch)
+                [rng.randrange(6, vocab) for _ in range(prompt_tokens)] for _ in range(batch)
             ]
+            samples = _samples(prompts, group_size)
             params = {"temperature": 1.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
             model = engine.runner.model
             hf_input = torch.tensor(prompts, device=engine.runner.device)
-            expected_tokens = batch * max_new_tokens
+            expected_tokens = rows * max_new_tokens
+
+            def flush() -> None:  # no round reuses prompts prefilled by an earlier one
+                engine.scheduler.flush_cache().result()
 
             async def engine_requests() -> float:
                 assert client is not None
                 t0 = time.perf_counter()
-                outs = await asyncio.gather(*(client.generate(p, params) for p in prompts))
+                outs = await asyncio.gather(*(client.generate(p, params) for p in samples))
                 wall = time.perf_counter() - t0
                 tokens = sum(len(o["output_ids"]) for o in outs)
                 if tokens != expected_tokens:
@@ -275,12 +324,21 @@ def run(
                 return tokens / wall
 
             def engine_round() -> float:
+                flush()
                 return loop.run_until_complete(engine_requests())
 
-            remote = _RemoteClient(url, prompts, params)
+            remote = _RemoteClient(url, samples, params)
+
+            def remote_round() -> float:
+                assert remote is not None
+                flush()
+                return remote.round()
 
             def scheduler_round() -> float:
-                return _scheduler_round(engine.scheduler, prompts, max_new_tokens)
+                return _scheduler_round(engine.scheduler, samples, max_new_tokens, True)
+
+            def scheduler_unshared_round() -> float:
+                return _scheduler_round(engine.scheduler, samples, max_new_tokens, False)
 
             def hf_round() -> float:
                 with torch.inference_mode():
@@ -293,18 +351,20 @@ def run(
                         top_p=1.0,
                         top_k=0,
                         max_new_tokens=max_new_tokens,
+                        num_return_sequences=group_size,
                         eos_token_id=10**9,
                         pad_token_id=0,
                     )
                     wall = time.perf_counter() - t0
-                return (out.shape[1] - PROMPT_TOKENS) * batch / wall
+                return (out.shape[1] - prompt_tokens) * out.shape[0] / wall
 
             figures, paired = _alternate_paired(
                 {
                     "engine_tokens_per_s": engine_round,
                     "hf_generate_tokens_per_s": hf_round,
                     "scheduler_tokens_per_s": scheduler_round,
-                    "remote_client_tokens_per_s": remote.round,
+                    "scheduler_unshared_tokens_per_s": scheduler_unshared_round,
+                    "remote_client_tokens_per_s": remote_round,
                 },
                 reps,
                 progress=progress,
@@ -317,21 +377,27 @@ def run(
                 loop.run_until_complete(client.close())
             loop.close()
             engine.stop()
-    engine_rate = figures["engine_tokens_per_s"]["median"]
-    hf_rate = figures["hf_generate_tokens_per_s"]["median"]
-    scheduler_rate = figures["scheduler_tokens_per_s"]["median"]
-    remote_rate = figures["remote_client_tokens_per_s"]["median"]
+    rate = {name: f["median"] for name, f in figures.items()}
+    hf_rate = rate["hf_generate_tokens_per_s"]
     summary = {
-        "vs_hf_generate": ratio(engine_rate, hf_rate),
-        "engine_tokens_per_s": engine_rate,
+        "vs_hf_generate": ratio(rate["engine_tokens_per_s"], hf_rate),
+        "engine_tokens_per_s": rate["engine_tokens_per_s"],
         "hf_generate_tokens_per_s": hf_rate,
-        "scheduler_vs_hf_generate": ratio(scheduler_rate, hf_rate),
-        "scheduler_tokens_per_s": scheduler_rate,
-        "remote_client_vs_hf_generate": ratio(remote_rate, hf_rate),
-        "remote_client_tokens_per_s": remote_rate,
+        "scheduler_vs_hf_generate": ratio(rate["scheduler_tokens_per_s"], hf_rate),
+        "scheduler_tokens_per_s": rate["scheduler_tokens_per_s"],
+        "scheduler_unshared_vs_hf_generate": ratio(
+            rate["scheduler_unshared_tokens_per_s"], hf_rate
+        ),
+        "prefill_sharing_speedup": ratio(
+            rate["scheduler_tokens_per_s"], rate["scheduler_unshared_tokens_per_s"]
+        ),
+        "remote_client_vs_hf_generate": ratio(rate["remote_client_tokens_per_s"], hf_rate),
+        "remote_client_tokens_per_s": rate["remote_client_tokens_per_s"],
         # Medians of per-round ratios (each against the generate run next to it):
         # steadier than a ratio of medians on a machine shared with other work.
         "paired_vs_hf_generate": median(paired["engine_tokens_per_s"]),
+        "paired_vs_hf_generate_min": min(paired["engine_tokens_per_s"]),
+        "paired_vs_hf_generate_max": max(paired["engine_tokens_per_s"]),
         "paired_scheduler_vs_hf_generate": median(paired["scheduler_tokens_per_s"]),
         "paired_remote_client_vs_hf_generate": median(paired["remote_client_tokens_per_s"]),
     }
@@ -348,7 +414,7 @@ def run(
     )
     log.info(
         "rollout: engine %.0f tok/s, generate %.0f tok/s, ratio %s",
-        engine_rate,
+        rate["engine_tokens_per_s"],
         hf_rate,
         summary["vs_hf_generate"],
     )
@@ -364,11 +430,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int, default=None)
-    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None, help="prompts per round")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--group-size", type=int, default=None, help="samples per prompt (n)")
+    parser.add_argument("--prompt-tokens", type=int, default=None)
     args = parser.parse_args(argv)
     setup_logging("bench")
     result = run(
@@ -380,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         args.hidden,
         args.layers,
         args.device,
+        args.group_size,
+        args.prompt_tokens,
     )
     print(json.dumps(result["summary"], indent=2))  # CLI output, not library logging
     return 0

@@ -1,23 +1,28 @@
-"""Trajectory transport: ZeroMQ + msgspec vs a Ray actor queue of cloudpickled samples.
+"""Trajectory transport: ZeroMQ + msgspec vs a Ray actor queue of cloudpickled groups.
 
 One producer process sends the same realistic trajectories (prompt 256 tokens,
 response lognormal around 1k tokens, logprobs and per-token versions) to a
-consumer in this process, four ways, alternated over ``reps`` so machine noise
+consumer in this process, five ways, alternated over ``reps`` so machine noise
 hits all of them:
 
 - ``zmq_msgspec``: ``buffer.transport.TrajectorySender`` (msgspec encode, PUSH)
   -> PULL, header check, decode, ``check_trajectory`` validation: the wire path;
 - ``service_ingest``: the same sender -> a real ``BufferService`` (decode,
   validate, dedupe, group, durable bank write + flush), until all are accepted;
-- ``ray_queue``: a Ray actor puts cloudpickled sample dicts (numpy arrays) into a
-  ``ray.util.queue.Queue`` one by one and the consumer ``get``s and unpickles
-  them: the channel of verl's fully-async MessageQueue and OpenRLHF's async queue;
+- ``ray_queue``: a Ray actor puts one cloudpickled *group* (the list of a prompt's
+  ``GROUP_SIZE`` sample dicts, numpy arrays) per ``put`` into a
+  ``ray.util.queue.Queue`` and the consumer ``get``s and unpickles them: the
+  channel of verl's fully-async rollouter, which puts one object per prompt
+  (its n responses) into its MessageQueue actor. The baseline;
+- ``ray_queue_per_sample``: the same queue fed one sample per ``put`` (per-call
+  overhead paid n times per group): a second, named baseline;
 - ``raw_zmq``: raw PUSH/PULL of byte strings of the same sizes, no encoding or
   decoding: the transport's limit.
 
 Figures are trajectories/s (and MB/s of encoded payload); ``summary`` holds
-``vs_ray_queue`` (zmq_msgspec / ray_queue), ``vs_raw_zmq`` (zmq_msgspec /
-raw_zmq) and ``service_vs_ray_queue``. A benchmark, not a test: nothing is
+``vs_ray_queue`` (zmq_msgspec / ray_queue, per group), ``vs_ray_queue_per_sample``,
+``vs_raw_zmq`` (zmq_msgspec / raw_zmq) and ``service_vs_ray_queue``. Our side
+sends one message per trajectory, as the rollout fleet does. A benchmark, not a test: nothing is
 asserted. Ray runs locally (``num_cpus=2``, no dashboard) and is shut down.
 
 Run: ``python -m bench.transport --out DIR [--quick] [--reps N]`` (writes
@@ -40,6 +45,7 @@ import numpy as np
 
 PROMPT_TOKENS = 256
 RESPONSE_MEDIAN = 1024
+GROUP_SIZE = 8  # samples per prompt in the per-group baseline (rollout.n of the demo)
 RECV_TIMEOUT_MS = 120_000
 
 
@@ -174,16 +180,18 @@ def _service_round(conn: Connection, count: int, rep: list[int], bank_root: Path
     return count / elapsed
 
 
-def _ray_round(queue: Any, producer: Any, count: int) -> float:
+def _ray_round(queue: Any, producer: Any, count: int, group_size: int) -> float:
+    """Trajectories/s through the Ray queue, ``group_size`` samples per ``put``."""
+    import ray
     from ray import cloudpickle
 
     t0 = time.perf_counter()
-    done = producer.produce.remote(queue)
-    for _ in range(count):
-        cloudpickle.loads(queue.get(timeout=RECV_TIMEOUT_MS / 1000))
+    done = producer.produce.remote(queue, group_size)
+    received = 0
+    while received < count:
+        item = cloudpickle.loads(queue.get(timeout=RECV_TIMEOUT_MS / 1000))
+        received += len(item) if isinstance(item, list) else 1
     elapsed = time.perf_counter() - t0
-    import ray
-
     ray.get(done)
     return count / elapsed
 
@@ -197,11 +205,16 @@ def _ray_setup(count: int, seed: int) -> tuple[Any, Any]:
         def __init__(self) -> None:
             self.samples = [_sample_dict(t) for t in _make_trajectories(count, seed, "ray")]
 
-        def produce(self, queue: Any) -> int:
+        def produce(self, queue: Any, group_size: int) -> int:
             from ray import cloudpickle
 
-            for sample in self.samples:  # one put per sample, as verl and OpenRLHF do
-                queue.put(cloudpickle.dumps(sample))
+            if group_size == 1:  # one put per sample
+                for sample in self.samples:
+                    queue.put(cloudpickle.dumps(sample))
+                return len(self.samples)
+            # one put per group, as verl's fully-async rollouter does
+            for start in range(0, len(self.samples), group_size):
+                queue.put(cloudpickle.dumps(self.samples[start : start + group_size]))
             return len(self.samples)
 
     queue = Queue(maxsize=count, actor_options={"num_cpus": 0})
@@ -249,7 +262,8 @@ def run(
                 {
                     "zmq_msgspec": lambda: _zmq_round(parent, "msgspec", count, rep),
                     "service_ingest": lambda: _service_round(parent, count, rep, Path(banks)),
-                    "ray_queue": lambda: _ray_round(queue, producer, count),
+                    "ray_queue": lambda: _ray_round(queue, producer, count, GROUP_SIZE),
+                    "ray_queue_per_sample": lambda: _ray_round(queue, producer, count, 1),
                     "raw_zmq": lambda: _zmq_round(parent, "raw", count, rep),
                 },
                 reps,
@@ -268,6 +282,7 @@ def run(
             "trajectories": count,
             "reps": reps,
             "prompt_tokens": PROMPT_TOKENS,
+            "ray_queue_group_size": GROUP_SIZE,
             "response_tokens_median": RESPONSE_MEDIAN,
             "mean_payload_bytes": float(np.mean(payload_bytes)),
             "max_payload_bytes": int(np.max(payload_bytes)),
@@ -278,6 +293,9 @@ def run(
         },
         "summary": {
             "vs_ray_queue": ratio(medians["zmq_msgspec"], medians["ray_queue"]),
+            "vs_ray_queue_per_sample": ratio(
+                medians["zmq_msgspec"], medians["ray_queue_per_sample"]
+            ),
             "vs_raw_zmq": ratio(medians["zmq_msgspec"], medians["raw_zmq"]),
             "service_vs_ray_queue": ratio(medians["service_ingest"], medians["ray_queue"]),
             "zmq_msgspec_trajectories_per_s": medians["zmq_msgspec"],

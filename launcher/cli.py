@@ -168,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learner-ranks", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument(
+        "--headline-eta",
+        type=int,
+        default=None,
+        help="e2e: the η whose ratio to η = 0 is the headline, declared before the runs (2)",
+    )
     p.add_argument("--device", default="cpu")
     return parser
 

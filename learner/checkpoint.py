@@ -15,7 +15,8 @@ writes ``COMPLETE`` and renames the folder to ``step_<N>``. A crash leaves at
 most a ``.tmp`` folder, which ``latest_complete_checkpoint`` ignores (with a
 log line), as it does a folder whose marker, metadata or rank files are missing
 or whose meta.json does not parse; it then falls back to the previous one.
-``torch.load`` is only ever called with ``weights_only=True``.
+``torch.load`` is only ever called with ``weights_only=True``, but ``dcp.load`` (torch's
+reader) unpickles ``.metadata`` and non-tensor entries: a checkpoint is trusted input.
 
 All ranks must see the same filesystem (a local disk on one node, or a shared
 one across nodes). Left out: asynchronous saving, keeping only the last k.

@@ -16,11 +16,20 @@ left uninitialised: they are written before anything reads them). It runs only w
 join or leave, never per decode step. ``hf_cache()`` wraps the buffers in a
 transformers ``Cache`` whose layers write the new token in place at ``length``.
 
-Left out: paging / block tables, prefix sharing across requests (only the n
-samples of one request share a prefill), sliding-window layers.
+``PrefillCache`` is the prefix sharing (SGLang's radix-cache pattern, exact
+matches only): the last-position logits and KV of recently prefilled token
+sequences, so the n samples of a GRPO group, sent as n requests that may be
+admitted in different steps, run their shared prompt through the model once.
+Each sample then gets its own copy of the rows in the batch cache and decodes
+independently.
+
+Left out: paging / block tables, partial-prefix matches (a prompt that extends a
+cached one is prefilled in full), sliding-window layers.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -169,3 +178,70 @@ class BatchKVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+class PrefillCache:
+    """Logits ``[1, V]`` and per-layer KV ``[1, kv_heads, P, head_dim]`` of prefilled token
+    sequences, keyed by their exact tokens; least recently used first out past ``max_bytes``.
+
+    Entries are only valid for the weights that computed them: the scheduler clears
+    the cache whenever weights or the weight version change, and on ``/flush_cache``.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"prefill cache max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[int, ...], PrefillEntry] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def get(self, tokens: tuple[int, ...]) -> PrefillEntry | None:
+        entry = self._entries.get(tokens)
+        if entry is not None:
+            self._entries.move_to_end(tokens)
+        return entry
+
+    def put(
+        self,
+        tokens: tuple[int, ...],
+        logits: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> PrefillEntry:
+        """Store one row (clones, so the batch's tensors are not kept alive); returns it."""
+        entry = PrefillEntry(logits.clone(), [k.clone() for k in keys], [v.clone() for v in values])
+        if self.max_bytes == 0 or entry.nbytes > self.max_bytes:
+            return entry
+        old = self._entries.pop(tokens, None)
+        if old is not None:
+            self._bytes -= old.nbytes
+        self._entries[tokens] = entry
+        self._bytes += entry.nbytes
+        while self._bytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self._bytes -= evicted.nbytes
+        return entry
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+
+class PrefillEntry:
+    """One prefilled token sequence: its last logits and its KV, batch dimension 1."""
+
+    __slots__ = ("keys", "logits", "nbytes", "values")
+
+    def __init__(
+        self, logits: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
+    ) -> None:
+        self.logits = logits
+        self.keys = keys
+        self.values = values
+        self.nbytes = sum(t.numel() * t.element_size() for t in (logits, *keys, *values))

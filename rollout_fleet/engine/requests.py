@@ -168,7 +168,6 @@ def expand_generate(
                 stop_strings=params.stop_strings,
                 on_event=on_event,
                 stream=req.stream,
-                share_key=rids[i],
                 submitted_at=now,
             )
             options = ResponseOptions(

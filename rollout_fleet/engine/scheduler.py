@@ -5,6 +5,7 @@ One dedicated thread owns the model runner. Its loop::
     while running:
         run queued commands (submit, abort, pause, continue, flush, load weights)
         if paused or idle: wait
+        on an idle engine, let a burst of submissions finish arriving (a few ms at most)
         admit waiting sequences up to max_running_requests -> prefill, sample 1st token
         drop finished rows and splice new ones into the batch cache (one rebuild)
         decode one token for every running row, sample, check stop conditions
@@ -27,6 +28,11 @@ recorded (or one command runs) and delivered together after it, then every
 ``add_delivery_hook`` callback runs once: the HTTP layer queues events without waking its loop and wakes it once per
 burst, so its thread does not contend for the GIL with the rest of the step.
 
+Prefill sharing: sequences with the same known tokens (the n samples of a GRPO
+group, which rollout workers send as n requests) are prefilled once, in one step
+or across steps through ``kv_cache.PrefillCache``; ``stats["prefill_tokens"]``
+counts the tokens actually run through prefill forwards.
+
 Left out: priority scheduling, chunked prefill, preemption under memory pressure.
 """
 
@@ -43,6 +49,7 @@ from typing import Any
 import torch
 
 from fleetrl.log import get_logger
+from rollout_fleet.engine.kv_cache import PrefillCache, PrefillEntry
 from rollout_fleet.engine.runner import ModelRunner
 from rollout_fleet.engine.sampling import BatchSampling, RowSampling, sample_next_tokens
 from rollout_fleet.protocol import (
@@ -58,6 +65,12 @@ log = get_logger(__name__)
 
 # The scheduler thread wakes at least this often while idle (to notice stop()).
 IDLE_WAIT_S = 0.5
+# An idle engine waits this long after a submission for the next one of a burst ...
+ADMISSION_WINDOW_S = 0.001
+# ... and at most this many windows in all.
+BURST_WINDOWS = 5
+# Prefilled prompts kept for the rest of their group (least recently used out first).
+DEFAULT_PREFILL_CACHE_BYTES = 64 << 20
 
 
 @dataclass
@@ -73,8 +86,6 @@ class Sequence:
     stop_strings: list[str]
     on_event: Callable[[Sequence, bool], None]
     stream: bool = False
-    # Sequences with the same share_key and the same known tokens share one prefill.
-    share_key: str = ""
     submitted_at: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -101,6 +112,9 @@ class Scheduler:
         max_running_requests: int = 64,
         weight_version: str = INITIAL_WEIGHT_VERSION,
         name: str = "engine",
+        share_prefill: bool = True,
+        prefill_cache_bytes: int = DEFAULT_PREFILL_CACHE_BYTES,
+        admission_window_s: float = ADMISSION_WINDOW_S,
     ) -> None:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
@@ -109,6 +123,9 @@ class Scheduler:
         self.weight_version = weight_version
         self._version_int = policy_version_of(weight_version)
         self.name = name
+        self.share_prefill = share_prefill
+        self.admission_window_s = admission_window_s
+        self.prefill_cache = PrefillCache(prefill_cache_bytes if share_prefill else 0)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.paused_mode: str | None = None
@@ -120,8 +137,15 @@ class Scheduler:
         self._batch_sampling: BatchSampling | None = None
         self._outbox: list[tuple[Sequence, bool]] = []
         self._delivery_hooks: list[Callable[[], None]] = []
-        self.stats = {"decode_steps": 0, "prefills": 0, "generated_tokens": 0, "step_errors": 0}
-        self.stats["event_errors"] = 0
+        self.stats = {
+            "decode_steps": 0,
+            "prefills": 0,  # prefill forwards
+            "prefill_tokens": 0,  # tokens run through them
+            "prefill_cache_hits": 0,  # sequences whose tokens were prefilled in an earlier step
+            "generated_tokens": 0,
+            "step_errors": 0,
+            "event_errors": 0,
+        }
         self.last_step_at = time.monotonic()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -185,6 +209,7 @@ class Scheduler:
             "num_waiting_reqs": len(self.waiting),
             "paused": self.paused_mode,
             "kv_cache_bytes": self.runner.kv.nbytes(),
+            "prefill_cache_bytes": self.prefill_cache.nbytes(),
             **self.stats,
         }
 
@@ -223,6 +248,7 @@ class Scheduler:
         self.paused_mode = None
 
     def _flush(self) -> bool:
+        self.prefill_cache.clear()
         self._splice([])
         if self.running or (self.waiting and self.paused_mode is None):
             return False
@@ -232,12 +258,14 @@ class Scheduler:
         return True
 
     def _load(self, named_tensors: list, weight_version: str | None) -> int:
+        self.prefill_cache.clear()  # its KV was computed with the old weights
         count = self.runner.load_weights(named_tensors)
         if weight_version is not None:
             self._set_version(weight_version)
         return count
 
     def _set_version(self, weight_version: str) -> None:
+        self.prefill_cache.clear()
         self.weight_version = weight_version
         self._version_int = policy_version_of(weight_version)
 
@@ -293,6 +321,10 @@ class Scheduler:
             self._run_commands()
             if not self._has_work():
                 continue
+            if not self.running and self.admission_window_s > 0:
+                self._gather_burst()
+                if not self._has_work():
+                    continue
             try:
                 self._step()
             except Exception as err:  # service boundary: fail the batch, keep serving
@@ -308,6 +340,7 @@ class Scheduler:
                         self._emit(seq, True)
                 self.running = []
                 self.runner.kv.clear()
+                self.prefill_cache.clear()
                 self._set_rows()
             self._deliver()
         for seq in [*self.running, *self.waiting]:
@@ -315,6 +348,23 @@ class Scheduler:
                 seq.finish_reason = finish_reason_json(FINISH_ABORT, message="engine stopped")
                 self._emit(seq, True)
         self._deliver()
+
+    def _gather_burst(self) -> None:
+        """On an idle engine, let a burst of requests (a batch of groups, one request per
+        sample) finish arriving before the first prefill: one prefill and one KV rebuild
+        for the burst, not one per trickle. Waits while submissions keep coming, at most
+        ``admission_window_s`` between two and ``BURST_WINDOWS`` windows in all."""
+        deadline = time.monotonic() + BURST_WINDOWS * self.admission_window_s
+        while len(self.waiting) < self.max_running_requests:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            with self._cond:
+                if not self._commands and not self._stop:
+                    self._cond.wait(min(self.admission_window_s, remaining))
+                if self._stop or not self._commands:
+                    return
+            self._run_commands()
 
     def _has_work(self) -> bool:
         if self.paused_mode is not None:
@@ -359,34 +409,71 @@ class Scheduler:
         return admitted
 
     def _prefill(self, seqs: list[Sequence]) -> list[tuple[list[Sequence], list, list]]:
-        """Prefill admitted sequences; returns (sequences, keys, values) for those still live."""
-        # Identical (share_key, tokens) share one prefill row; equal lengths share one forward.
-        unique: dict[tuple, list[Sequence]] = {}
-        for seq in seqs:
-            unique.setdefault((seq.share_key, tuple(seq.known_tokens())), []).append(seq)
-        by_length: dict[int, list[tuple[tuple, list[Sequence]]]] = {}
-        for key, group in unique.items():
-            by_length.setdefault(len(key[1]), []).append((key, group))
-        result = []
-        for groups in by_length.values():
-            prompts = torch.tensor([key[1] for key, _ in groups], dtype=torch.long)
+        """Prefill admitted sequences; returns (sequences, keys, values) for those still live.
+
+        With prefill sharing on, sequences with the same known tokens (a GRPO group's n
+        samples, whether sent as one request or n) run them through the model once: in
+        this step, or earlier while the entry is in ``prefill_cache``. Every sample then
+        samples its first token from the shared logits with its own sampler, and gets its
+        own copy of the KV rows, so decoding stays independent.
+        """
+        unique: dict[tuple[int, ...], list[Sequence]] = {}
+        if self.share_prefill:
+            for seq in seqs:
+                unique.setdefault(tuple(seq.known_tokens()), []).append(seq)
+        else:  # one row per sequence, as if every request stood alone
+            unique = {(i, *seq.known_tokens()): [seq] for i, seq in enumerate(seqs)}
+        entries: list[tuple[list[Sequence], Any]] = []
+        missing: dict[int, list[tuple[tuple[int, ...], list[Sequence]]]] = {}
+        for tokens, group in unique.items():
+            hit = self.prefill_cache.get(tokens) if self.share_prefill else None
+            if hit is not None:
+                entries.append((group, hit))
+                self.stats["prefill_cache_hits"] += len(group)
+                for seq in group:
+                    seq.cached_tokens = len(seq.prompt_ids)
+            else:
+                key_len = len(group[0].known_tokens())
+                missing.setdefault(key_len, []).append((tokens, group))
+        # Equal lengths share one forward (no padding).
+        for length, batch in missing.items():
+            prompts = torch.tensor(
+                [group[0].known_tokens() for _, group in batch], dtype=torch.long
+            )
             logits, keys, values = self.runner.prefill(prompts)
             self.stats["prefills"] += 1
-            counts = torch.tensor([len(g) for _, g in groups], device=logits.device)
-            flat = [s for _, g in groups for s in g]
-            for _, group in groups:
+            self.stats["prefill_tokens"] += length * len(batch)
+            for row, (tokens, group) in enumerate(batch):
+                entry = PrefillEntry(
+                    logits[row : row + 1],
+                    [k[row : row + 1] for k in keys],
+                    [v[row : row + 1] for v in values],
+                )
+                if self.share_prefill:  # (unshared keys are not token tuples: never cached)
+                    entry = self.prefill_cache.put(tokens, entry.logits, entry.keys, entry.values)
+                entries.append((group, entry))
                 for j, seq in enumerate(group):
                     seq.cached_tokens = len(seq.prompt_ids) if j > 0 else 0
-            row_logits = logits.repeat_interleave(counts, dim=0)
-            tokens, logprobs = sample_next_tokens(
-                row_logits, BatchSampling([s.sampling for s in flat], self.runner.device)
-            )
-            self._record(flat, tokens.tolist(), logprobs.tolist())
-            live_mask = torch.tensor([not s.finished for s in flat], device=logits.device)
-            if bool(live_mask.any()):
-                keys = [k.repeat_interleave(counts, dim=0)[live_mask] for k in keys]
-                values = [v.repeat_interleave(counts, dim=0)[live_mask] for v in values]
-                result.append(([s for s in flat if not s.finished], keys, values))
+        flat = [s for group, _ in entries for s in group]
+        counts = torch.tensor([len(g) for g, _ in entries], device=self.runner.device)
+        row_logits = torch.cat([e.logits for _, e in entries]).repeat_interleave(counts, dim=0)
+        tokens_out, logprobs = sample_next_tokens(
+            row_logits, BatchSampling([s.sampling for s in flat], self.runner.device)
+        )
+        self._record(flat, tokens_out.tolist(), logprobs.tolist())
+        result = []
+        for group, entry in entries:
+            live = [s for s in group if not s.finished]
+            if live:
+                # Views: ``rebuild`` copies the shared rows into each sample's own row.
+                shape = (len(live), -1, -1, -1)
+                result.append(
+                    (
+                        live,
+                        [k.expand(*shape) for k in entry.keys],
+                        [v.expand(*shape) for v in entry.values],
+                    )
+                )
         return result
 
     def _decode(self) -> None:

@@ -6,7 +6,9 @@ the engine (verified through /model_info and /get_weights_by_name), metrics.json
 names with step and policy_version, the score curve is drawn, exit status 0.
 Then the same command, run again, resumes where the first stopped, and Ctrl-C
 (SIGINT to the whole process group, as a terminal sends it) ends it gracefully:
-a checkpoint at the step reached, exit status 0.
+a checkpoint at the step reached, exit status 0. Run once more, it resumes from
+that checkpoint and SIGTERM to the driver alone (what ``docker stop``, Kubernetes
+and systemd's ``KillMode=mixed`` send) ends it the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 REQUIRED_METRICS = [
     "timing_s/step",
@@ -65,6 +69,7 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.timeout(900)
 def test_demo_config_runs_async_loop_with_bounded_staleness(tmp_path: Path):
     run_dir = tmp_path / "run"
     steps = 6
@@ -92,25 +97,41 @@ def test_demo_config_runs_async_loop_with_bounded_staleness(tmp_path: Path):
     assert "held-out score" in proc.stdout
 
     # the same command again, longer: it resumes at step 6; Ctrl-C then stops it cleanly
-    log = (tmp_path / "resume.log").open("w")
+    stopped = _resume_then_signal(tmp_path, run_dir, steps, signal.SIGINT, whole_group=True)
+    # and once more: it resumes from that checkpoint; SIGTERM to the driver stops it cleanly
+    _resume_then_signal(tmp_path, run_dir, stopped, signal.SIGTERM, whole_group=False)
+
+
+def _resume_then_signal(
+    tmp_path: Path, run_dir: Path, resume_step: int, sig: signal.Signals, *, whole_group: bool
+) -> int:
+    """Run the command again (it resumes at ``resume_step``), send ``sig`` two steps later;
+    check a clean stop: exit 0, steps and versions continued, a checkpoint where it stopped.
+    Returns the step it stopped at."""
+    log_path = tmp_path / f"resume-{sig.name}.log"
+    log = log_path.open("w")
     resumed = subprocess.Popen(
         _command(tmp_path, run_dir, 1000), cwd=REPO, env=ENV, stdout=log, stderr=log,
         start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 300
-        while max((r["step"] for r in _records(run_dir)), default=0) < steps + 2:
-            assert resumed.poll() is None, (tmp_path / "resume.log").read_text()[-3000:]
+        while max((r["step"] for r in _records(run_dir)), default=0) < resume_step + 2:
+            assert resumed.poll() is None, log_path.read_text()[-3000:]
             assert time.monotonic() < deadline, "the resumed run made no progress"
             time.sleep(0.5)
-        os.killpg(resumed.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        assert resumed.wait(timeout=120) == 0, (tmp_path / "resume.log").read_text()[-3000:]
+        if whole_group:
+            os.killpg(resumed.pid, sig)  # what a terminal's Ctrl-C does
+        else:
+            resumed.send_signal(sig)  # to the driver only, as a service manager does
+        assert resumed.wait(timeout=120) == 0, log_path.read_text()[-3000:]
     finally:
         if resumed.poll() is None:
             os.killpg(resumed.pid, signal.SIGKILL)
-    later = [r for r in _records(run_dir) if "actor/pg_loss" in r and r["step"] > steps]
-    assert [r["step"] for r in later] == list(range(steps + 1, later[-1]["step"] + 1))
-    assert later[0]["policy_version"] == steps + 1  # versions continue from the checkpoint
+    later = [r for r in _records(run_dir) if "actor/pg_loss" in r and r["step"] > resume_step]
+    assert [r["step"] for r in later] == list(range(resume_step + 1, later[-1]["step"] + 1))
+    assert later[0]["policy_version"] == resume_step + 1  # versions continue from the checkpoint
     assert all(r["staleness/max"] <= 2 for r in later)
     assert (run_dir / "checkpoints" / f"step_{later[-1]['step']}").is_dir()
-    assert json.loads((run_dir / "summary.json").read_text())["interrupted"] == "SIGINT"
+    assert json.loads((run_dir / "summary.json").read_text())["interrupted"] == sig.name
+    return later[-1]["step"]

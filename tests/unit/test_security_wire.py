@@ -14,6 +14,7 @@ queue that peers use, as the baseline.
 from __future__ import annotations
 
 import ast
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,33 @@ def test_checkpoint_rng_state_loads_with_weights_only(tmp_path):
         pickle.dump({"torch_cpu": Evil()}, f)
     with pytest.raises(pickle.UnpicklingError):
         torch.load(path, weights_only=True)
+
+
+_UNPICKLED: list[str] = []
+
+
+def _record_unpickling(tag: str) -> str:
+    _UNPICKLED.append(tag)
+    return tag
+
+
+class _CallsOnLoad:
+    def __reduce__(self):
+        return (_record_unpickling, ("metadata",))
+
+
+def test_a_checkpoint_is_trusted_input_its_dcp_metadata_is_unpickled(tmp_path):
+    """Why the README calls a checkpoint trusted input: torch's distributed-checkpoint
+    reader (what ``learner/checkpoint.py`` loads through) unpickles ``.metadata``, so a
+    crafted file runs code when loaded. Only the RNG files, which are ours, load with
+    ``weights_only=True``. If torch ever stops unpickling here, this test fails: then
+    revisit the README's row."""
+    import pickle  # noqa: S403 - building the crafted file is the point of this test
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_CallsOnLoad()))
+    _UNPICKLED.clear()
+    with contextlib.suppress(AttributeError):  # what it returns is no Metadata: too late
+        FileSystemReader(str(tmp_path)).read_metadata()
+    assert _UNPICKLED == ["metadata"]

@@ -46,6 +46,7 @@ def test_suite_runs_at_its_smallest_size_and_reports_its_headline_ratios(suite, 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # three training runs; on a shared 2-core machine they take minutes
 def test_e2e_trains_sync_and_async_and_writes_scores_idle_fractions_and_plots(tmp_path):
     sizes = dataclasses.replace(
         e2e.QUICK_SIZES,
@@ -60,7 +61,7 @@ def test_e2e_trains_sync_and_async_and_writes_scores_idle_fractions_and_plots(tm
         hidden=32,
         warmstart_steps=20,
     )
-    out = e2e.run(tmp_path, quick=True, etas=(0, 1), sizes=sizes)
+    out = e2e.run(tmp_path, quick=True, reps=1, etas=(0, 1), headline_eta=1, sizes=sizes)
     record = read_json(tmp_path / "e2e.json")
     _assert_headlines(record, "e2e")
     assert [(r["eta"], r["correction"]) for r in record["results"]["runs"]] == [

@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from rollout_fleet.client import EngineClient  # noqa: E402
-from rollout_fleet.config import RolloutConfig  # noqa: E402
-from rollout_fleet.fleet import EngineFleet  # noqa: E402
-from rollout_fleet.router import EngineState, Router  # noqa: E402
+from rollout_fleet.client import EngineClient
+from rollout_fleet.config import RolloutConfig
+from rollout_fleet.fleet import EngineFleet
+from rollout_fleet.router import EngineState, Router
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import pytest
 import requests
 import torch
 
+from rollout_fleet.engine import server
 from weight_sync.config import WeightSyncConfig
 from weight_sync.sender import EngineEndpoint, WeightSender
 from weight_sync.sources import module_named_tensors
@@ -15,8 +16,6 @@ pytestmark = pytest.mark.timeout(180)
 
 def test_embedded_engine_receives_every_version_bit_exact(tiny_model_dir):
     from transformers import AutoModelForCausalLM
-
-    from rollout_fleet.engine import server
 
     learner = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     engine = server.EmbeddedEngine(str(tiny_model_dir), engine_id="ws-test", device="cpu")

@@ -92,7 +92,7 @@ def test_run_suite_wraps_the_result_in_the_envelope_and_flags_missing_headlines(
     on_disk = read_json(tmp_path / "transport.json")
     assert on_disk["status"] == "ok" and on_disk["summary"]["vs_ray_queue"] == 3.0
     assert on_disk["results"] == {"x": 1} and on_disk["machine"]["cpu_cores"] >= 1
-    assert record["missing_headlines"] == ["vs_raw_zmq"]
+    assert record["missing_headlines"] == ["vs_ray_queue_per_sample", "vs_raw_zmq"]
 
 
 def test_a_missing_suite_module_is_recorded_as_unavailable(tmp_path, monkeypatch):

@@ -103,41 +103,78 @@ def _rows(step_s: float, gen_s: float, steps: int, val_every: int) -> list[dict]
     return rows
 
 
-def test_analysis_leaves_out_warmup_validation_steps_and_the_last_step():
+def test_analysis_charges_the_whole_window_validations_included():
     figures = e2e.analyse_run(_rows(2.0, 0.5, 9, 3), samples_per_step=16, warmup_steps=2)
-    # measured steps 3..9; steps 3, 6, 9 validated (9 is also the last): 4, 5, 7, 8 remain
-    assert figures["throughput_method"] == "steps"
-    assert figures["samples_per_s"] == pytest.approx(16 / 2.0)
+    # measured steps 3..9; steps 3, 6, 9 validated (5 s each), inside the window like the rest
+    window = 7 * 2.0 + 3 * 5.0
+    assert figures["window_s"] == pytest.approx(window)
+    assert figures["samples_per_s"] == pytest.approx(7 * 16 / window)
     assert figures["curve"][0] == [0.0, 0.1] and figures["final_val_score"] == pytest.approx(0.19)
-    assert figures["trainer_idle_fraction"] == pytest.approx(7 * 0.5 / (7 * 2.0 + 3 * 5.0))
+    assert figures["trainer_idle_fraction"] == pytest.approx(7 * 0.5 / window)
     assert figures["rollout_idle_fraction"] == 0.25 and figures["staleness_max"] == 1.0
 
 
-def test_analysis_subtracts_validation_time_when_the_run_reports_it():
+def test_analysis_reports_validation_time_without_subtracting_it():
     rows = _rows(2.0, 0.5, 9, 3)
     for row in rows[1:]:
         if "val/score/mean" in row:
             row["timing_s/validate"] = 5.0
     figures = e2e.analyse_run(rows, samples_per_step=16, warmup_steps=2)
-    assert figures["throughput_method"] == "window"
-    assert figures["samples_per_s"] == pytest.approx(7 * 16 / (7 * 2.0))
+    assert figures["validation_s"] == pytest.approx(15.0)
+    assert figures["samples_per_s"] == pytest.approx(7 * 16 / (7 * 2.0 + 15.0))
 
 
-def test_summary_picks_the_best_async_eta_and_reports_the_correction_effect():
+def _run(eta: int, rep: int, rate: float, correction: str = "decoupled", score: float = 0.5):
+    return {
+        "eta": eta,
+        "rep": rep,
+        "correction": correction,
+        "samples_per_s": rate,
+        "final_val_score": score,
+    }
+
+
+def test_headline_is_the_median_paired_ratio_at_the_declared_eta_not_the_best():
     runs = [
-        {"eta": 0, "correction": "decoupled", "samples_per_s": 10.0, "final_val_score": 0.5},
-        {"eta": 1, "correction": "decoupled", "samples_per_s": 14.0, "final_val_score": 0.5},
-        {"eta": 4, "correction": "decoupled", "samples_per_s": 18.0, "final_val_score": 0.6},
-        {"eta": 4, "correction": "bypass", "samples_per_s": 18.0, "final_val_score": 0.4},
+        _run(0, 0, 10.0),
+        _run(1, 0, 14.0),
+        _run(4, 0, 18.0, score=0.6),
+        _run(4, 0, 18.0, "bypass", score=0.4),
+        _run(4, 1, 30.0, score=0.6),
+        _run(1, 1, 15.0),
+        _run(0, 1, 20.0),
+        _run(0, 2, 10.0),
+        _run(1, 2, 16.0),
+        _run(4, 2, 12.0, score=0.6),
     ]
-    summary = e2e.summarise(runs, (0, 1, 4))
-    assert summary["async_vs_sync"] == pytest.approx(1.8) and summary["best_eta"] == 4
+    summary = e2e.summarise(runs, (0, 1, 4), headline_eta=1)
+    # η = 1 pairs: 14/10, 15/20, 16/10 -> median 1.4 (η = 4 pairs: 1.8, 1.5, 1.2 -> median 1.5)
+    assert summary["headline_eta"] == 1 and summary["repetitions"] == 3
+    assert summary["async_vs_sync"] == pytest.approx(1.4)
+    assert summary["async_vs_sync_min"] == pytest.approx(0.75)
+    assert summary["async_vs_sync_max"] == pytest.approx(1.6)
+    assert summary["async_vs_sync_eta4"] == pytest.approx(1.5) and summary["best_eta"] == 4
     assert summary["val_score_bypass_eta4"] == 0.4
     assert summary["correction_score_gain"] == pytest.approx(0.2)
     assert summary["trainer_idle_eta1"] is None
 
 
-def test_run_drives_one_training_per_eta_plus_bypass_and_writes_e2e_json(tmp_path):
+def test_plan_alternates_the_order_every_repetition_with_one_bypass_run():
+    assert e2e.run_plan((0, 1, 2), 3) == [
+        (0, 0, "decoupled"),
+        (0, 1, "decoupled"),
+        (0, 2, "decoupled"),
+        (0, 2, "bypass"),
+        (1, 2, "decoupled"),
+        (1, 1, "decoupled"),
+        (1, 0, "decoupled"),
+        (2, 0, "decoupled"),
+        (2, 1, "decoupled"),
+        (2, 2, "decoupled"),
+    ]
+
+
+def test_run_drives_alternated_repetitions_and_writes_e2e_json(tmp_path):
     seen: list[tuple[int, str]] = []
 
     def fake_train(cfg):
@@ -151,15 +188,38 @@ def test_run_drives_one_training_per_eta_plus_bypass_and_writes_e2e_json(tmp_pat
         return {"run_dir": str(run_dir), "metrics_path": str(metrics), "wall_s": 1.0}
 
     out = e2e.run(tmp_path, quick=True, etas=(0, 1, 2), train_fn=fake_train, sizes=TINY)
-    assert seen == [(0, "decoupled"), (1, "decoupled"), (2, "decoupled"), (2, "bypass")]
-    assert out["summary"]["async_vs_sync"] == pytest.approx(3.0)
-    assert out["summary"]["best_eta"] == 2
+    assert seen == [
+        (0, "decoupled"),
+        (1, "decoupled"),
+        (2, "decoupled"),
+        (2, "bypass"),
+        (2, "decoupled"),
+        (1, "decoupled"),
+        (0, "decoupled"),
+    ]
+
+    def rate(eta):
+        rows = _rows(2.0 / (1 + eta), 0.1, TINY.total_steps, TINY.test_freq)
+        figures = e2e.analyse_run(rows, samples_per_step=16, warmup_steps=TINY.warmup_steps)
+        return figures["samples_per_s"]
+
+    assert out["summary"]["async_vs_sync"] == pytest.approx(rate(2) / rate(0))
+    assert out["summary"]["async_vs_sync_pairs"] == pytest.approx([rate(2) / rate(0)] * 2)
+    assert out["summary"]["headline_eta"] == 2 and out["summary"]["best_eta"] == 2
     record = read_json(tmp_path / "e2e.json")
-    assert record["status"] == "ok" and len(record["results"]["runs"]) == 4
+    assert record["status"] == "ok" and len(record["results"]["runs"]) == 7
+    assert record["config"]["headline_eta"] == 2 and record["config"]["reps"] == 2
     assert record["results"]["long_tail"]["honoured"] is (
         0.5 * record["results"]["long_tail"]["requested_budget"]["mean"] <= 6.0
     )
     assert [row["x"] for row in record["sweep"]["rows"]] == [0, 1, 2]
+
+
+def test_run_refuses_a_headline_eta_it_does_not_run(tmp_path):
+    with pytest.raises(ValueError, match="headline_eta"):
+        e2e.run(
+            tmp_path, quick=True, etas=(0, 1), headline_eta=2, train_fn=lambda cfg: {}, sizes=TINY
+        )
 
 
 def test_run_refuses_etas_without_the_synchronous_baseline(tmp_path):

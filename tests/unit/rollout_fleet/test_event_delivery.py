@@ -38,7 +38,6 @@ def test_delivery_hook_runs_once_after_each_burst_of_events(tiny_model_dir):
             stop_strings=[],
             on_event=on_event,
             stream=True,
-            share_key=f"r{i}",
         )
         for i in range(4)
     ]

@@ -94,10 +94,16 @@ def test_fused_and_hugging_face_decode_steps_agree(tiny_model_dir):
         assert torch.allclose(a, b, atol=1e-5)
 
 
+# Measured: the largest |fused - full forward| over these prompts, for qwen2 and llama (GQA)
+# tiny models of seeds 0-5, is 0.0039 = 2^-8, one bfloat16 ulp at |logit| in [0.5, 1)
+# (summation order differs). 4x that leaves room for other seeds, not for a real bug.
+BF16_LOGIT_ATOL = 4 * 2**-8
+
+
 def test_bfloat16_fused_decode_stays_close_to_the_full_forward(tiny_model_dir):
     runner = ModelRunner(tiny_model_dir, dtype="bfloat16")
     assert runner.fused is not None
-    _assert_matches_full_forward(runner, atol=0.1)
+    _assert_matches_full_forward(runner, atol=BF16_LOGIT_ATOL)
 
 
 def test_loaded_weights_reach_the_fused_projections(tiny_model_dir):
