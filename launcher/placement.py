@@ -52,6 +52,7 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
             cores,
         )
     ray.init(
+        address="local",  # a new instance even when `ray start` left one on this machine
         num_cpus=num_cpus,
         num_gpus=cfg.ray.num_gpus or None,
         resources={
