@@ -76,7 +76,13 @@ class LoggingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = False
     console_every: Annotated[
         int, Meta(ge=1, description="Print a progress line every this many steps.")
-    ] = 1
+    ] = 5
+    role_console: Annotated[
+        Literal["DEBUG", "INFO", "WARNING", "ERROR"],
+        Meta(
+            description="Lowest level of the roles' (Ray actors') log lines shown on the console; every line at `level` goes to <run dir>/logs/<role>.log."
+        ),
+    ] = "WARNING"
 
 
 class RayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

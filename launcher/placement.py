@@ -15,10 +15,12 @@ rollout supervisor need no CPU of their own (their work is I/O).
 
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
 from typing import Any
 
-from fleetrl.log import get_logger
+from fleetrl.log import get_logger, role_env
 from launcher.config import RunConfig
 
 log = get_logger(__name__)
@@ -38,7 +40,14 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
     import ray
 
     address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}}
+    logs = Path(cfg.trainer.output_dir).resolve() / "logs"
+    env = {
+        "env_vars": {
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1",
+            **role_env(cfg.logging.role_console, logs),  # roles: warnings on the console
+        }
+    }
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         log.info("joined Ray cluster at %s: %s", address, ray.cluster_resources())
@@ -53,6 +62,7 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
         )
     ray.init(
         address="local",  # a new instance even when `ray start` left one on this machine
+        logging_level=logging.WARNING,  # Ray's own start-up lines
         num_cpus=num_cpus,
         num_gpus=cfg.ray.num_gpus or None,
         resources={
