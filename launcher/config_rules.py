@@ -19,8 +19,7 @@ from collections.abc import Callable, Iterator
 
 from fleetrl.config import ConfigError
 from launcher.config import RunConfig
-
-MIS_MODES = ("token_mis", "seq_mis", "seq_mis_geo")
+from learner.config import MIS_MODES
 
 Rule = Callable[[RunConfig], Iterator[ConfigError]]
 RULES: list[Rule] = []  # checked whenever a run config is loaded
