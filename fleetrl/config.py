@@ -74,8 +74,45 @@ def struct_keys(cls: type) -> list[str]:
     return [f.name for f in msgspec.structs.fields(cls)]
 
 
+_SWITCH_WORDS = {"on": True, "off": False, "yes": True, "no": False, "true": True, "false": False}
+
+
+def _unwrap(info: Any) -> Any:
+    while isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
+    return info
+
+
+def normalise_switches(cls: type, raw: Any) -> Any:
+    """On/off values as YAML writes them, accepted where the field expects them.
+
+    YAML 1.1 reads an unquoted ``off`` as ``False``: a ``Literal["auto", "on", "off"]``
+    field gets ``"off"`` back for it, and a bool field accepts the words
+    on/off/yes/no/true/false (any case) when they arrive quoted.
+    """
+    info = _unwrap(msgspec.inspect.type_info(cls))
+    if not isinstance(info, msgspec.inspect.StructType) or not isinstance(raw, dict):
+        return raw
+    fields = {f.name: _unwrap(f.type) for f in info.fields}
+    out = dict(raw)
+    for key, value in raw.items():
+        field = fields.get(key)
+        if isinstance(field, msgspec.inspect.StructType):
+            out[key] = normalise_switches(field.cls, value)
+        elif isinstance(field, msgspec.inspect.BoolType) and isinstance(value, str):
+            out[key] = _SWITCH_WORDS.get(value.strip().lower(), value)
+        elif (
+            isinstance(field, msgspec.inspect.LiteralType)
+            and isinstance(value, bool)
+            and {"on", "off"} <= set(field.values)
+        ):
+            out[key] = "on" if value else "off"
+    return out
+
+
 def convert(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
     """Validate ``raw`` into ``cls``; raise ``ConfigError`` naming the dotted path."""
+    raw = normalise_switches(cls, raw)
     try:
         return msgspec.convert(raw, cls, strict=True)
     except msgspec.ValidationError as err:

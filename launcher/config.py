@@ -76,7 +76,13 @@ class LoggingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = False
     console_every: Annotated[
         int, Meta(ge=1, description="Print a progress line every this many steps.")
-    ] = 1
+    ] = 5
+    role_console: Annotated[
+        Literal["DEBUG", "INFO", "WARNING", "ERROR"],
+        Meta(
+            description="Lowest level of the roles' (Ray actors') log lines shown on the console; every line at `level` goes to <run dir>/logs/<role>.log."
+        ),
+    ] = "WARNING"
 
 
 class RayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -123,7 +129,15 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.data.train_batch_size * self.weight_sync.sync_every
 
 
-def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+def load_run_config(
+    path: str | Path | None, overrides: list[str] | None = None, *, training: bool = False
+) -> RunConfig:
+    """YAML + dotted overrides -> a validated ``RunConfig``, cross-section rules included.
+
+    ``training`` also applies the rules only a training run needs (``launcher.config_rules``).
+    """
+    from launcher.config_rules import validate_run
+
     raw = load_yaml(path) if path else {}
     raw = apply_overrides(raw, overrides or [])
-    return convert(RunConfig, raw)
+    return validate_run(convert(RunConfig, raw), training=training)

@@ -21,12 +21,14 @@ saying what is missing where.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from fleetrl.log import get_logger
+from fleetrl.log import get_logger, role_env
 from launcher.config import RunConfig
 from launcher.supervision import TrainingStopped
 
@@ -53,7 +55,14 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
     import ray
 
     address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}}
+    logs = Path(cfg.trainer.output_dir).resolve() / "logs"
+    env = {
+        "env_vars": {
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1",
+            **role_env(cfg.logging.role_console, logs),  # roles: warnings on the console
+        }
+    }
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         log.info("joined Ray cluster at %s: %s", address, ray.cluster_resources())
@@ -70,6 +79,7 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
         # "local": a new instance even where `ray start` left a cluster address in
         # /tmp/ray (ray.init() would join that one instead, with other resources)
         address="local",
+        logging_level=logging.WARNING,  # Ray's own start-up lines
         num_cpus=num_cpus,
         num_gpus=cfg.ray.num_gpus or None,
         resources={

@@ -42,7 +42,7 @@ def ensure_data(cfg: RunConfig) -> None:
     Path(train).replace(data.train_files[0]) if Path(train) != Path(data.train_files[0]) else None
     if data.val_files and Path(test) != Path(data.val_files[0]):
         Path(test).replace(data.val_files[0])
-    log.info("generated synthetic task %r into %s", data.synth_task, out_dir)
+    log.debug("generated synthetic task %r into %s", data.synth_task, out_dir)
 
 
 def ensure_model(cfg: RunConfig) -> None:

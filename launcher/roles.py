@@ -2,14 +2,16 @@
 
 - ``BufferRole``   wraps ``buffer.service.BufferService`` (ZeroMQ ingest + control).
 - ``LearnerRole``  one per FSDP rank, wraps ``learner.worker.LearnerWorker``; rank 0 also
-                   owns the buffer client that fetches batches and the ``WeightSender``.
+                   pulls its batches from a ``BatchSource`` (launcher/batch_source.py)
+                   and owns the ``WeightSender``.
 - ``RolloutRole``  an async actor hosting the engine fleet (engine actors of its own),
                    the router and the asyncio ``RolloutWorker`` that streams
                    trajectories to the buffer.
 
 The classes are plain Python; ``remote_class(cls)`` applies ``ray.remote`` on demand so
 importing this module needs no running Ray. Every actor receives the run config as
-plain builtins (``msgspec.to_builtins``) and re-validates it. Batches and trajectories
+plain builtins (``msgspec.to_builtins``) and re-validates it. Calls the driver branches
+on return typed results (launcher/results.py). Batches and trajectories
 never travel through Ray: they go over ZeroMQ (msgspec / Arrow IPC) and, inside the
 learner group, by broadcasting the Arrow bytes.
 """
@@ -25,6 +27,7 @@ from typing import Any
 from fleetrl.config import convert
 from fleetrl.log import get_logger, setup_logging
 from launcher.config import RunConfig
+from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
 
 log = get_logger(__name__)
 
@@ -111,8 +114,8 @@ class LearnerRole:
         self.local = local
         self.worker: Any = None
         self.buffer: Any = None
+        self.batches: Any = None  # rank 0: launcher.batch_source.BatchSource
         self.sender: Any = None
-        self._batch: Any = None
         self.device = _device(cfg)
 
     def pid(self) -> int:
@@ -139,11 +142,13 @@ class LearnerRole:
         self.worker.setup()
         if self.rank == 0:
             from buffer.transport import BufferClient
+            from launcher.batch_source import BatchSource
             from weight_sync.sender import WeightSender
 
             self.buffer = BufferClient(
                 buffer_control, curve=curve, timeout_s=BUFFER_REPLY_TIMEOUT_S
             )
+            self.batches = BatchSource(self.buffer)
             self.sender = WeightSender(
                 self.cfg.weight_sync, master_address=node_ip(self.local), device=self.device
             )
@@ -152,13 +157,26 @@ class LearnerRole:
     def load_checkpoint(self, step_dir: str) -> dict[str, Any]:
         return self.worker.load_checkpoint(step_dir)
 
-    def save_checkpoint(self, root: str, extra_state: dict[str, Any]) -> str:
+    def save_checkpoint(self, root: str, extra_state: dict[str, Any]) -> CheckpointRecord:
+        watermark = -1
         if self.rank == 0:
-            extra_state = {**extra_state, "buffer": self.buffer.state_dict()}
-        return str(self.worker.save_checkpoint(root, extra_state))
+            buffer_state = self.buffer.state_dict()
+            watermark = int(buffer_state["received_watermark"])
+            extra_state = {**extra_state, "buffer": buffer_state}
+        path = self.worker.save_checkpoint(root, extra_state)
+        return CheckpointRecord(
+            path=str(path),
+            step=self.worker.global_step,
+            policy_version=self.worker.policy_version,
+            watermark=watermark,
+        )
 
-    def state(self) -> dict[str, int]:
-        return {"step": self.worker.global_step, "policy_version": self.worker.policy_version}
+    def state(self, resumed_from: str | None = None) -> StartRecord:
+        return StartRecord(
+            step=self.worker.global_step,
+            policy_version=self.worker.policy_version,
+            resumed_from=resumed_from,
+        )
 
     # ---- rank 0: buffer and engines -------------------------------------------------------
     def resume_buffer(self, version: int, watermark: int) -> int:
@@ -177,11 +195,11 @@ class LearnerRole:
         """Tell a (restarted) buffer the version the engines hold: admission's clock."""
         self.buffer.publish_version(version)
 
-    def fetch_batch(self, num_groups: int, version: int, timeout_s: float = BATCH_POLL_S) -> bool:
-        """Wait up to ``timeout_s`` for a batch of whole groups; True once one is held."""
-        if self._batch is None:
-            self._batch = self.buffer.get_batch(num_groups, version, timeout_s)
-        return self._batch is not None
+    def wait_for_batch(
+        self, num_groups: int, version: int, timeout_s: float = BATCH_POLL_S
+    ) -> bool:
+        """Wait up to ``timeout_s`` for a batch of whole groups; True once rank 0 holds one."""
+        return self.batches.wait(num_groups, version, timeout_s)
 
     def connect_engines(self, endpoints: list[tuple[str, str, str | None]], tp_size: int) -> None:
         """Form the weight group with every engine; each takes ``tp_size`` ranks (its TP size)."""
@@ -207,15 +225,14 @@ class LearnerRole:
         return [n for n in names if n not in self.sender.engines]
 
     # ---- collective work --------------------------------------------------------------------
-    def step(self, version: int) -> dict[str, float]:
-        batch, self._batch = self._batch, None
-        if self.rank == 0 and batch is None:
-            raise RuntimeError("learner rank 0 was asked to step without a fetched batch")
+    def step(self, version: int) -> StepResult:
+        """Collective: rank 0 takes its batch from the batch source and broadcasts it."""
+        batch = self.batches.take() if self.rank == 0 else None
         metrics = self.worker.step(batch, version)
-        if self.rank == 0 and self.buffer.last_batch is not None:
-            metrics["buffer/refused_stale_in_batch"] = float(self.buffer.last_batch.refused_stale)
+        if self.rank == 0 and self.batches.last_info is not None:
+            metrics["buffer/refused_stale_in_batch"] = float(self.batches.last_info.refused_stale)
             self._record_trained(batch, version)
-        return metrics
+        return StepResult.from_metrics(version, metrics)
 
     def _record_trained(self, batch: Any, version: int) -> None:
         """Append this step's groups to the run's audit trail (what was trained, exactly once)."""
@@ -235,7 +252,7 @@ class LearnerRole:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def publish(self, version: int, restored: bool = False) -> dict[str, float]:
+    def publish(self, version: int, restored: bool = False) -> PublishResult:
         """Every rank drives the full-tensor stream; rank 0 broadcasts it to the engines."""
         from weight_sync.sender import WeightSyncError, drain_stream
 
@@ -243,23 +260,32 @@ class LearnerRole:
         self.worker.policy_version = version
         if self.rank != 0:
             drain_stream(stream)
-            return {}
+            return PublishResult(version=version)
         try:
             send = self.sender.publish_restored if restored else self.sender.publish
             metrics = send(stream, version)
             out = metrics.as_log_dict()
             out["weight_sync/seconds"] = metrics.total_s
+            result = PublishResult(version=version, seconds=metrics.total_s, metrics=out)
         except WeightSyncError as err:  # the engines named were dropped; the others hold v
             log.error("weight sync of version %d: %s", version, err)
+            seconds = err.metrics.total_s if err.metrics is not None else 0.0
             out = err.metrics.as_log_dict() if err.metrics is not None else {}
             out["weight_sync/num_failed"] = float(len(err.engines))
             out["weight_sync/needs_resend"] = float(err.needs_resend)
-            out["weight_sync/seconds"] = err.metrics.total_s if err.metrics is not None else 0.0
+            out["weight_sync/seconds"] = seconds
+            result = PublishResult(
+                version=version,
+                failed_engines=tuple(err.engines),
+                needs_resend=err.needs_resend,
+                seconds=seconds,
+                metrics=out,
+            )
             if err.needs_resend:
-                return out  # survivors hold part of v: the driver sends v again first
+                return result  # survivors hold part of v: the driver sends v again first
         # admission's clock moves only once the engines (those still members) hold version v
         self.buffer.publish_version(version)
-        return out
+        return result
 
     def close(self) -> None:
         if self.sender is not None:

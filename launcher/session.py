@@ -2,8 +2,10 @@
 
 ``Run`` owns the Ray actors (buffer, learner ranks, rollout fleet), starts them in
 dependency order, restarts a dead buffer on its bank, rejoins replaced engines,
-writes checkpoints and ends every role it started. The schedule that drives it
-step by step is ``launcher.train.run``.
+writes checkpoints and ends every role it started. Its public methods are the
+role calls of the schedule (``launcher.train.train_loop``): each carries its
+arguments, returns a typed result (launcher/results.py) and is guarded by
+``launcher.supervision.Supervised`` (``Run.supervised()``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Any
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig
+from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
 from launcher.supervision import (
+    Supervised,
     Supervisor,
     TrainingStopped,
     checkpoint_candidates,
@@ -25,14 +29,12 @@ from launcher.supervision import (
     is_actor_death,
     listening_pid,
     make_run_secrets,
-    retry_after_buffer_restart,
     write_roster,
 )
 
 log = get_logger(__name__)
 
 STALL_WARN_S = 60.0  # warn when the learner has waited this long for one batch
-MAX_BUFFER_RESTARTS = 5  # per run; a buffer that keeps dying stops the run
 BUFFER_REBIND_ATTEMPTS = 20  # its old port may linger a moment after a kill -9
 ROSTER_FILE = "roles.json"  # role -> pid, rewritten whenever a role is (re)started
 STARTUP_STOP_TIMEOUT_S = 30.0  # a stop during start-up: engines get this long to end
@@ -62,13 +64,11 @@ class Run:
         self.supervisor = Supervisor()
         self.buffer: Any = None
         self.buffer_addresses: tuple[str, str] | None = None
-        self.buffer_restarts = 0
         self.bank_dir = cfg.buffer.bank_dir or str(self.run_dir / "rollout_bank")
         self.learners: list[Any] = []
         self.rollout: Any = None
-        self.step = 0
-        self.version = 0
-        self.resumed_from: str | None = None
+        self.version = 0  # the version the engines hold (set by publish): rejoin and restart
+        self.origin = StartRecord()
         self.last_checkpoint_watermark: int | None = None
         self.quarantined: set[str] = set()
         self.failed = False
@@ -77,10 +77,11 @@ class Run:
         self.phase = "preparing"  # what start() is doing, for a stop's one-line message
 
     # ---- set-up ---------------------------------------------------------------------------
-    def start(self, after_ray_init: Callable[[], None] | None = None) -> None:
-        """Start every role; ``after_ray_init`` runs once Ray is up (ray.init takes SIGTERM).
+    def start(self, after_ray_init: Callable[[], None] | None = None) -> StartRecord:
+        """Start every role in dependency order; engines serve once they hold the weights.
 
-        A ``StopRequested`` raised at any point leaves the roles started so far for
+        ``after_ray_init`` runs once Ray is up (ray.init takes SIGTERM). A
+        ``StopRequested`` raised at any point leaves the roles started so far for
         ``close`` to end.
         """
         import ray
@@ -160,11 +161,29 @@ class Run:
         # Engines serve only after they hold the learner's weights: after a resume these are
         # the restored ones (peers that skip this generate from stale weights or deadlock).
         self.phase = "sending the first weights"
-        sync = self.publish(self.version, restored=self.resumed_from is not None)
-        if sync.get("weight_sync/num_failed"):
-            raise TrainingStopped(f"initial weight sync failed: {sync}")
+        sync = self.publish(self.version, restored=self.origin.resumed_from is not None)
+        if sync.failed_engines or sync.needs_resend:
+            raise TrainingStopped(
+                f"initial weight sync of version {sync.version} failed for engines "
+                f"{list(sync.failed_engines)}"
+            )
         ray.get(self.rollout.start_generation.remote())
         self.started = True
+        return self.origin
+
+    def supervised(self) -> Supervised:
+        """This run's role calls, each guarded: a dead buffer restarted, other deaths stop."""
+        import ray
+
+        def diagnose(err: BaseException, what: str) -> None:
+            self.supervisor.diagnose(err, what, self.resume_hint())
+
+        return Supervised(
+            self,
+            diagnose=diagnose,
+            restart_buffer=self.restart_buffer,
+            faults=(ray.exceptions.RayError, TimeoutError),
+        )
 
     # ---- supervision ------------------------------------------------------------------------
     def start_buffer(self) -> tuple[str, str]:
@@ -196,11 +215,10 @@ class Run:
         self.supervisor.register("buffer", self.buffer)
         return addresses
 
-    def restart_buffer(self) -> None:
+    def restart_buffer(self, count: int = 1) -> None:
         """The buffer died: a new one reloads the bank; the fleet re-sends what it lacks."""
         import ray
 
-        self.buffer_restarts += 1
         old = self.supervisor.roles["buffer"]
         ray.kill(old.actor, no_restart=True)
         self.start_buffer()
@@ -208,7 +226,7 @@ class Run:
         resent = ray.get(self.rollout.buffer_restarted.remote())
         log.warning(
             "buffer restarted (%d) at %s from bank %s: %d trajectories re-sent by the fleet",
-            self.buffer_restarts,
+            count,
             self.buffer_addresses,
             self.bank_dir,
             resent,
@@ -234,9 +252,8 @@ class Run:
                     str(err).strip().splitlines()[-1][:300],
                 )
                 continue
-            state = ray.get(self.learners[0].state.remote())
-            self.step, self.version = state["step"], state["policy_version"]
-            self.resumed_from = str(candidate)
+            self.origin = ray.get(self.learners[0].state.remote(str(candidate)))
+            self.version = self.origin.policy_version
             watermark = int(extra.get("buffer", {}).get("received_watermark", 0))
             self.last_checkpoint_watermark = watermark
             reset = ray.get(self.learners[0].resume_buffer.remote(self.version, watermark))
@@ -244,7 +261,7 @@ class Run:
                 "resumed from %s: step %d, policy version %d, hand-out watermark %d, "
                 "admission counter reset to %d groups",
                 candidate,
-                self.step,
+                self.origin.step,
                 self.version,
                 watermark,
                 reset,
@@ -284,41 +301,24 @@ class Run:
                     roster[name] = pid
         write_roster(self.run_dir / ROSTER_FILE, roster)
 
-    def guarded(self, call: Any, what: str) -> Any:
-        """Run ``call``; a dead buffer is restarted and ``call`` retried, other deaths stop."""
-        import ray
-
-        def attempt() -> Any:
-            try:
-                return call()
-            except (ray.exceptions.RayError, TimeoutError) as err:
-                self.supervisor.diagnose(err, what, self.resume_hint())  # raises
-
-        try:
-            return retry_after_buffer_restart(
-                attempt, self.restart_buffer, what, MAX_BUFFER_RESTARTS - self.buffer_restarts
-            )
-        except TrainingStopped:
-            self.failed = True
-            raise
-
     def resume_hint(self) -> str:
         candidates = checkpoint_candidates(self.ckpt_root)
         where = f"from {candidates[0].name}" if candidates else "from the start (no checkpoint)"
         return f"rerun with the same trainer.output_dir and trainer.resume=auto to continue {where}"
 
-    # ---- the pieces of a step ---------------------------------------------------------------
-    def publish(self, version: int, restored: bool = False) -> dict[str, float]:
+    # ---- the role calls of a step ----------------------------------------------------------
+    def publish(self, version: int, restored: bool = False) -> PublishResult:
+        """Push ``version`` to every engine (every learner rank streams, rank 0 sends)."""
         self.version = version
         what = f"publishing version {version}"
         out = gather([w.publish.remote(version, restored) for w in self.learners], what)[0]
-        if out.get("weight_sync/needs_resend"):
+        if out.needs_resend:
             # a failure mid-stream left survivors with partial weights: send the version again
             log.warning("version %d reached some engines partially; publishing it again", version)
             out = gather([w.publish.remote(version, restored) for w in self.learners], what)[0]
         return out
 
-    def fetch_batch(self, check_stop: Any = None) -> float:
+    def wait_for_batch(self, version: int, check_stop: Any = None) -> float:
         """Block until learner rank 0 holds B whole groups; returns the seconds waited.
 
         ``check_stop`` (called between polls) may raise ``StopRequested`` to give up waiting.
@@ -328,12 +328,12 @@ class Run:
         started = time.monotonic()
         warned = False
         while not ray.get(
-            self.learners[0].fetch_batch.remote(self.cfg.data.train_batch_size, self.version)
+            self.learners[0].wait_for_batch.remote(self.cfg.data.train_batch_size, version)
         ):
             if check_stop is not None:
                 check_stop()
             ray.get(self.rollout.check.remote())
-            self.rejoin_restarted_engines()  # with every engine dead, waiting alone never ends
+            self.rejoin_engines()  # with every engine dead, waiting alone never ends
             waited = time.monotonic() - started
             if waited > STALL_WARN_S and not warned:
                 warned = True
@@ -344,7 +344,29 @@ class Run:
                 )
         return time.monotonic() - started
 
-    def rejoin_restarted_engines(self) -> None:
+    def step(self, version: int) -> StepResult:
+        """One learner step on the batch rank 0 holds (collective over every rank)."""
+        return gather([w.step.remote(version) for w in self.learners], "a learner step")[0]
+
+    def validate(self) -> dict[str, float]:
+        """Score the held-out prompts with the current weights (greedy by default)."""
+        import ray
+
+        return ray.get(self.rollout.validate.remote())
+
+    def role_metrics(self) -> dict[str, float]:
+        """What the rollout side and the buffer report after a step (for metrics.jsonl)."""
+        import ray
+
+        m = dict(ray.get(self.rollout.metrics.remote()))
+        stats = ray.get(self.buffer.stats.remote())
+        m.update({f"buffer/{k}": float(v) for k, v in stats.items()})
+        m["buffer/size"] = m.get("buffer/size", m.get("buffer/ready_groups", 0.0))
+        m["buffer/refused_stale"] = m.get("buffer/refused_stale", 0.0)
+        m["supervision/quarantined_engines"] = float(len(self.quarantined))
+        return m
+
+    def rejoin_engines(self) -> None:
         """Engines that were replaced, or that missed a version, get current weights first.
 
         A replaced engine (new process, new URL) and an engine weight sync dropped (it timed
@@ -383,7 +405,7 @@ class Run:
         if restarted:
             self.write_roster()
 
-    def checkpoint(self) -> str:
+    def checkpoint(self, step: int) -> CheckpointRecord:
         """Write a checkpoint; commit the *previous* checkpoint's hand-outs in the buffer.
 
         Committing one checkpoint late keeps the fallback to the previous complete
@@ -391,29 +413,29 @@ class Run:
         """
         import ray
 
-        extra = {"reader": ray.get(self.rollout.reader_state.remote()), "step": self.step}
-        watermark = ray.get(self.learners[0].buffer_watermark.remote())
-        paths = gather(
+        extra = {"reader": ray.get(self.rollout.reader_state.remote()), "step": step}
+        record = gather(
             [w.save_checkpoint.remote(str(self.ckpt_root), extra) for w in self.learners],
             "saving a checkpoint",
-        )
+        )[0]
         if self.last_checkpoint_watermark is not None:
             ray.get(self.learners[0].commit_buffer.remote(self.last_checkpoint_watermark))
-        self.last_checkpoint_watermark = watermark
-        log.info("checkpoint written: %s", paths[0])
-        return paths[0]
+        self.last_checkpoint_watermark = record.watermark
+        log.info("checkpoint written: %s", record.path)
+        return record
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """End every role; after a role died (``failed``) kill them, as they may be stuck."""
         import ray
 
         if not ray.is_initialized():  # ray.init did not complete
             if self.started_ray:
                 ray.shutdown()
             return
-        if not self.started and not self.failed:
+        if not self.started and not (failed or self.failed):
             self.end_partial_start()
             return
-        if self.failed:  # a role died: the others may be blocked on it; end them now
+        if failed or self.failed:  # a role died: the others may be blocked on it; end them now
             self.supervisor.kill_all()
             if self.started_ray:
                 ray.shutdown()

@@ -1,14 +1,17 @@
 """Supervision of a run's roles: who died, what to do about it, and the run's secrets.
 
-The training loop (launcher/train.py) calls its roles through Ray. When one of
-those calls fails, ``Supervisor.diagnose`` asks every role whether it is still
-there (a short ``pid()`` call each) and turns the answer into one of:
+The training loop (launcher/train.py) calls its roles through one wrapper,
+``Supervised``: every call to the role handles is guarded in the same way, so
+the loop names no fault. When a call fails with a fault (a Ray error or a
+timeout), ``Supervisor.diagnose`` asks every role whether it is still there (a
+short ``pid()`` call each) and turns the answer into one of:
 
 - a dead **buffer**: restarted by the loop on the same bank directory and the
   same ZeroMQ addresses (``BufferRole`` binds the ports chosen at first start),
   so the learner's DEALER and the fleet's PUSH reconnect by themselves; the
   fleet then re-sends every group the buffer has not durably accepted
-  (launcher/delivery.py) and the call that failed is retried;
+  (launcher/delivery.py) and the call that failed is retried with the same
+  arguments (at most ``MAX_BUFFER_RESTARTS`` restarts per run);
 - a dead **learner rank** or **rollout supervisor**: ``TrainingStopped`` with a
   one-line reason naming the role, its pid and the checkpoint a rerun with
   ``trainer.resume=auto`` continues from. The loop then kills every actor it
@@ -33,6 +36,7 @@ restarting a dead rollout supervisor.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import time
@@ -45,6 +49,7 @@ from fleetrl.log import get_logger
 
 log = get_logger(__name__)
 
+MAX_BUFFER_RESTARTS = 5  # per run; a buffer that keeps dying stops the run
 PING_TIMEOUT_S = 10.0  # a role that cannot answer pid() within this is treated as gone
 STARTUP_TIMEOUT_S = 600.0  # a new actor's process start (imports torch) may take a while
 GATHER_POLL_S = 1.0
@@ -94,8 +99,8 @@ class BadStepGuard:
         self.in_a_row = 0
         self.total = 0
 
-    def observe(self, step: int, metrics: dict[str, Any]) -> None:
-        if float(metrics.get("actor/skipped_nonfinite", 0.0)) <= 0:
+    def observe(self, step: int, skipped_nonfinite: bool) -> None:
+        if not skipped_nonfinite:
             self.in_a_row = 0
             return
         self.in_a_row += 1
@@ -227,22 +232,77 @@ class Supervisor:
                 log.info("kill %s: %s", handle.name, err)
 
 
-def retry_after_buffer_restart(
-    call: Callable[[], Any], on_buffer_down: Callable[[], None], what: str, max_restarts: int
-) -> Any:
-    """Run ``call``; when it raises ``BufferDown`` restart the buffer and run it again."""
-    restarts = 0
-    while True:
-        try:
-            return call()
-        except BufferDown as err:
-            restarts += 1
-            if restarts > max_restarts:
-                raise TrainingStopped(
-                    f"{err}; it was restarted {max_restarts} times already"
-                ) from err
-            log.warning("%s; restarting it (%d) and retrying %s", err, restarts, what)
-            on_buffer_down()
+class Supervised:
+    """The run's role handles with every call guarded: restart, retry and stop in one place.
+
+    ``roles`` is any object whose methods are the role calls (``launcher.session.Run``
+    with Ray; a fake in the controller tests). Calling ``supervised.step(v)`` calls
+    ``roles.step(v)``; when that raises one of ``faults``, ``diagnose(err, what)``
+    raises what to do: ``BufferDown`` (restart the buffer through ``restart_buffer``,
+    then call again with the same arguments), ``TrainingStopped`` (the run stops;
+    ``failed`` tells ``close`` to kill what is left), or the error itself (a bug).
+    Anything that is not a fault (a stop request, a bug) passes through untouched.
+    """
+
+    def __init__(
+        self,
+        roles: Any,
+        *,
+        diagnose: Callable[[BaseException, str], None],
+        restart_buffer: Callable[[int], None],
+        faults: tuple[type[BaseException], ...] = (TimeoutError,),
+        max_buffer_restarts: int = MAX_BUFFER_RESTARTS,
+    ) -> None:
+        self.roles = roles
+        self.diagnose = diagnose
+        self.restart_buffer = restart_buffer
+        self.faults = faults
+        self.max_buffer_restarts = max_buffer_restarts
+        self.buffer_restarts = 0
+        self.failed = False
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.roles, name)
+        if not callable(attr):
+            return attr
+
+        @functools.wraps(attr)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            return self.call(name.replace("_", " "), attr, *args, **kwargs)
+
+        return guarded
+
+    def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, retried after each buffer restart; stops on other deaths."""
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except self.faults as err:
+                try:
+                    self.diagnose(err, what)  # raises BufferDown, TrainingStopped or err
+                except BufferDown as down:
+                    self._restart_buffer(down, what)
+                    continue
+                except TrainingStopped:
+                    self.failed = True
+                    raise
+                raise  # diagnose returned: nothing to act on, the fault stands
+            except TrainingStopped:
+                self.failed = True
+                raise
+
+    def _restart_buffer(self, down: BufferDown, what: str) -> None:
+        if self.buffer_restarts >= self.max_buffer_restarts:
+            self.failed = True
+            raise TrainingStopped(
+                f"{down}; it was restarted {self.max_buffer_restarts} times already"
+            ) from down
+        self.buffer_restarts += 1
+        log.warning("%s; restarting it (%d) and retrying %s", down, self.buffer_restarts, what)
+        self.restart_buffer(self.buffer_restarts)
+
+    def supervision_metrics(self) -> dict[str, float]:
+        return {"supervision/buffer_restarts": float(self.buffer_restarts)}
 
 
 def _one_line(err: BaseException) -> str:

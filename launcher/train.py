@@ -17,7 +17,7 @@ Data flow (every arrow is a message; nothing is pickled on the data path)::
          │                    ▼                                                           │
          │               WeightSender: pause engines → bucketed broadcast (gloo / NCCL) ──┘
          │                              → continue; PublishVersion(v) to the buffer
-         └── this loop: fetch, step, publish, validate, checkpoint, log
+         └── this loop: wait for a batch, step, publish, validate, checkpoint, log
 
 Who waits for whom: the learner waits for B whole groups (``trainer/idle_fraction``);
 the fleet waits for admission, which opens B more groups per published version
@@ -25,12 +25,18 @@ the fleet waits for admission, which opens B more groups per published version
 ``buffer.max_staleness = 0`` admission lets exactly one version's batch be in
 flight, which is synchronous on-policy training, by the same code.
 
+The loop (``train_loop``) is one role call per line, each carrying its data;
+the roles (``launcher.session.Run``) return typed results (launcher/results.py)
+and are called through ``launcher.supervision.Supervised``, which restarts a dead
+buffer and retries the call, or stops the run when another role died. The loop
+names no transport and no fault: it runs unchanged on fake roles in the unit
+tests (tests/unit/launcher/test_controller.py).
+
 Before anything starts, ``launcher.preflight`` checks every precondition and lists
 every unmet one (exit 2). Stopping: SIGINT (Ctrl-C) or SIGTERM finishes the step in
 progress, writes a checkpoint and exits 0; a second Ctrl-C forces the stop. During
 start-up a signal ends every role started so far at once and exits 128 + the
-signal's number with one line. ``trainer.resume=auto``
-continues from there. The roles and their supervision live in ``launcher.session``.
+signal's number with one line. ``trainer.resume=auto`` continues from there.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import json
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +58,14 @@ from launcher.config import RunConfig, load_run_config
 from launcher.preflight import ensure_ready
 from launcher.prepare import prepare
 from launcher.report import summary_lines, write_score_plot
+from launcher.results import StartRecord
 from launcher.session import Run, StopRequested
-from launcher.supervision import BadStepGuard, TrainingStopped, gather
+from launcher.supervision import BadStepGuard, TrainingStopped
 from launcher.tracking import Tracker
 
 log = get_logger(__name__)
 
-__all__ = ["Run", "TrainingStopped", "main", "run"]
+__all__ = ["Run", "TrainingStopped", "execute", "main", "run", "train_loop"]
 
 
 class StartupInterrupted(Exception):
@@ -119,26 +127,135 @@ class StopSignal:
             raise StopRequested(self.received)
 
 
-def validate(run_: Run) -> tuple[dict[str, float], float]:
-    import ray
+@dataclass
+class Progress:
+    """The schedule's clock: steps taken, the version trained against, what was consumed."""
 
+    step: int = 0
+    version: int = 0
+    samples: int = 0
+    waited_s: float = 0.0  # time the learner waited for batches (trainer/idle_fraction)
+    checkpointed_step: int = -1
+    val_scores: list[tuple[int, float]] = field(default_factory=list)
+    started_at: float = field(default_factory=time.monotonic)
+    loop_started_at: float = 0.0
+
+    @classmethod
+    def resuming(cls, origin: StartRecord, started_at: float) -> Progress:
+        done = origin.step if origin.resumed_from is not None else -1
+        return cls(
+            origin.step, origin.policy_version, checkpointed_step=done, started_at=started_at
+        )
+
+
+def due(step: int, every: int, last: int) -> bool:
+    """Every ``every`` steps (``every`` <= 0: never) and at the last step."""
+    return every > 0 and (step % every == 0 or step == last)
+
+
+def train_loop(roles: Any, cfg: RunConfig, progress: Progress, tracker: Any, stop: Any) -> None:
+    """The schedule: wait for a batch, step, publish, validate, checkpoint, log; repeat.
+
+    ``roles``: the role calls (``Run.supervised()``, or fakes); ``stop.check()`` raises
+    ``StopRequested`` between steps and while waiting.
+    """
+    tr, bad_steps = cfg.trainer, BadStepGuard(cfg.trainer.max_bad_steps)
+    progress.loop_started_at = time.monotonic()
+    while progress.step < tr.total_steps:
+        stop.check()
+        t_step = time.monotonic()
+        waited = roles.wait_for_batch(progress.version, stop.check)
+        result = roles.step(progress.version)
+        progress.step += 1
+        progress.samples += cfg.data.train_batch_size * cfg.rollout.n
+        bad_steps.observe(progress.step, result.skipped_nonfinite)
+        m: dict[str, Any] = dict(result.metrics)
+        if progress.step % cfg.weight_sync.sync_every == 0:
+            published = roles.publish(progress.version + 1)  # a retry sends the same version
+            progress.version = published.version
+            m.update(published.metrics)
+        roles.rejoin_engines()
+        if due(progress.step, tr.test_freq, tr.total_steps):
+            m.update(validate(roles, progress))
+        if due(progress.step, tr.save_freq, tr.total_steps) or progress.step == tr.total_steps:
+            roles.checkpoint(progress.step)
+            progress.checkpointed_step = progress.step
+        m.update(roles.role_metrics())
+        m.update(roles.supervision_metrics())
+        tracker.log(progress.step, m | clock_metrics(progress, m, waited, t_step))
+
+
+def validate(roles: Any, progress: Progress) -> dict[str, float]:
     t0 = time.monotonic()
-    metrics = run_.guarded(lambda: ray.get(run_.rollout.validate.remote()), "validation")
-    return metrics, time.monotonic() - t0
+    metrics = dict(roles.validate())
+    metrics["timing_s/validate"] = time.monotonic() - t0
+    if "val/score/mean" in metrics:
+        progress.val_scores.append((progress.step, metrics["val/score/mean"]))
+    return metrics
 
 
-def role_metrics(run_: Run) -> dict[str, float]:
-    """What the rollout side and the buffer report after a step (for metrics.jsonl)."""
-    import ray
+def clock_metrics(
+    progress: Progress, m: dict[str, Any], waited: float, t_step: float
+) -> dict[str, float]:
+    """Timing and throughput of this step (``m`` gives the step's token count)."""
+    progress.waited_s += waited
+    now = time.monotonic()
+    elapsed, step_s = now - progress.loop_started_at, now - t_step
+    return {
+        "policy_version": progress.version,
+        "timing_s/step": step_s,
+        "timing_s/gen": waited,  # time this step waited for generated data
+        "time/elapsed_s": now - progress.started_at,
+        "trainer/idle_fraction": progress.waited_s / elapsed if elapsed > 0 else 0.0,
+        "perf/throughput": m.get("perf/tokens", 0.0) / step_s if step_s > 0 else 0.0,
+        "perf/samples_per_s": progress.samples / elapsed if elapsed > 0 else 0.0,
+    }
 
-    m = dict(run_.guarded(lambda: ray.get(run_.rollout.metrics.remote()), "rollout metrics"))
-    stats = run_.guarded(lambda: ray.get(run_.buffer.stats.remote()), "buffer stats")
-    m.update({f"buffer/{k}": float(v) for k, v in stats.items()})
-    m["buffer/size"] = m.get("buffer/size", m.get("buffer/ready_groups", 0.0))
-    m["buffer/refused_stale"] = m.get("buffer/refused_stale", 0.0)
-    m["supervision/buffer_restarts"] = float(run_.buffer_restarts)
-    m["supervision/quarantined_engines"] = float(len(run_.quarantined))
-    return m
+
+def execute(session: Any, cfg: RunConfig, tracker: Any, stop: Any) -> dict[str, Any]:
+    """Start the roles, run the loop, stop cleanly; the summary of what happened.
+
+    A stop request checkpoints (unless the last step was just saved); a dead role
+    (``TrainingStopped``) propagates after every role is ended.
+    """
+    wall0 = time.monotonic()
+    roles = session.supervised()
+    progress = Progress(started_at=wall0)
+    summary: dict[str, Any] = {}
+    interrupted_start: StartupInterrupted | None = None
+    try:
+        stop.install()
+        origin = session.start(after_ray_init=stop.install)
+        stop.starting = False
+        progress = Progress.resuming(origin, wall0)
+        summary["resumed_from"] = origin.resumed_from
+        if cfg.trainer.test_freq > 0 and origin.resumed_from is None:
+            val = validate(roles, progress)
+            tracker.log(progress.step, {**val, "policy_version": progress.version})
+            if "val/score/mean" in val:
+                summary["initial_val_score"] = val["val/score/mean"]
+        train_loop(roles, cfg, progress, tracker, stop)
+        summary["train_wall_s"] = time.monotonic() - progress.loop_started_at
+    except (StopRequested, KeyboardInterrupt) as err:
+        stop.starting = False
+        summary["interrupted"] = str(err) or stop.received or "SIGINT"
+        if not session.started:
+            interrupted_start = StartupInterrupted(summary["interrupted"], session.phase)
+        else:
+            log.warning("stopping at step %d on %s", progress.step, summary["interrupted"])
+            if not roles.failed and progress.step != progress.checkpointed_step:
+                session.checkpoint(progress.step)
+    finally:
+        stop.restore()
+        session.close(failed=roles.failed)
+        summary["samples"] = progress.samples
+        if progress.val_scores:
+            summary["final_val_score"] = progress.val_scores[-1][1]
+            summary["val_scores"] = progress.val_scores
+    if interrupted_start is not None:
+        raise interrupted_start
+    summary["wall_s"] = time.monotonic() - wall0
+    return summary
 
 
 def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
@@ -156,89 +273,18 @@ def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         prepare(cfg)
         tracker = Tracker(cfg.logging, run_dir, cfg.trainer.total_steps, to_dict(cfg))
-        run_, tr = Run(cfg, address), cfg.trainer
+        session = Run(cfg, address)
     except (StopRequested, KeyboardInterrupt):
         stop.restore()
         raise StartupInterrupted(stop.received or "SIGINT", "preparing the run") from None
     except BaseException:
         stop.restore()
         raise
-    interrupted_start: StartupInterrupted | None = None
-    wall0 = time.monotonic()
     summary: dict[str, Any] = {"run_dir": str(run_dir), "metrics_path": str(tracker.metrics_path)}
-    val_scores: list[tuple[int, float]] = []
-    samples, waited_total, checkpointed_step = 0, 0.0, -1
     try:
-        run_.start(after_ray_init=stop.install)
-        stop.starting = False
-        summary["resumed_from"] = run_.resumed_from
-        if run_.resumed_from is not None:
-            checkpointed_step = run_.step  # a stop right away must not rewrite that checkpoint
-        if tr.test_freq > 0 and run_.resumed_from is None:
-            val, val_s = validate(run_)
-            tracker.log(
-                run_.step, {**val, "policy_version": run_.version, "timing_s/validate": val_s}
-            )
-            if "val/score/mean" in val:
-                val_scores.append((run_.step, val["val/score/mean"]))
-                summary["initial_val_score"] = val["val/score/mean"]
-        bad_steps = BadStepGuard(tr.max_bad_steps)
-        guarded = run_.guarded  # a dead buffer is restarted and the call retried; other deaths stop
-        loop_start = time.monotonic()
-        while run_.step < tr.total_steps:
-            stop.check()
-            t_step = time.monotonic()
-            waited = guarded(lambda: run_.fetch_batch(stop.check), "fetching a batch")
-            waited_total += waited
-            refs = [w.step.remote(run_.version) for w in run_.learners]
-            m: dict[str, Any] = dict(guarded(lambda refs=refs: gather(refs, "a learner step")[0], "a learner step"))  # fmt: skip
-            run_.step += 1
-            samples += cfg.data.train_batch_size * cfg.rollout.n
-            bad_steps.observe(run_.step, m)
-            if run_.step % cfg.weight_sync.sync_every == 0:
-                new_version = run_.version + 1  # fixed before the call: a retry sends the same
-                m.update(guarded(lambda v=new_version: run_.publish(v), "publishing weights"))
-            guarded(run_.rejoin_restarted_engines, "engine rejoin")
-            if tr.test_freq > 0 and (run_.step % tr.test_freq == 0 or run_.step == tr.total_steps):
-                val, m["timing_s/validate"] = validate(run_)
-                m.update(val)
-                if "val/score/mean" in val:
-                    val_scores.append((run_.step, val["val/score/mean"]))
-            if (tr.save_freq > 0 and run_.step % tr.save_freq == 0) or run_.step == tr.total_steps:
-                guarded(run_.checkpoint, "a checkpoint")
-                checkpointed_step = run_.step
-            m.update(role_metrics(run_))
-            elapsed, step_s = time.monotonic() - loop_start, time.monotonic() - t_step
-            m.update({
-                "policy_version": run_.version,
-                "timing_s/step": step_s,
-                "timing_s/gen": waited,  # time this step waited for generated data
-                "time/elapsed_s": time.monotonic() - wall0,
-                "trainer/idle_fraction": waited_total / elapsed if elapsed > 0 else 0.0,
-                "perf/throughput": m.get("perf/tokens", 0.0) / step_s if step_s > 0 else 0.0,
-                "perf/samples_per_s": samples / elapsed if elapsed > 0 else 0.0,
-            })  # fmt: skip
-            tracker.log(run_.step, m)
-        summary.update(samples=samples, train_wall_s=time.monotonic() - loop_start)
-    except (StopRequested, KeyboardInterrupt) as err:
-        stop.starting = False
-        summary.update(interrupted=str(err) or stop.received or "SIGINT", samples=samples)
-        if not run_.started:
-            interrupted_start = StartupInterrupted(summary["interrupted"], run_.phase)
-        else:
-            log.warning("stopping at step %d on %s", run_.step, summary["interrupted"])
-            if not run_.failed and run_.step != checkpointed_step:
-                run_.checkpoint()
+        summary.update(execute(session, cfg, tracker, stop))
     finally:
-        stop.restore()
-        run_.close()
         tracker.close()
-    if interrupted_start is not None:
-        raise interrupted_start
-    if val_scores:
-        summary["final_val_score"] = val_scores[-1][1]
-        summary["val_scores"] = val_scores
-    summary["wall_s"] = time.monotonic() - wall0
     if tracker.metrics_path.stat().st_size:
         plot = write_score_plot(
             tracker.metrics_path, run_dir / "score_curve.png", title=f"fleetrl: {run_dir.name}"
@@ -249,7 +295,7 @@ def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = load_run_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides, training=True)
     try:
         summary = run(cfg, address=args.address)
     except TrainingStopped as err:

@@ -7,7 +7,7 @@ batch-size knob is in sequences or prompt groups and is *global* unless it says
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 from msgspec import Meta
@@ -23,6 +23,10 @@ CorrectionMode = Literal[
     "seq_mis",
     "seq_mis_geo",
 ]
+# masked importance sampling: weights outside [is_low, is_high] are masked
+MIS_MODES: tuple[str, ...] = tuple(
+    m for m in get_args(CorrectionMode) if m.endswith(("_mis", "_mis_geo"))
+)
 KLKind = Literal["k1", "k2", "k3", "low_var_kl", "kl", "abs", "mse"]
 LossAggMode = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"

@@ -29,23 +29,15 @@ Left out: weight normalisation to batch mean 1 and rejection of whole batches.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, get_args
 
 import torch
 
+from learner.config import CorrectionMode
 from learner.masked_ops import masked_mean
 
-IS_MODES: Final[tuple[str, ...]] = (
-    "none",
-    "bypass",
-    "decoupled",
-    "token_tis",
-    "token_mis",
-    "seq_tis",
-    "seq_tis_geo",
-    "seq_mis",
-    "seq_mis_geo",
-)
+# the config's modes (learner.correction.mode) plus "none": no weights at all
+IS_MODES: Final[tuple[str, ...]] = ("none", *get_args(CorrectionMode))
 
 LOG_RATIO_CLAMP: Final[float] = 20.0
 

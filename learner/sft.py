@@ -70,8 +70,8 @@ def supervised_warmstart(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        loss_value = float(loss)
+        loss_value = float(loss.detach())  # a scalar off the graph: no requires_grad warning
         if (step + 1) % 100 == 0:
-            log.info("warm start step %d/%d loss %.4f", step + 1, cfg.steps, loss_value)
+            log.debug("warm start step %d/%d loss %.4f", step + 1, cfg.steps, loss_value)
     model.save_pretrained(model_dir)
     return loss_value

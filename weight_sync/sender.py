@@ -256,7 +256,7 @@ class WeightSender:
             metrics.verify_s += time.perf_counter() - t0
         metrics.total_s = time.perf_counter() - started
         self._record(metrics, {**errors, **mismatched})
-        log.info("%s", metrics.summary())
+        log.debug("%s", metrics.summary())  # per version: metrics.jsonl has it
         if errors or mismatched:
             message = "; ".join(
                 part

@@ -368,7 +368,7 @@ class EmbeddedEngine:
     async def pause_generation(self, request: web.Request) -> web.Response:
         req = await _body(request, P.PauseGenerationRequest, optional=True)
         count = await asyncio.wrap_future(self.scheduler.pause(req.mode))
-        log.info("%s paused (%s): %d sequences affected", self.engine_id, req.mode, count)
+        log.debug("%s paused (%s): %d sequences affected", self.engine_id, req.mode, count)
         return _json({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:

@@ -99,3 +99,104 @@ def test_missing_config_file_is_named():
         ConfigError, match=r"config error at --config: file not found: .*absent\.yaml"
     ):
         load_run_config("absent.yaml")
+
+
+# ---- cross-section rules: checked at load, one line naming both keys, exit 2 ----
+@pytest.mark.parametrize(
+    ("overrides", "key", "other", "fragment"),
+    [
+        (
+            ["buffer.capacity_groups=4", "data.train_batch_size=16"],
+            "buffer.capacity_groups",
+            "data.train_batch_size",
+            "got 4 < 16 groups; the buffer blocks producers",
+        ),
+        (
+            ["learner.algorithm.adv_estimator=gae", "learner.critic.enabled=off"],
+            "learner.critic.enabled",
+            "learner.algorithm.adv_estimator",
+            "got 'off' with 'gae'; GAE needs value estimates",
+        ),
+        (
+            ["model.create_tiny=true", "model.tiny.max_positions=64", "rollout.max_new_tokens=8"],
+            "model.tiny.max_positions",
+            "data.max_prompt_length + rollout.max_new_tokens",
+            "got 64 < 512 + 8",
+        ),
+        (
+            ["weight_sync.backend=nccl", "trainer.device=cpu"],
+            "weight_sync.backend",
+            "trainer.device",
+            "NCCL broadcasts CUDA tensors only",
+        ),
+        (
+            ["rollout.backend=sglang", "trainer.device=cpu"],
+            "rollout.backend",
+            "trainer.device",
+            "SGLang servers run on GPUs",
+        ),
+        (
+            ["rollout.backend=sglang", "rollout.gpus_per_engine=0"],
+            "rollout.gpus_per_engine",
+            "rollout.backend",
+            "needs a GPU share",
+        ),
+        (
+            ["trainer.device=cuda"],
+            "learner.gpus_per_rank",
+            "trainer.device",
+            "no GPU to a learner rank",
+        ),
+        (
+            ["buffer.filter_equal_scores=yes", "rollout.n=1"],
+            "buffer.filter_equal_scores",
+            "rollout.n",
+            "all are dropped",
+        ),
+        (
+            ["learner.correction.mode=token_mis", "learner.correction.is_low=2.0"],
+            "learner.correction.is_low",
+            "learner.correction.is_high",
+            "every token would be masked",
+        ),
+    ],
+)
+def test_cross_section_rule_refused_at_load_naming_both_keys(overrides, key, other, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_run_config(None, overrides)
+    line = str(info.value)
+    assert "\n" not in line
+    assert line.startswith(f"config error at {key} (with {other}): got ")
+    assert fragment in line
+
+
+def test_cli_refuses_a_stalling_config_with_exit_2_and_one_line():
+    result = _cli("config", "show", "buffer.capacity_groups=4", "data.train_batch_size=16")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert lines[0].startswith(
+        "fleetrl: config error at buffer.capacity_groups (with data.train_batch_size): "
+    )
+
+
+def test_training_needs_train_files_but_config_show_does_not():
+    assert load_run_config(None, []).data.train_files == []
+    with pytest.raises(ConfigError, match=r"^config error at data.train_files: got \[\]"):
+        load_run_config(None, [], training=True)
+
+
+@pytest.mark.parametrize("word", ["off", "OFF", "no", "false"])
+def test_on_off_words_are_accepted_as_yaml_writes_them(tmp_path, word):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"learner:\n  critic:\n    enabled: {word}\nlogging:\n  wandb: '{word}'\n")
+    cfg = load_run_config(path)
+    assert cfg.learner.critic.enabled == "off"
+    assert cfg.logging.wandb is False
+    cfg = load_run_config(None, ["learner.critic.enabled=on", "buffer.filter_truncated=yes"])
+    assert cfg.learner.critic.enabled == "on" and cfg.buffer.filter_truncated is True
+
+
+def test_a_word_that_is_no_switch_is_still_refused():
+    with pytest.raises(ConfigError, match="config error at logging.wandb: got 'maybe'"):
+        load_run_config(None, ["logging.wandb=maybe"])

@@ -186,7 +186,7 @@ def test_address_from_ray_address_env_joins_the_cluster(tmp_path):
 
 
 def test_sglang_backend_needs_a_tested_sglang_and_cuda_locally(tmp_path):
-    cfg = _cfg(tmp_path, "rollout.backend=sglang")
+    cfg = _cfg(tmp_path, "rollout.backend=sglang", "rollout.gpus_per_engine=1")
     assert check_backend(cfg, _probes(cuda_devices=lambda: 1), local=True) == []
     old = _probes(cuda_devices=lambda: 1, package_version=lambda n: "0.4.9")
     [f] = check_backend(cfg, old, local=True)
@@ -201,7 +201,9 @@ def test_sglang_backend_needs_a_tested_sglang_and_cuda_locally(tmp_path):
 
 
 def test_cuda_device_without_cuda(tmp_path):
-    [f] = check_backend(_cfg(tmp_path, "trainer.device=cuda"), _probes(), local=True)
+    [f] = check_backend(
+        _cfg(tmp_path, "trainer.device=cuda", "learner.gpus_per_rank=1"), _probes(), local=True
+    )
     assert f.key == "trainer.device" and "trainer.device=cpu" in f.fix
 
 
@@ -332,7 +334,7 @@ def test_7b_gpu_config_on_this_cpu_machine_exits_2_listing_gpus_and_wandb(tmp_pa
             "--config", "configs/gsm8k_grpo_qwen2.5_7b.yaml",
             f"data.train_files=[{data / 'train.parquet'}]",
             f"data.val_files=[{data / 'test.parquet'}]",
-            f"model.path={model}", "model.create_tiny=true",
+            f"model.path={model}", "model.create_tiny=true", "model.tiny.max_positions=2048",
             f"trainer.output_dir={tmp_path / 'run'}",
         ],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,

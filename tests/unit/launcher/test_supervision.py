@@ -11,20 +11,20 @@ import zmq
 from launcher.supervision import (
     BadStepGuard,
     BufferDown,
+    Supervised,
     TrainingStopped,
     checkpoint_candidates,
     make_run_secrets,
-    retry_after_buffer_restart,
 )
 
 
 def test_bad_step_guard_stops_after_k_consecutive_non_finite_steps_only():
     guard = BadStepGuard(3)
     for step, skipped in enumerate([1, 1, 0, 1, 1], start=1):  # a good step resets the streak
-        guard.observe(step, {"actor/skipped_nonfinite": float(skipped)})
+        guard.observe(step, bool(skipped))
     assert (guard.in_a_row, guard.total) == (2, 4)
     with pytest.raises(TrainingStopped, match=r"3 consecutive steps .*trainer\.max_bad_steps=3"):
-        guard.observe(6, {"actor/skipped_nonfinite": 1.0})
+        guard.observe(6, True)
 
 
 def test_bad_step_guard_refuses_a_limit_below_one():
@@ -68,20 +68,34 @@ def test_checkpoint_candidates_are_complete_ones_newest_first(tmp_path):
     assert checkpoint_candidates(tmp_path / "missing") == []
 
 
+def _buffer_down(err: BaseException, what: str) -> None:
+    raise BufferDown(f"buffer (pid 1) died during {what}") from err
+
+
 def test_buffer_down_restarts_and_retries_until_the_limit():
     calls, restarts = [], []
 
-    def flaky():
-        calls.append(1)
-        if len(calls) < 3:
-            raise BufferDown("buffer (pid 1) died during fetching a batch")
-        return "batch"
+    class Roles:
+        def wait_for_batch(self, version):
+            calls.append(version)
+            if len(calls) < 3:
+                raise TimeoutError("no answer")
+            return 0.5
 
-    assert retry_after_buffer_restart(flaky, lambda: restarts.append(1), "fetch", 5) == "batch"
-    assert (len(calls), len(restarts)) == (3, 2)
+    roles = Supervised(
+        Roles(), diagnose=_buffer_down, restart_buffer=restarts.append, max_buffer_restarts=5
+    )
+    assert roles.wait_for_batch(7) == 0.5
+    assert calls == [7, 7, 7] and restarts == [1, 2]
+    assert roles.supervision_metrics() == {"supervision/buffer_restarts": 2.0}
 
-    def always_down():
-        raise BufferDown("buffer (pid 1) died during fetching a batch")
+    class AlwaysDown:
+        def step(self, version):
+            raise TimeoutError("no answer")
 
+    roles = Supervised(
+        AlwaysDown(), diagnose=_buffer_down, restart_buffer=lambda n: None, max_buffer_restarts=1
+    )
     with pytest.raises(TrainingStopped, match="restarted 1 times already"):
-        retry_after_buffer_restart(always_down, lambda: None, "fetch", 1)
+        roles.step(1)
+    assert roles.failed

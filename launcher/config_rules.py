@@ -1,0 +1,189 @@
+"""Cross-section rules of the run config, checked once at load (``validate_run``).
+
+Each field is checked by its own struct (type, range, accepted values); the rules
+here tie fields of different sections together: combinations that every field
+accepts on its own but that the run would hit late, as a stall or an error
+inside a Ray actor minutes after the start. Each rule refuses with a
+``ConfigError`` whose one line names the key, the key it conflicts with, the
+values given, why, and the fix; the CLI turns it into exit status 2.
+
+Left out: what depends on the machine (CUDA present, free disk, credentials:
+``launcher.preflight``) and on files (the model folder's real context length:
+a folder given by ``model.path`` is read by the engine, which refuses an
+over-long request with a message naming both numbers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from fleetrl.config import ConfigError
+from launcher.config import RunConfig
+from learner.config import MIS_MODES
+
+Rule = Callable[[RunConfig], Iterator[ConfigError]]
+RULES: list[Rule] = []  # checked whenever a run config is loaded
+TRAINING_RULES: list[Rule] = []  # checked too before `fleetrl train` starts anything
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+def training_rule(fn: Rule) -> Rule:
+    TRAINING_RULES.append(fn)
+    return fn
+
+
+def refuse(key: str, other: str, got: str, why: str) -> ConfigError:
+    """``config error at <key> (with <other>): got <got>; <why>``."""
+    return ConfigError(f"{key} (with {other})", f"got {got}; {why}")
+
+
+def validate_run(cfg: RunConfig, *, training: bool = False) -> RunConfig:
+    """Raise the first cross-section problem of ``cfg`` as a ``ConfigError``; else return it.
+
+    ``training`` adds the rules only a training run needs (``config show`` of a
+    partial config stays possible).
+    """
+    for check in RULES + (TRAINING_RULES if training else []):
+        for problem in check(cfg):
+            raise problem
+    return cfg
+
+
+@rule
+def capacity_holds_a_batch(cfg: RunConfig) -> Iterator[ConfigError]:
+    # the store stops reading trajectories at capacity, and a step waits for
+    # train_batch_size whole groups: with fewer slots the learner waits forever
+    cap, batch = cfg.buffer.capacity_groups, cfg.data.train_batch_size
+    if cap < batch:
+        yield refuse(
+            "buffer.capacity_groups",
+            "data.train_batch_size",
+            f"{cap} < {batch} groups",
+            "the buffer blocks producers before it holds one batch, so the run stalls; "
+            f"set buffer.capacity_groups >= {batch}",
+        )
+
+
+@rule
+def gae_has_a_critic(cfg: RunConfig) -> Iterator[ConfigError]:
+    learner = cfg.learner
+    if learner.algorithm.adv_estimator == "gae" and learner.critic.enabled == "off":
+        yield refuse(
+            "learner.critic.enabled",
+            "learner.algorithm.adv_estimator",
+            "'off' with 'gae'",
+            "GAE needs value estimates from a critic; "
+            "set learner.critic.enabled to auto or on, or pick grpo/rloo",
+        )
+
+
+@rule
+def context_fits_prompt_and_response(cfg: RunConfig) -> Iterator[ConfigError]:
+    # the tiny model built for the run has tiny.max_positions; every request with
+    # prompt + max_new_tokens beyond it is refused by the engine, sample by sample
+    if not cfg.model.create_tiny:
+        return
+    need = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    have = cfg.model.tiny.max_positions
+    if need > have:
+        yield refuse(
+            "model.tiny.max_positions",
+            "data.max_prompt_length + rollout.max_new_tokens",
+            f"{have} < {cfg.data.max_prompt_length} + {cfg.rollout.max_new_tokens}",
+            "the engine refuses every request longer than the model's context; raise "
+            f"model.tiny.max_positions to >= {need} or lower the other two",
+        )
+
+
+@rule
+def nccl_needs_cuda(cfg: RunConfig) -> Iterator[ConfigError]:
+    if cfg.weight_sync.backend == "nccl" and cfg.trainer.device == "cpu":
+        yield refuse(
+            "weight_sync.backend",
+            "trainer.device",
+            "'nccl' with 'cpu'",
+            "NCCL broadcasts CUDA tensors only; set weight_sync.backend=gloo (or auto)",
+        )
+
+
+@rule
+def sglang_needs_a_gpu(cfg: RunConfig) -> Iterator[ConfigError]:
+    rollout = cfg.rollout
+    if rollout.backend != "sglang":
+        return
+    if cfg.trainer.device == "cpu":
+        yield refuse(
+            "rollout.backend",
+            "trainer.device",
+            "'sglang' with 'cpu'",
+            "SGLang servers run on GPUs; use rollout.backend=embedded on CPU",
+        )
+    if rollout.gpus_per_engine <= 0:
+        yield refuse(
+            "rollout.gpus_per_engine",
+            "rollout.backend",
+            f"{rollout.gpus_per_engine} with 'sglang'",
+            "an SGLang engine needs a GPU share; set rollout.gpus_per_engine > 0 "
+            "(its tensor-parallel size when >= 1)",
+        )
+
+
+@rule
+def cuda_learner_gets_a_gpu(cfg: RunConfig) -> Iterator[ConfigError]:
+    # Ray hides every GPU from an actor that reserved none: CUDA fails inside it
+    if cfg.trainer.device == "cuda" and cfg.learner.gpus_per_rank <= 0:
+        yield refuse(
+            "learner.gpus_per_rank",
+            "trainer.device",
+            "0 with 'cuda'",
+            "Ray shows no GPU to a learner rank that reserved none; "
+            "set learner.gpus_per_rank > 0 (e.g. 1)",
+        )
+
+
+@rule
+def equal_score_filter_has_groups(cfg: RunConfig) -> Iterator[ConfigError]:
+    # a group of one sample always has equal scores: every group would be dropped
+    if cfg.buffer.filter_equal_scores and cfg.rollout.n < 2:
+        yield refuse(
+            "buffer.filter_equal_scores",
+            "rollout.n",
+            f"true with n={cfg.rollout.n}",
+            "every group of one sample has equal scores, so all are dropped and the run "
+            "stalls; set rollout.n >= 2 or buffer.filter_equal_scores=false",
+        )
+
+
+@rule
+def masked_is_window_is_open(cfg: RunConfig) -> Iterator[ConfigError]:
+    corr = cfg.learner.correction
+    if corr.mode in MIS_MODES and corr.is_low >= corr.is_high:
+        yield refuse(
+            "learner.correction.is_low",
+            "learner.correction.is_high",
+            f"{corr.is_low} >= {corr.is_high} with mode {corr.mode!r}",
+            "masked IS keeps weights inside [is_low, is_high], so every token would be "
+            "masked; set is_low < is_high",
+        )
+
+
+@training_rule
+def data_to_train_on(cfg: RunConfig) -> Iterator[ConfigError]:
+    data = cfg.data
+    if not data.train_files:
+        yield ConfigError(
+            "data.train_files",
+            "got []; the fleet has no prompts to generate from; give Parquet files "
+            "(verl schema), or one file path with data.synth_task to generate it",
+        )
+    elif data.synth_task and (len(data.train_files) != 1 or len(data.val_files) > 1):
+        yield refuse(
+            "data.train_files",
+            "data.synth_task",
+            f"{len(data.train_files)} train and {len(data.val_files)} val files",
+            "a synthetic task is written to one train file and at most one val file",
+        )

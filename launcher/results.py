@@ -1,0 +1,63 @@
+"""What the roles return to the driver: one typed result per cross-role call.
+
+Control flow branches on these fields, never on metric keys; each result also
+carries the float metrics of its call, which go to ``metrics.jsonl`` and
+nowhere else. The structs cross Ray as ordinary return values (control calls,
+not the data path: batches and trajectories travel over ZeroMQ).
+
+- ``StepResult``: one learner step (from learner rank 0).
+- ``PublishResult``: one weight-sync version: which engines failed, whether the
+  survivors hold only part of it (``needs_resend``: the driver sends it again).
+- ``CheckpointRecord``: one checkpoint written, and the buffer watermark it
+  covers.
+- ``StartRecord``: where a run starts: fresh, or resumed from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class StepResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One learner step, as learner rank 0 saw it."""
+
+    policy_version: int  # the version the step trained against
+    skipped_nonfinite: bool = False  # a non-finite loss or gradient: the update was skipped
+    metrics: dict[str, float] = {}  # for logging only
+
+    @classmethod
+    def from_metrics(cls, version: int, metrics: dict[str, float]) -> StepResult:
+        skipped = float(metrics.get("actor/skipped_nonfinite", 0.0)) > 0
+        return cls(policy_version=version, skipped_nonfinite=skipped, metrics=dict(metrics))
+
+
+class PublishResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One version pushed to the engines."""
+
+    version: int
+    failed_engines: tuple[str, ...] = ()  # dropped from weight sync; the others hold ``version``
+    needs_resend: bool = False  # a failure mid-stream: survivors hold part of ``version``
+    seconds: float = 0.0
+    metrics: dict[str, float] = {}  # for logging only: weight_sync/* as metrics.jsonl names them
+
+    @property
+    def complete(self) -> bool:
+        """Every engine still a member holds ``version``."""
+        return not self.needs_resend
+
+
+class CheckpointRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One checkpoint written by every learner rank."""
+
+    path: str
+    step: int
+    policy_version: int
+    watermark: int  # buffer hand-outs it covers (committed when the next one is written)
+
+
+class StartRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the run starts: step 0, or the step and version of the checkpoint resumed."""
+
+    step: int = 0
+    policy_version: int = 0
+    resumed_from: str | None = None

@@ -1,0 +1,249 @@
+"""The training controller on fake role handles, without Ray: the schedule, restart, retry, stop.
+
+``launcher.train.execute`` drives a session whose role calls are guarded by
+``launcher.supervision.Supervised``; here the session is a fake that records every
+call and can play a dead buffer, a dead learner rank or a bug.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.config import load_run_config
+from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
+from launcher.session import StopRequested
+from launcher.supervision import BufferDown, Supervised, TrainingStopped
+from launcher.tracking import Tracker, read_metrics
+from launcher.train import execute
+
+
+class RoleFault(Exception):
+    """What a Ray call raises when an actor is gone (RayError in a real run)."""
+
+
+class FakeStop:
+    def __init__(self, after_step: int | None = None) -> None:
+        self.after_step = after_step
+        self.session: FakeSession | None = None
+        self.received: str | None = None
+        self.starting = True
+
+    def install(self) -> None: ...
+
+    def restore(self) -> None: ...
+
+    def check(self) -> None:
+        steps = self.session.steps if self.session else 0
+        if self.after_step is not None and steps >= self.after_step:
+            raise StopRequested("SIGTERM")
+
+
+class FakeSession:
+    """Role calls as ``launcher.session.Run`` offers them, recorded; faults on request."""
+
+    def __init__(self, origin: StartRecord | None = None) -> None:
+        self.origin = origin or StartRecord()
+        self.calls: list[tuple] = []
+        self.steps = self.origin.step
+        self.dead: str | None = None  # the role a diagnosis finds dead
+        self.fail_at: dict[tuple[str, int], str] = {}  # (call, step) -> role that dies then
+        self.skipped_nonfinite = False
+        self.restarts: list[int] = []
+        self.closed_failed: bool | None = None
+        self.started = False
+        self.phase = "starting"
+
+    # lifecycle
+    def start(self, after_ray_init=None) -> StartRecord:
+        if after_ray_init is not None:
+            after_ray_init()
+        self.started = True
+        return self.origin
+
+    def supervised(self) -> Supervised:
+        return Supervised(
+            self, diagnose=self.diagnose, restart_buffer=self.restart_buffer, faults=(RoleFault,)
+        )
+
+    def diagnose(self, err: BaseException, what: str) -> None:
+        if self.dead == "buffer":
+            raise BufferDown(f"buffer (pid 1) died during {what}") from err
+        if self.dead is not None:
+            raise TrainingStopped(f"{self.dead} (pid 2) died during {what}") from err
+        raise err
+
+    def restart_buffer(self, count: int) -> None:
+        self.restarts.append(count)
+        self.dead = None
+
+    def close(self, failed: bool = False) -> None:
+        self.closed_failed = failed
+
+    # role calls
+    def _maybe_fail(self, call: str) -> None:
+        role = self.fail_at.pop((call, self.steps), None)
+        if role is not None:
+            self.dead = role if role != "bug" else None
+            raise RoleFault(f"{call} failed")
+
+    def wait_for_batch(self, version: int, check_stop) -> float:
+        self.calls.append(("wait_for_batch", version))
+        check_stop()
+        self._maybe_fail("wait_for_batch")
+        return 0.25
+
+    def step(self, version: int) -> StepResult:
+        self.calls.append(("step", version))
+        self._maybe_fail("step")
+        self.steps += 1
+        metrics = {"perf/tokens": 100.0, "actor/pg_loss": 0.1}
+        if self.skipped_nonfinite:
+            metrics["actor/skipped_nonfinite"] = 1.0
+        return StepResult.from_metrics(version, metrics)
+
+    def publish(self, version: int) -> PublishResult:
+        self.calls.append(("publish", version))
+        self._maybe_fail("publish")
+        return PublishResult(version=version, metrics={"weight_sync/num_failed": 0.0})
+
+    def rejoin_engines(self) -> None:
+        self.calls.append(("rejoin_engines",))
+
+    def validate(self) -> dict[str, float]:
+        self.calls.append(("validate", self.steps))
+        return {"val/score/mean": 0.5 + 0.1 * self.steps}
+
+    def checkpoint(self, step: int) -> CheckpointRecord:
+        self.calls.append(("checkpoint", step))
+        return CheckpointRecord(path=f"step_{step}", step=step, policy_version=step, watermark=0)
+
+    def role_metrics(self) -> dict[str, float]:
+        return {"buffer/size": 3.0}
+
+
+def _cfg(tmp_path: Path, *overrides: str):
+    return load_run_config(
+        None,
+        [
+            f"trainer.output_dir={tmp_path}",
+            "trainer.total_steps=4",
+            "trainer.test_freq=2",
+            "trainer.save_freq=2",
+            "data.train_batch_size=2",
+            "rollout.n=3",
+            *overrides,
+        ],
+    )
+
+
+def _execute(tmp_path: Path, session: FakeSession, stop: FakeStop | None = None, *overrides):
+    cfg = _cfg(tmp_path, *overrides)
+    stop = stop or FakeStop()
+    stop.session = session
+    tracker = Tracker(cfg.logging, tmp_path, cfg.trainer.total_steps, {})
+    try:
+        return execute(session, cfg, tracker, stop), read_metrics(tracker.metrics_path)
+    finally:
+        tracker.close()
+
+
+def _names(session: FakeSession) -> list[str]:
+    return [c[0] for c in session.calls]
+
+
+def test_one_step_is_wait_step_publish_rejoin_then_validate_and_checkpoint_when_due(tmp_path):
+    session = FakeSession()
+    summary, rows = _execute(tmp_path, session)
+    per_step = ["wait_for_batch", "step", "publish", "rejoin_engines"]
+    due = ["validate", "checkpoint"]
+    assert _names(session) == ["validate"] + per_step + per_step + due + per_step + per_step + due
+    assert [c[1] for c in session.calls if c[0] == "publish"] == [1, 2, 3, 4]
+    assert [c[1] for c in session.calls if c[0] == "step"] == [0, 1, 2, 3]  # trained against v
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert [(r["step"], r["policy_version"]) for r in train] == [(1, 1), (2, 2), (3, 3), (4, 4)]
+    assert all(r["supervision/buffer_restarts"] == 0 and r["timing_s/gen"] == 0.25 for r in train)
+    assert summary["samples"] == 4 * 2 * 3 and summary["initial_val_score"] == 0.5
+    assert summary["final_val_score"] == pytest.approx(0.9)
+    assert session.closed_failed is False
+
+
+def test_publish_every_sync_every_steps(tmp_path):
+    session = FakeSession()
+    _, rows = _execute(tmp_path, session, None, "weight_sync.sync_every=2")
+    assert [c[1] for c in session.calls if c[0] == "publish"] == [1, 2]
+    assert [c[1] for c in session.calls if c[0] == "step"] == [0, 0, 1, 1]
+    assert [r["policy_version"] for r in rows if "actor/pg_loss" in r] == [0, 1, 1, 2]
+
+
+@pytest.mark.parametrize("call", ["wait_for_batch", "step", "publish"])
+def test_dead_buffer_is_restarted_and_the_call_retried_with_the_same_arguments(tmp_path, call):
+    session = FakeSession()
+    session.fail_at[(call, 2 if call != "publish" else 3)] = "buffer"
+    summary, rows = _execute(tmp_path, session)
+    assert session.restarts == [1]
+    failed_and_retried = [c for c in session.calls if c[0] == call][2:4]
+    assert failed_and_retried[0] == failed_and_retried[1]  # same version both times
+    assert [c[1] for c in session.calls if c[0] == "publish"][-1] == 4  # no version skipped
+    assert rows[-1]["supervision/buffer_restarts"] == 1.0 and rows[-1]["step"] == 4
+    assert session.closed_failed is False and "interrupted" not in summary
+
+
+def test_buffer_that_keeps_dying_stops_the_run_after_the_limit(tmp_path):
+    session = FakeSession()
+    session.fail_at = {("wait_for_batch", 1): "buffer"}
+    roles = session.supervised()
+    roles.max_buffer_restarts = 0
+    session.supervised = lambda: roles
+    with pytest.raises(TrainingStopped, match="restarted 0 times already"):
+        _execute(tmp_path, session)
+    assert session.closed_failed is True
+
+
+def test_dead_learner_stops_cleanly_without_a_checkpoint(tmp_path):
+    session = FakeSession()
+    session.fail_at[("step", 2)] = "learner rank 0"
+    with pytest.raises(TrainingStopped, match=r"learner rank 0 \(pid 2\) died during step"):
+        _execute(tmp_path, session)
+    assert session.restarts == []
+    assert session.closed_failed is True  # every role is killed, not asked to stop
+    assert [c for c in session.calls if c[0] == "checkpoint"] == [("checkpoint", 2)]
+
+
+def test_a_fault_with_nothing_dead_is_a_bug_and_propagates_unretried(tmp_path):
+    session = FakeSession()
+    session.fail_at[("publish", 1)] = "bug"
+    with pytest.raises(RoleFault, match="publish failed"):
+        _execute(tmp_path, session)
+    assert [c for c in session.calls if c[0] == "publish"] == [("publish", 1)]
+    assert session.restarts == [] and session.closed_failed is False
+
+
+def test_stop_request_finishes_the_step_and_checkpoints_once(tmp_path):
+    session = FakeSession()
+    summary, rows = _execute(tmp_path, session, FakeStop(after_step=3))
+    assert summary["interrupted"] == "SIGTERM"
+    assert [c for c in session.calls if c[0] == "checkpoint"] == [("checkpoint", 2), ("checkpoint", 3)]  # fmt: skip
+    assert rows[-1]["step"] == 3 and session.closed_failed is False
+
+
+def test_resume_continues_the_step_and_version_and_does_not_rewrite_its_checkpoint(tmp_path):
+    origin = StartRecord(step=4, policy_version=4, resumed_from="step_4")
+    session = FakeSession(origin)
+    summary, rows = _execute(tmp_path, session, FakeStop(after_step=4), "trainer.total_steps=8")
+    assert summary["resumed_from"] == "step_4" and summary["interrupted"] == "SIGTERM"
+    assert "validate" not in _names(session) and "checkpoint" not in _names(session)
+    session = FakeSession(origin)
+    (tmp_path / "again").mkdir()
+    _, rows = _execute(tmp_path / "again", session, None, "trainer.total_steps=6")
+    assert [c[1] for c in session.calls if c[0] == "step"] == [4, 5]
+    assert [r["step"] for r in rows if "actor/pg_loss" in r] == [5, 6]
+
+
+def test_non_finite_steps_in_a_row_stop_the_run(tmp_path):
+    session = FakeSession()
+    session.skipped_nonfinite = True
+    with pytest.raises(TrainingStopped, match="3 consecutive steps had a non-finite loss"):
+        _execute(tmp_path, session, None, "trainer.total_steps=10")
+    assert session.steps == 3
