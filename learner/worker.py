@@ -28,8 +28,8 @@ Metric names follow verl (``actor/pg_loss``, ``critic/vf_loss``, ...), plus
 ``staleness/*``, ``is/*``, ``timing_s/*``; ``actor/skipped_nonfinite`` counts
 mini-batches whose update was skipped (the driver stops after too many in a row).
 
-Left out: building models on the meta device (each rank loads the full
-checkpoint before sharding), sequence parallelism, LoRA.
+Models are built on the meta device and each rank reads only its shards
+(``learner.sharded_load``). Left out: LoRA.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from torch import nn
 from buffer.arrow_batch import from_ipc, to_ipc
 from fleetrl.log import get_logger
 from fleetrl.models.config import ModelConfig
-from fleetrl.models.loading import check_model_dir, load_causal_lm
+from fleetrl.models.loading import check_model_dir
 from learner import algorithms as alg
 from learner import checkpoint as ckpt
 from learner import dist as ldist
@@ -70,6 +70,7 @@ from learner.prepare import (
     prepare_targets,
     ragged_to_padded,
 )
+from learner.sharded_load import ModelKind, build_sharded, fill_from_full
 
 log = get_logger(__name__)
 
@@ -162,54 +163,57 @@ class LearnerWorker:
             self.cfg.mixed_precision == "auto" and on_gpu
         )
         offload = self.cfg.param_offload and on_gpu
-        self.policy = self._shard(load_causal_lm(path, "float32"), offload, train=True)
+        self.policy = self._build(path, "causal_lm", offload, train=True)
         self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.total_steps)
         if self.uses_reference:
-            reference = load_causal_lm(path, "float32").requires_grad_(False)
-            self.reference = self._shard(
-                reference, self.cfg.reference.param_offload and on_gpu, train=False
-            )
+            self.reference = self._build(
+                path, "causal_lm", self.cfg.reference.param_offload and on_gpu, train=False
+            ).requires_grad_(False)
         if self.uses_critic:
-            self.critic = self._shard(self._load_critic(path), offload, train=True)
+            self.critic = self._build(path, "token_classification", offload, train=True)
+            self._init_value_head(self.critic)
             self.critic_optimizer = build_optimizer(self.critic.parameters(), self.cfg.critic.optim)
             self.critic_scheduler = build_scheduler(
                 self.critic_optimizer, self.cfg.critic.optim, self.total_steps
             )
 
-    def _load_critic(self, path: Path) -> nn.Module:
-        from transformers import AutoConfig, AutoModelForTokenClassification
+    def _build(self, path: Path, kind: ModelKind, offload: bool, *, train: bool) -> nn.Module:
+        """Meta init, FSDP2 sharding, then only this rank's shards read from the files."""
 
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        config.num_labels = 1
-        config.classifier_dropout = 0.0  # the HF head defaults to 0.1: values must be deterministic
-        critic = AutoModelForTokenClassification.from_pretrained(
-            str(path), config=config, dtype=torch.float32, local_files_only=True
+        def prepare(model: nn.Module) -> None:
+            if train and (self.cfg.grad_checkpointing or self.model_cfg.gradient_checkpointing):
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
+
+        def shard(model: nn.Module) -> nn.Module:
+            return shard_model(
+                model,
+                bf16=self.bf16,
+                cpu_offload=offload,
+                reshard_after_forward=self.cfg.reshard_after_forward,
+            )
+
+        model = build_sharded(
+            path,
+            kind=kind,
+            device=torch.device("cpu") if offload else self.device,
+            shard=shard,
+            prepare=prepare,
+            skip_missing=lambda name: kind == "token_classification" and name.startswith("score."),
         )
-        with torch.no_grad():  # same init on every rank: FSDP shards each rank's local copy
-            generator = torch.Generator().manual_seed(self.seed)
-            std = self.cfg.critic.value_head_init_std
-            critic.score.weight.copy_(
-                torch.randn(critic.score.weight.shape, generator=generator) * std
-            )
-            if critic.score.bias is not None:
-                critic.score.bias.zero_()
-        return critic
-
-    def _shard(self, model: nn.Module, offload: bool, *, train: bool) -> nn.Module:
-        if train and (self.cfg.grad_checkpointing or self.model_cfg.gradient_checkpointing):
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-        if not offload:
-            model.to(self.device)
         model.train(train)
-        return shard_model(
-            model,
-            bf16=self.bf16,
-            cpu_offload=offload,
-            reshard_after_forward=self.cfg.reshard_after_forward,
-        )
+        return model
+
+    def _init_value_head(self, critic: nn.Module) -> None:
+        """The value head from the seed (the same full tensor on every rank; each keeps its shard)."""
+        generator = torch.Generator().manual_seed(self.seed)
+        std = self.cfg.critic.value_head_init_std
+        weight = critic.score.weight
+        fill_from_full(weight, torch.randn(weight.shape, generator=generator) * std)
+        if critic.score.bias is not None:
+            fill_from_full(critic.score.bias, torch.zeros(critic.score.bias.shape))
 
     def close(self) -> None:
         ldist.close_group()
