@@ -137,6 +137,9 @@ class LearnerRole:
             total_steps=self.cfg.trainer.total_steps,
         )
         self.worker.setup()
+        from launcher.plan import learner_gb
+
+        self._plan_gb = learner_gb(self.cfg)  # the plan for this device, logged beside the peak
         if self.rank == 0:
             from buffer.transport import BufferClient
             from weight_sync.sender import WeightSender
@@ -212,6 +215,7 @@ class LearnerRole:
         if self.rank == 0 and batch is None:
             raise RuntimeError("learner rank 0 was asked to step without a fetched batch")
         metrics = self.worker.step(batch, version)
+        metrics["plan/learner_gb"] = self._plan_gb
         if self.rank == 0 and self.buffer.last_batch is not None:
             metrics["buffer/refused_stale_in_batch"] = float(self.buffer.last_batch.refused_stale)
             self._record_trained(batch, version)

@@ -56,6 +56,7 @@ from learner import dist as ldist
 from learner.batching import GlobalBatch, global_counts, mini_batches, plan_ranks
 from learner.config import LearnerConfig
 from learner.fsdp import build_optimizer, build_scheduler, clip_grad_norm, shard_model
+from learner.memory import peak_memory_gb, rss_kb
 from learner.packing import (
     MicroBatchInputs,
     build_inputs,
@@ -157,6 +158,7 @@ class LearnerWorker:
         )
         torch.manual_seed(self.seed)
         np.random.seed(self.seed % 2**32)
+        self._rss_before_models_kb = rss_kb()  # CPU peak memory counts from here
         path = check_model_dir(self.model_cfg.path)
         on_gpu = self.device.type == "cuda"
         self.bf16 = self.cfg.mixed_precision == "bf16" or (
@@ -309,6 +311,9 @@ class LearnerWorker:
             )
         metrics["timing_s/update"] = time.perf_counter() - tick
         metrics["timing_s/step"] = time.perf_counter() - started
+        metrics["perf/peak_memory_gb"] = peak_memory_gb(
+            self.device.type, self._rss_before_models_kb
+        )
         self.global_step += 1
         self.policy_version = policy_version
         return metrics
