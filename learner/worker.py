@@ -29,7 +29,9 @@ Metric names follow verl (``actor/pg_loss``, ``critic/vf_loss``, ...), plus
 mini-batches whose update was skipped (the driver stops after too many in a row).
 
 Models are built on the meta device and each rank reads only its shards
-(``learner.sharded_load``). Left out: LoRA.
+(``learner.sharded_load``). With ``sequence_parallel`` k, groups of k ranks
+split each packed micro-batch along the sequence (``learner.ulysses``); data
+parallelism is over the groups. Left out: LoRA.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from fleetrl.models.loading import check_model_dir
 from learner import algorithms as alg
 from learner import checkpoint as ckpt
 from learner import dist as ldist
+from learner import ulysses
 from learner.batching import GlobalBatch, global_counts, mini_batches, plan_ranks
 from learner.config import LearnerConfig
 from learner.fsdp import build_optimizer, build_scheduler, clip_grad_norm, shard_model
@@ -72,6 +75,7 @@ from learner.prepare import (
     ragged_to_padded,
 )
 from learner.sharded_load import ModelKind, build_sharded, fill_from_full
+from learner.ulysses import SPGroup
 
 log = get_logger(__name__)
 
@@ -128,6 +132,14 @@ class LearnerWorker:
         self.reference: nn.Module | None = None
         self.critic: nn.Module | None = None
         self.kl_ctrl = make_kl_controller(learner_cfg)
+        # Ulysses: ranks [g·k, (g+1)·k) form SP group g and share its micro-batches
+        self.sp: SPGroup | None = None
+        self.sp_size = learner_cfg.sequence_parallel
+        self.dp_rank, self.dp_size = rank // self.sp_size, world_size // self.sp_size
+        self.sp_leader = rank % self.sp_size == 0
+        # metric weight: the group's leader reports for it (every rank adds every key,
+        # so that the metric all-reduce stays collective)
+        self._report = 1.0 if self.sp_leader else 0.0
 
     # ------------------------------------------------------------------ setup
 
@@ -165,6 +177,8 @@ class LearnerWorker:
             self.cfg.mixed_precision == "auto" and on_gpu
         )
         offload = self.cfg.param_offload and on_gpu
+        if self.sp_size > 1:
+            self.sp = ulysses.new_groups(self.world_size, self.rank, self.sp_size)
         self.policy = self._build(path, "causal_lm", offload, train=True)
         self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.total_steps)
@@ -205,6 +219,15 @@ class LearnerWorker:
             prepare=prepare,
             skip_missing=lambda name: kind == "token_classification" and name.startswith("score."),
         )
+        if self.sp is not None:
+            heads = model.config.num_attention_heads
+            kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
+            if heads % self.sp_size or kv_heads % self.sp_size:
+                raise ValueError(
+                    f"learner.sequence_parallel={self.sp_size} must divide the model's "
+                    f"{heads} attention and {kv_heads} KV heads"
+                )
+            ulysses.install(model)
         model.train(train)
         return model
 
@@ -226,13 +249,13 @@ class LearnerWorker:
         plans = plan_ranks(
             indices,
             batch.seq_lens,
-            self.world_size,
+            self.dp_size,
             use_dynamic_bsz=self.cfg.use_dynamic_bsz,
-            max_tokens=self.cfg.max_tokens_per_micro_batch,
+            max_tokens=self.cfg.max_tokens_per_micro_batch * self.sp_size,
             micro_batch_size=self.cfg.micro_batch_size,
             packing=self.cfg.packing,
         )
-        return plans[self.rank]
+        return plans[self.dp_rank]
 
     def _inputs(self, batch: GlobalBatch, indices: np.ndarray) -> MicroBatchInputs:
         return build_inputs(batch, indices, packing=self.cfg.packing, device=self.device)
@@ -244,8 +267,12 @@ class LearnerWorker:
         model.eval()
         for indices in plan:
             mb = self._inputs(batch, indices)
-            out = value_forward(model, mb)[0] if values else policy_forward(model, mb).logprobs
-            if mb.num_tokens:
+            out = (
+                value_forward(model, mb, sp=self.sp)[0]
+                if values
+                else policy_forward(model, mb, sp=self.sp).logprobs
+            )
+            if mb.num_tokens and self.sp_leader:  # the group's ranks all hold the same values
                 positions = np.concatenate(
                     [np.arange(batch.response_offsets[i], batch.response_offsets[i + 1])
                      for i in indices]
@@ -333,7 +360,7 @@ class LearnerWorker:
         for indices in plan:
             mb = self._inputs(batch, indices)
             out = policy_forward(
-                self.policy, mb, entropy="grad" if pl.entropy_coeff > 0 else "metric"
+                self.policy, mb, entropy="grad" if pl.entropy_coeff > 0 else "metric", sp=self.sp
             )
             logprob = split_by_sequence(out.logprobs, mb)
             width = logprob.shape[1]
@@ -359,7 +386,7 @@ class LearnerWorker:
                 loss = loss + self.cfg.kl.kl_loss_coef * kl
                 kl_loss_local += kl.detach()
             (loss + out.anchor).backward()
-            tokens = float(mb.num_tokens)
+            tokens = float(mb.num_tokens) * self._report
             entropy_sum = float((entropy.detach() * mask).sum())
             sums.add("actor/entropy", entropy_sum / max(tokens, 1.0), tokens)
             sums.add("actor/pg_clipfrac", float(m["pg_clipfrac"]), tokens)
@@ -368,9 +395,11 @@ class LearnerWorker:
         # Each micro-batch loss is (its share of the global mean) × ws: summing over
         # micro-batches and ranks and dividing by ws gives this mini-batch's global loss.
         # Weight 1/ws per rank makes the reduced value the mean over mini-batches.
-        sums.add("actor/pg_loss", float(pg_loss_local), 1.0 / ws)
+        # Under SP only group leaders report, each for its k ranks (hence ÷ k).
+        report = self._report / ws
+        sums.add("actor/pg_loss", float(pg_loss_local) / self.sp_size, report)
         if self.cfg.kl.use_kl_loss:
-            sums.add("actor/kl_loss", float(kl_loss_local), 1.0 / ws)
+            sums.add("actor/kl_loss", float(kl_loss_local) / self.sp_size, report)
         self._optimizer_step(
             "actor", self.policy, self.optimizer, self.cfg.optim.grad_clip, pg_loss_local
         )
@@ -387,7 +416,7 @@ class LearnerWorker:
         vf_loss_local = torch.zeros((), dtype=torch.float64, device=self.device)
         for indices in plan:
             mb = self._inputs(batch, indices)
-            flat_values, anchor = value_forward(self.critic, mb)
+            flat_values, anchor = value_forward(self.critic, mb, sp=self.sp)
             values = split_by_sequence(flat_values, mb)
             width = values.shape[1]
             loss, m = alg.value_loss(
@@ -397,8 +426,8 @@ class LearnerWorker:
             )  # fmt: skip
             (loss + anchor).backward()
             vf_loss_local += loss.detach()
-            sums.add("critic/vf_clipfrac", float(m["vf_clipfrac"]), float(mb.num_tokens))
-        sums.add("critic/vf_loss", float(vf_loss_local), 1.0 / ws)
+            sums.add("critic/vf_clipfrac", float(m["vf_clipfrac"]), mb.num_tokens * self._report)
+        sums.add("critic/vf_loss", float(vf_loss_local) / self.sp_size, self._report / ws)
         self._optimizer_step(
             "critic", self.critic, self.critic_optimizer, cc.optim.grad_clip, vf_loss_local
         )
