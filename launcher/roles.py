@@ -139,7 +139,11 @@ class LearnerRole:
         self.worker.setup()
         from launcher.plan import learner_gb
 
-        self._plan_gb = learner_gb(self.cfg)  # the plan for this device, logged beside the peak
+        try:  # the plan for this device, logged beside the measured peak
+            self._plan_gb = learner_gb(self.cfg)
+        except (KeyError, ValueError, FileNotFoundError) as err:  # a config.json it cannot read
+            log.warning("no memory plan for %s: %s", self.cfg.model.path, err)
+            self._plan_gb = float("nan")
         if self.rank == 0:
             from buffer.transport import BufferClient
             from weight_sync.sender import WeightSender
