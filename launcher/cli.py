@@ -20,6 +20,7 @@ HANDLERS: dict[str, str] = {
     "train": "launcher.train:main",
     "check": "launcher.preflight:main",
     "config show": "launcher.config_cmd:show",
+    "plan": "launcher.plan:main",
     "config docs": "launcher.config_cmd:docs",
     "data gsm8k": "fleetrl.data.gsm8k:main",
     "data synth": "fleetrl.data.synth:main",
@@ -68,6 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--address",
         default=None,
         help="Ray cluster address (default: RAY_ADDRESS or the local instance train would start)",
+    )
+
+    p = sub.add_parser(
+        "plan", help="memory per device and role for a config, before launch (exit 1: does not fit)"
+    )
+    _add_config_args(p)
+    p.add_argument(
+        "--gpu-mem-gb", type=float, default=80.0, help="memory of one GPU in GiB (default 80)"
+    )
+    p.add_argument(
+        "--model-config",
+        default=None,
+        help="a config.json to plan with instead of model.path's (weights not on disk yet)",
     )
 
     p = sub.add_parser("config", help="inspect configuration")

@@ -14,7 +14,7 @@ import msgspec
 from msgspec import Meta
 
 from buffer.config import BufferConfig
-from fleetrl.config import apply_overrides, convert, load_yaml
+from fleetrl.config import ConfigError, apply_overrides, convert, load_yaml
 from fleetrl.data.config import DataConfig
 from fleetrl.models.config import ModelConfig
 from learner.config import LearnerConfig
@@ -140,4 +140,31 @@ def load_run_config(
 
     raw = load_yaml(path) if path else {}
     raw = apply_overrides(raw, overrides or [])
-    return validate_run(convert(RunConfig, raw), training=training)
+    cfg = validate_run(convert(RunConfig, raw), training=training)
+    check_run_config(cfg)
+    return cfg
+
+
+def check_run_config(cfg: RunConfig) -> None:
+    """Checks across keys (and against the model's config.json when it exists)."""
+    sp, lc = cfg.learner.sequence_parallel, cfg.learner
+    if lc.num_ranks % sp:
+        raise ConfigError(
+            "learner.sequence_parallel",
+            f"got {sp}; it must divide learner.num_ranks={lc.num_ranks}",
+        )
+    if sp > 1 and not lc.packing:
+        raise ConfigError("learner.sequence_parallel", f"got {sp}; it needs learner.packing=true")
+    if sp > 1:
+        from learner.memory import ModelShape
+
+        try:
+            shape = ModelShape.from_model_config(cfg.model)
+        except (FileNotFoundError, KeyError, ValueError):
+            return  # checked again by the learner once the model exists
+        if shape.heads % sp or shape.kv_heads % sp:
+            raise ConfigError(
+                "learner.sequence_parallel",
+                f"got {sp}; the model's {shape.heads} attention and {shape.kv_heads} KV heads "
+                "must both be divisible by it",
+            )

@@ -140,6 +140,13 @@ class LearnerRole:
             total_steps=self.cfg.trainer.total_steps,
         )
         self.worker.setup()
+        from launcher.plan import learner_gb
+
+        try:  # the plan for this device, logged beside the measured peak
+            self._plan_gb = learner_gb(self.cfg)
+        except (KeyError, ValueError, FileNotFoundError) as err:  # a config.json it cannot read
+            log.warning("no memory plan for %s: %s", self.cfg.model.path, err)
+            self._plan_gb = float("nan")
         if self.rank == 0:
             from buffer.transport import BufferClient
             from launcher.batch_source import BatchSource
@@ -229,6 +236,7 @@ class LearnerRole:
         """Collective: rank 0 takes its batch from the batch source and broadcasts it."""
         batch = self.batches.take() if self.rank == 0 else None
         metrics = self.worker.step(batch, version)
+        metrics["plan/learner_gb"] = self._plan_gb
         if self.rank == 0 and self.batches.last_info is not None:
             metrics["buffer/refused_stale_in_batch"] = float(self.batches.last_info.refused_stale)
             self._record_trained(batch, version)

@@ -222,6 +222,13 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reshard_after_forward: Annotated[
         bool, Meta(description="FSDP2: free gathered parameters after forward (less memory).")
     ] = True
+    sequence_parallel: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Ulysses sequence parallelism: each packed micro-batch is split along the sequence over this many ranks, with an all-to-all around attention (heads ÷ k per rank). Must divide num_ranks and the model's attention and KV heads; needs packing. A micro-batch then holds up to k × max_tokens_per_micro_batch tokens, each rank about max_tokens_per_micro_batch.",
+        ),
+    ] = 1
     distributed_timeout_s: Annotated[
         float, Meta(gt=0, description="Timeout of the learner group's collectives.")
     ] = 1800.0

@@ -7,8 +7,8 @@ tests and a hand-started process all init the same way). Backend: gloo on CPU,
 nccl on CUDA. ``broadcast_bytes`` moves an opaque byte string (Arrow IPC) from
 rank 0 as a uint8 tensor: no pickle crosses the group.
 
-Left out: multi-group layouts (tensor/sequence parallel meshes); the learner is
-pure FSDP over one flat group.
+FSDP shards over the one flat group; sequence-parallel subgroups are formed by
+``learner.ulysses``. Left out: tensor-parallel and HSDP meshes.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ temperature (logits / T), or every importance ratio would be biased.
 Outputs are flat per-token tensors in micro-batch order (sequence by sequence,
 response token by token) with ``response_offsets`` marking each sequence.
 
+With Ulysses sequence parallelism (``sp``) each rank runs its 1/k slice of the
+packed row and the per-token outputs are summed over the group
+(``learner.ulysses``).
+
 Left out: fused/chunked cross-entropy for very large vocabularies.
 """
 
@@ -32,8 +36,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from learner import ulysses
 from learner.algorithms import entropy_from_logits, logprobs_from_logits
 from learner.batching import GlobalBatch
+from learner.ulysses import SPGroup
 
 
 @dataclass
@@ -122,47 +128,88 @@ class TokenOutputs:
     )  # 0-valued scalar tied to the whole graph (keeps FSDP's backward hooks firing)
 
 
+@dataclass
+class _Slice:
+    """This rank's part of a micro-batch under sequence parallelism (all of it without)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    rows: torch.Tensor  # of this rank's response tokens
+    cols: torch.Tensor  # in this rank's columns
+    tokens: torch.Tensor | None  # their indices among the N response tokens (None: all)
+
+
+def _slice(mb: MicroBatchInputs, sp: SPGroup | None) -> _Slice:
+    if sp is None or sp.size == 1:
+        return _Slice(mb.input_ids, mb.position_ids, mb.attention_mask, mb.rows, mb.cols, None)
+    ids, positions = ulysses.pad_to_multiple(mb.input_ids, mb.position_ids, sp.size)
+    ulysses.set_micro_batch(sp, positions)
+    width = ids.shape[1] // sp.size
+    start = sp.rank * width
+    mine = (mb.cols >= start) & (mb.cols < start + width)
+    return _Slice(
+        ids[:, start : start + width], positions[:, start : start + width], None,
+        mb.rows[mine], mb.cols[mine] - start, torch.nonzero(mine).flatten(),
+    )  # fmt: skip
+
+
+def _full(values: torch.Tensor, part: _Slice, mb: MicroBatchInputs, sp: SPGroup | None):
+    """This rank's per-token values -> all N of the micro-batch (summed over the SP group)."""
+    if part.tokens is None:
+        return values
+    full = values.new_zeros(mb.num_tokens).index_put((part.tokens,), values)
+    return ulysses.gather_tokens(full, sp)
+
+
 def policy_forward(
-    model: nn.Module, mb: MicroBatchInputs, *, entropy: str = "none"
+    model: nn.Module, mb: MicroBatchInputs, *, entropy: str = "none", sp: SPGroup | None = None
 ) -> TokenOutputs:
     """Per-response-token logprobs at the rollout temperatures, and entropies.
 
     ``entropy``: "none" (not computed), "metric" (computed without grad, for
-    logging) or "grad" (differentiable, for an entropy bonus).
+    logging) or "grad" (differentiable, for an entropy bonus). With ``sp`` (Ulysses)
+    this rank computes its slice of the row and every rank of the group returns all N.
     """
-    keep_cols, inverse = torch.unique(mb.cols, sorted=True, return_inverse=True)
+    part = _slice(mb, sp)
+    keep_cols, inverse = torch.unique(part.cols, sorted=True, return_inverse=True)
     if keep_cols.numel() == 0:
         keep_cols = torch.zeros(1, dtype=torch.long, device=mb.input_ids.device)
     out = model(
-        input_ids=mb.input_ids,
-        position_ids=mb.position_ids,
-        attention_mask=mb.attention_mask,
+        input_ids=part.input_ids,
+        position_ids=part.position_ids,
+        attention_mask=part.attention_mask,
         use_cache=False,
         logits_to_keep=keep_cols,
     )
     logits = out.logits  # [rows, K, vocab]
     anchor = logits[..., :1].sum() * 0.0
-    selected = logits[mb.rows, inverse].float() / mb.temperature[:, None]
-    logprobs = logprobs_from_logits(selected, mb.labels)
+    temperature = mb.temperature if part.tokens is None else mb.temperature[part.tokens]
+    labels = mb.labels if part.tokens is None else mb.labels[part.tokens]
+    selected = logits[part.rows, inverse].float() / temperature[:, None]
+    logprobs = _full(logprobs_from_logits(selected, labels), part, mb, sp)
     token_entropy = None
     if entropy == "grad":
-        token_entropy = entropy_from_logits(selected)
+        token_entropy = _full(entropy_from_logits(selected), part, mb, sp)
     elif entropy == "metric":
         with torch.no_grad():
-            token_entropy = entropy_from_logits(selected.detach())
+            token_entropy = _full(entropy_from_logits(selected.detach()), part, mb, sp)
     return TokenOutputs(logprobs=logprobs, entropy=token_entropy, anchor=anchor)
 
 
-def value_forward(critic: nn.Module, mb: MicroBatchInputs) -> tuple[torch.Tensor, torch.Tensor]:
+def value_forward(
+    critic: nn.Module, mb: MicroBatchInputs, *, sp: SPGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [N], anchor): V(state before each response token) from a token-classification head."""
+    part = _slice(mb, sp)
     out = critic(
-        input_ids=mb.input_ids,
-        position_ids=mb.position_ids,
-        attention_mask=mb.attention_mask,
+        input_ids=part.input_ids,
+        position_ids=part.position_ids,
+        attention_mask=part.attention_mask,
         use_cache=False,
     )
     scores = out.logits[..., 0]  # [rows, length]
-    return scores[mb.rows, mb.cols].float(), scores.sum() * 0.0
+    return _full(scores[part.rows, part.cols].float(), part, mb, sp), scores.sum() * 0.0
 
 
 def split_by_sequence(flat: torch.Tensor, mb: MicroBatchInputs) -> torch.Tensor:

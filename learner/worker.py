@@ -28,8 +28,10 @@ Metric names follow verl (``actor/pg_loss``, ``critic/vf_loss``, ...), plus
 ``staleness/*``, ``is/*``, ``timing_s/*``; ``actor/skipped_nonfinite`` counts
 mini-batches whose update was skipped (the driver stops after too many in a row).
 
-Left out: building models on the meta device (each rank loads the full
-checkpoint before sharding), sequence parallelism, LoRA.
+Models are built on the meta device and each rank reads only its shards
+(``learner.sharded_load``). With ``sequence_parallel`` k, groups of k ranks
+split each packed micro-batch along the sequence (``learner.ulysses``); data
+parallelism is over the groups. Left out: LoRA.
 """
 
 from __future__ import annotations
@@ -49,13 +51,15 @@ from torch import nn
 from buffer.arrow_batch import from_ipc, to_ipc
 from fleetrl.log import get_logger
 from fleetrl.models.config import ModelConfig
-from fleetrl.models.loading import check_model_dir, load_causal_lm
+from fleetrl.models.loading import check_model_dir
 from learner import algorithms as alg
 from learner import checkpoint as ckpt
 from learner import dist as ldist
+from learner import ulysses
 from learner.batching import GlobalBatch, global_counts, mini_batches, plan_ranks
 from learner.config import LearnerConfig
 from learner.fsdp import build_optimizer, build_scheduler, clip_grad_norm, shard_model
+from learner.memory import peak_memory_gb, rss_kb
 from learner.packing import (
     MicroBatchInputs,
     build_inputs,
@@ -70,6 +74,8 @@ from learner.prepare import (
     prepare_targets,
     ragged_to_padded,
 )
+from learner.sharded_load import ModelKind, build_sharded, fill_from_full
+from learner.ulysses import SPGroup
 
 log = get_logger(__name__)
 
@@ -126,6 +132,14 @@ class LearnerWorker:
         self.reference: nn.Module | None = None
         self.critic: nn.Module | None = None
         self.kl_ctrl = make_kl_controller(learner_cfg)
+        # Ulysses: ranks [g·k, (g+1)·k) form SP group g and share its micro-batches
+        self.sp: SPGroup | None = None
+        self.sp_size = learner_cfg.sequence_parallel
+        self.dp_rank, self.dp_size = rank // self.sp_size, world_size // self.sp_size
+        self.sp_leader = rank % self.sp_size == 0
+        # metric weight: the group's leader reports for it (every rank adds every key,
+        # so that the metric all-reduce stays collective)
+        self._report = 1.0 if self.sp_leader else 0.0
 
     # ------------------------------------------------------------------ setup
 
@@ -156,60 +170,75 @@ class LearnerWorker:
         )
         torch.manual_seed(self.seed)
         np.random.seed(self.seed % 2**32)
+        self._rss_before_models_kb = rss_kb()  # CPU peak memory counts from here
         path = check_model_dir(self.model_cfg.path)
         on_gpu = self.device.type == "cuda"
         self.bf16 = self.cfg.mixed_precision == "bf16" or (
             self.cfg.mixed_precision == "auto" and on_gpu
         )
         offload = self.cfg.param_offload and on_gpu
-        self.policy = self._shard(load_causal_lm(path, "float32"), offload, train=True)
+        if self.sp_size > 1:
+            self.sp = ulysses.new_groups(self.world_size, self.rank, self.sp_size)
+        self.policy = self._build(path, "causal_lm", offload, train=True)
         self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.total_steps)
         if self.uses_reference:
-            reference = load_causal_lm(path, "float32").requires_grad_(False)
-            self.reference = self._shard(
-                reference, self.cfg.reference.param_offload and on_gpu, train=False
-            )
+            self.reference = self._build(
+                path, "causal_lm", self.cfg.reference.param_offload and on_gpu, train=False
+            ).requires_grad_(False)
         if self.uses_critic:
-            self.critic = self._shard(self._load_critic(path), offload, train=True)
+            self.critic = self._build(path, "token_classification", offload, train=True)
+            self._init_value_head(self.critic)
             self.critic_optimizer = build_optimizer(self.critic.parameters(), self.cfg.critic.optim)
             self.critic_scheduler = build_scheduler(
                 self.critic_optimizer, self.cfg.critic.optim, self.total_steps
             )
 
-    def _load_critic(self, path: Path) -> nn.Module:
-        from transformers import AutoConfig, AutoModelForTokenClassification
+    def _build(self, path: Path, kind: ModelKind, offload: bool, *, train: bool) -> nn.Module:
+        """Meta init, FSDP2 sharding, then only this rank's shards read from the files."""
 
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        config.num_labels = 1
-        config.classifier_dropout = 0.0  # the HF head defaults to 0.1: values must be deterministic
-        critic = AutoModelForTokenClassification.from_pretrained(
-            str(path), config=config, dtype=torch.float32, local_files_only=True
+        def prepare(model: nn.Module) -> None:
+            if train and (self.cfg.grad_checkpointing or self.model_cfg.gradient_checkpointing):
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
+
+        def shard(model: nn.Module) -> nn.Module:
+            return shard_model(
+                model,
+                bf16=self.bf16,
+                cpu_offload=offload,
+                reshard_after_forward=self.cfg.reshard_after_forward,
+            )
+
+        model = build_sharded(
+            path,
+            kind=kind,
+            device=torch.device("cpu") if offload else self.device,
+            shard=shard,
+            prepare=prepare,
+            skip_missing=lambda name: kind == "token_classification" and name.startswith("score."),
         )
-        with torch.no_grad():  # same init on every rank: FSDP shards each rank's local copy
-            generator = torch.Generator().manual_seed(self.seed)
-            std = self.cfg.critic.value_head_init_std
-            critic.score.weight.copy_(
-                torch.randn(critic.score.weight.shape, generator=generator) * std
-            )
-            if critic.score.bias is not None:
-                critic.score.bias.zero_()
-        return critic
-
-    def _shard(self, model: nn.Module, offload: bool, *, train: bool) -> nn.Module:
-        if train and (self.cfg.grad_checkpointing or self.model_cfg.gradient_checkpointing):
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-        if not offload:
-            model.to(self.device)
+        if self.sp is not None:
+            heads = model.config.num_attention_heads
+            kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
+            if heads % self.sp_size or kv_heads % self.sp_size:
+                raise ValueError(
+                    f"learner.sequence_parallel={self.sp_size} must divide the model's "
+                    f"{heads} attention and {kv_heads} KV heads"
+                )
+            ulysses.install(model)
         model.train(train)
-        return shard_model(
-            model,
-            bf16=self.bf16,
-            cpu_offload=offload,
-            reshard_after_forward=self.cfg.reshard_after_forward,
-        )
+        return model
+
+    def _init_value_head(self, critic: nn.Module) -> None:
+        """The value head from the seed (the same full tensor on every rank; each keeps its shard)."""
+        generator = torch.Generator().manual_seed(self.seed)
+        std = self.cfg.critic.value_head_init_std
+        weight = critic.score.weight
+        fill_from_full(weight, torch.randn(weight.shape, generator=generator) * std)
+        if critic.score.bias is not None:
+            fill_from_full(critic.score.bias, torch.zeros(critic.score.bias.shape))
 
     def close(self) -> None:
         ldist.close_group()
@@ -220,13 +249,13 @@ class LearnerWorker:
         plans = plan_ranks(
             indices,
             batch.seq_lens,
-            self.world_size,
+            self.dp_size,
             use_dynamic_bsz=self.cfg.use_dynamic_bsz,
-            max_tokens=self.cfg.max_tokens_per_micro_batch,
+            max_tokens=self.cfg.max_tokens_per_micro_batch * self.sp_size,
             micro_batch_size=self.cfg.micro_batch_size,
             packing=self.cfg.packing,
         )
-        return plans[self.rank]
+        return plans[self.dp_rank]
 
     def _inputs(self, batch: GlobalBatch, indices: np.ndarray) -> MicroBatchInputs:
         return build_inputs(batch, indices, packing=self.cfg.packing, device=self.device)
@@ -238,8 +267,12 @@ class LearnerWorker:
         model.eval()
         for indices in plan:
             mb = self._inputs(batch, indices)
-            out = value_forward(model, mb)[0] if values else policy_forward(model, mb).logprobs
-            if mb.num_tokens:
+            out = (
+                value_forward(model, mb, sp=self.sp)[0]
+                if values
+                else policy_forward(model, mb, sp=self.sp).logprobs
+            )
+            if mb.num_tokens and self.sp_leader:  # the group's ranks all hold the same values
                 positions = np.concatenate(
                     [np.arange(batch.response_offsets[i], batch.response_offsets[i + 1])
                      for i in indices]
@@ -305,6 +338,9 @@ class LearnerWorker:
             )
         metrics["timing_s/update"] = time.perf_counter() - tick
         metrics["timing_s/step"] = time.perf_counter() - started
+        metrics["perf/peak_memory_gb"] = peak_memory_gb(
+            self.device.type, self._rss_before_models_kb
+        )
         self.global_step += 1
         self.policy_version = policy_version
         return metrics
@@ -324,7 +360,7 @@ class LearnerWorker:
         for indices in plan:
             mb = self._inputs(batch, indices)
             out = policy_forward(
-                self.policy, mb, entropy="grad" if pl.entropy_coeff > 0 else "metric"
+                self.policy, mb, entropy="grad" if pl.entropy_coeff > 0 else "metric", sp=self.sp
             )
             logprob = split_by_sequence(out.logprobs, mb)
             width = logprob.shape[1]
@@ -350,7 +386,7 @@ class LearnerWorker:
                 loss = loss + self.cfg.kl.kl_loss_coef * kl
                 kl_loss_local += kl.detach()
             (loss + out.anchor).backward()
-            tokens = float(mb.num_tokens)
+            tokens = float(mb.num_tokens) * self._report
             entropy_sum = float((entropy.detach() * mask).sum())
             sums.add("actor/entropy", entropy_sum / max(tokens, 1.0), tokens)
             sums.add("actor/pg_clipfrac", float(m["pg_clipfrac"]), tokens)
@@ -359,9 +395,11 @@ class LearnerWorker:
         # Each micro-batch loss is (its share of the global mean) × ws: summing over
         # micro-batches and ranks and dividing by ws gives this mini-batch's global loss.
         # Weight 1/ws per rank makes the reduced value the mean over mini-batches.
-        sums.add("actor/pg_loss", float(pg_loss_local), 1.0 / ws)
+        # Under SP only group leaders report, each for its k ranks (hence ÷ k).
+        report = self._report / ws
+        sums.add("actor/pg_loss", float(pg_loss_local) / self.sp_size, report)
         if self.cfg.kl.use_kl_loss:
-            sums.add("actor/kl_loss", float(kl_loss_local), 1.0 / ws)
+            sums.add("actor/kl_loss", float(kl_loss_local) / self.sp_size, report)
         self._optimizer_step(
             "actor", self.policy, self.optimizer, self.cfg.optim.grad_clip, pg_loss_local
         )
@@ -378,7 +416,7 @@ class LearnerWorker:
         vf_loss_local = torch.zeros((), dtype=torch.float64, device=self.device)
         for indices in plan:
             mb = self._inputs(batch, indices)
-            flat_values, anchor = value_forward(self.critic, mb)
+            flat_values, anchor = value_forward(self.critic, mb, sp=self.sp)
             values = split_by_sequence(flat_values, mb)
             width = values.shape[1]
             loss, m = alg.value_loss(
@@ -388,8 +426,8 @@ class LearnerWorker:
             )  # fmt: skip
             (loss + anchor).backward()
             vf_loss_local += loss.detach()
-            sums.add("critic/vf_clipfrac", float(m["vf_clipfrac"]), float(mb.num_tokens))
-        sums.add("critic/vf_loss", float(vf_loss_local), 1.0 / ws)
+            sums.add("critic/vf_clipfrac", float(m["vf_clipfrac"]), mb.num_tokens * self._report)
+        sums.add("critic/vf_loss", float(vf_loss_local) / self.sp_size, self._report / ws)
         self._optimizer_step(
             "critic", self.critic, self.critic_optimizer, cc.optim.grad_clip, vf_loss_local
         )

@@ -1,0 +1,83 @@
+"""`fleetrl plan`: parameter counts from config.json match the real model, the 7B plan renders and
+fits 80 GiB, the what-ifs move the right way, and sequence_parallel is cross-checked at load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fleetrl.config import ConfigError
+from launcher.cli import main as cli_main
+from launcher.config import load_run_config
+from launcher.plan import learner_roles, model_shape, render
+from learner.memory import GB, ModelShape
+
+REPO = Path(__file__).resolve().parents[3]
+GRPO_7B = REPO / "configs/gsm8k_grpo_qwen2.5_7b.yaml"
+QWEN_7B_JSON = REPO / "configs/models/Qwen2.5-7B-Instruct.config.json"
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_llama_dir"])
+def test_parameter_count_from_config_json_equals_the_models(fixture, request):
+    import json
+
+    from fleetrl.models.loading import load_causal_lm
+
+    folder = request.getfixturevalue(fixture)
+    shape = ModelShape.from_config_dict(json.loads((folder / "config.json").read_text()))
+    model = load_causal_lm(folder)
+    assert shape.params() == sum(p.numel() for p in model.parameters())
+
+
+def test_qwen25_7b_plan_counts_its_parameters_and_fits_80_gib():
+    cfg = load_run_config(GRPO_7B)
+    shape = model_shape(cfg, str(QWEN_7B_JSON))
+    assert shape.params() == pytest.approx(7.62e9, rel=0.01)  # Qwen2.5-7B: 7.62 B
+    text, fits = render(cfg, 80.0, str(QWEN_7B_JSON))
+    assert fits and "| learner | policy |" in text and "| learner | reference |" in text
+    _, fits_small = render(cfg, 24.0, str(QWEN_7B_JSON))
+    assert not fits_small
+
+
+def test_each_memory_saving_change_lowers_the_learner_plan():
+    import msgspec
+
+    cfg = load_run_config(GRPO_7B)
+    shape = model_shape(cfg, str(QWEN_7B_JSON))
+    base = sum(r.total for r in learner_roles(cfg, shape)) / GB
+    for change in (
+        {"param_offload": True},
+        {"num_ranks": 32},
+        {"max_tokens_per_micro_batch": 12288},
+        {"sequence_parallel": 2, "max_tokens_per_micro_batch": 12288},
+    ):
+        lc = msgspec.structs.replace(cfg.learner, **change)
+        assert sum(r.total for r in learner_roles(cfg, shape, lc)) / GB < base, change
+    no_gc = msgspec.structs.replace(cfg.model, gradient_checkpointing=False)
+    cfg_no_gc = msgspec.structs.replace(cfg, model=no_gc)
+    assert sum(r.total for r in learner_roles(cfg_no_gc, shape)) / GB > base
+
+
+def test_plan_command_prints_the_table_for_the_demo_config(capsys):
+    assert cli_main(["plan", "--config", str(REPO / "configs/demo_cpu.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "| learner | policy |" in out and "learner on CPU" in out
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["learner.num_ranks=4", "learner.sequence_parallel=3"], "must divide learner.num_ranks"),
+        (["learner.sequence_parallel=2", "learner.num_ranks=2", "learner.packing=false"], "packing"),
+        (
+            ["learner.sequence_parallel=8", "learner.num_ranks=8", "model.create_tiny=true",
+             "model.path=/nonexistent/tiny", "model.tiny.heads=4",
+             "model.tiny.max_positions=1024"],
+            "heads",
+        ),
+    ],
+)  # fmt: skip
+def test_sequence_parallel_is_cross_checked_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(None, overrides)
