@@ -16,6 +16,7 @@ from typing import Any
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig
+from launcher.delivery import group_id_for_index
 from launcher.supervision import (
     Supervisor,
     TrainingStopped,
@@ -68,6 +69,8 @@ class Run:
         self.version = 0
         self.resumed_from: str | None = None
         self.last_checkpoint_watermark: int | None = None
+        # (hand-out watermark, prompts unfinished) of each checkpoint still resumable
+        self.resumable: list[tuple[int, list[int]]] = []
         self.quarantined: set[str] = set()
         self.failed = False
 
@@ -204,6 +207,7 @@ class Run:
             self.resumed_from = str(candidate)
             watermark = int(extra.get("buffer", {}).get("received_watermark", 0))
             self.last_checkpoint_watermark = watermark
+            self.resumable = [(watermark, _unfinished(extra.get("reader")))]
             reset = ray.get(self.learners[0].resume_buffer.remote(self.version, watermark))
             log.info(
                 "resumed from %s: step %d, policy version %d, hand-out watermark %d, "
@@ -362,8 +366,14 @@ class Run:
             [w.save_checkpoint.remote(str(self.ckpt_root), extra) for w in self.learners],
             "saving a checkpoint",
         )
+        self.resumable.append((watermark, _unfinished(extra["reader"])))
         if self.last_checkpoint_watermark is not None:
-            ray.get(self.learners[0].commit_buffer.remote(self.last_checkpoint_watermark))
+            committed = self.last_checkpoint_watermark
+            # checkpoints below the commit can no longer resume; the prompts the others list
+            # unfinished may be generated again, so the buffer keeps knowing them (retention.py)
+            self.resumable = [(w, u) for w, u in self.resumable if w >= committed]
+            retain = sorted({group_id_for_index(i) for _, u in self.resumable for i in u})
+            ray.get(self.learners[0].commit_buffer.remote(committed, retain))
         self.last_checkpoint_watermark = watermark
         log.info("checkpoint written: %s", paths[0])
         return paths[0]
@@ -385,6 +395,13 @@ class Run:
             _quietly(lambda: ray.get(self.buffer.stop.remote(), timeout=30), "buffer stop")
         if self.started_ray:
             ray.shutdown()
+
+
+def _unfinished(reader_state: Any) -> list[int]:
+    """Prompt positions a checkpoint's delivery state lists as started but not accepted."""
+    if not isinstance(reader_state, dict):
+        return []
+    return [int(i) for i in reader_state.get("unfinished_prompts", [])]
 
 
 def _quietly(fn: Any, what: str) -> None:
