@@ -35,6 +35,7 @@ STALL_WARN_S = 60.0  # warn when the learner has waited this long for one batch
 MAX_BUFFER_RESTARTS = 5  # per run; a buffer that keeps dying stops the run
 BUFFER_REBIND_ATTEMPTS = 20  # its old port may linger a moment after a kill -9
 ROSTER_FILE = "roles.json"  # role -> pid, rewritten whenever a role is (re)started
+BUFFER_ADDRESSES_FILE = "buffer_addresses.json"  # {"ingest", "control"}: for tools (the soak)
 
 
 class StopRequested(Exception):
@@ -161,6 +162,9 @@ class Run:
                     ) from err
                 time.sleep(0.5)
         self.buffer_addresses = addresses  # fixed from now on: clients reconnect to them
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ingest, control = addresses
+        write_roster(self.run_dir / BUFFER_ADDRESSES_FILE, {"ingest": ingest, "control": control})
         self.supervisor.register("buffer", self.buffer)
         return addresses
 
@@ -376,7 +380,19 @@ class Run:
             ray.get(self.learners[0].commit_buffer.remote(committed, retain))
         self.last_checkpoint_watermark = watermark
         log.info("checkpoint written: %s", paths[0])
+        self.remove_old_checkpoints()
         return paths[0]
+
+    def remove_old_checkpoints(self) -> None:
+        """Keep the newest ``trainer.keep_checkpoints`` (at least 2) complete checkpoints."""
+        import shutil
+
+        keep = self.cfg.trainer.keep_checkpoints
+        if keep <= 0:
+            return
+        for old in checkpoint_candidates(self.ckpt_root)[max(keep, 2) :]:
+            log.info("removing old checkpoint %s (trainer.keep_checkpoints=%d)", old, keep)
+            shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
         import ray

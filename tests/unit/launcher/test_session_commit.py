@@ -42,3 +42,18 @@ def test_commit_retains_the_unfinished_prompts_of_every_resumable_checkpoint(
         (32, ["p33"]),  # the checkpoints at 32 (twice) remain resumable
         (32, ["p33", "p50"]),
     ]
+
+
+def test_old_checkpoints_are_removed_beyond_keep_checkpoints(tmp_path: Path, monkeypatch):
+    run = Run(
+        load_run_config(None, [f"trainer.output_dir={tmp_path}", "trainer.keep_checkpoints=1"]),
+        address=None,
+    )
+    for step in (3, 6, 9):
+        (run.ckpt_root / f"step_{step}").mkdir(parents=True)
+    monkeypatch.setattr(
+        "launcher.session.checkpoint_candidates",
+        lambda root: sorted(Path(root).iterdir(), key=lambda p: -int(p.name[5:])),
+    )
+    run.remove_old_checkpoints()
+    assert sorted(p.name for p in run.ckpt_root.iterdir()) == ["step_6", "step_9"]  # 2 kept
