@@ -46,14 +46,16 @@ sys.path[:0] = [str(REPO), str(HERE)]
 ENDLESS_STEPS = 10_000_000
 STOP_GRACE_S = 180.0
 MAX_MESSAGE_BYTES = 64 * 1024  # trajectories of the tiny model are < 2 KiB; keeps "oversized" cheap
-# several times the demo's rate: 4x the samples per step (32 prompts x 16 samples); a
-# checkpoint every 10 steps commits and prunes the bank, bounded at 64 MiB on disk
+# several times the demo's rate: 4x the samples per step (32 prompts x 16 samples) and a
+# learner without the proximal-policy recompute; a checkpoint every 5 steps commits and
+# prunes the bank, bounded at 64 MiB on disk
 SOAK_OVERRIDES = [
     "data.train_batch_size=32",
     "rollout.n=16",
     "rollout.max_concurrent_groups=128",
     "trainer.test_freq=-1",
-    "trainer.save_freq=10",
+    "trainer.save_freq=5",
+    "learner.correction.mode=bypass",  # no recompute of the proximal policy: a faster learner
     "trainer.keep_checkpoints=2",
     "buffer.bank_max_bytes=67108864",
     f"buffer.max_message_bytes={MAX_MESSAGE_BYTES}",
@@ -200,11 +202,13 @@ def main(argv: list[str]) -> int:
             print(f"[soak] t={s['t']:.0f}s step={s['step']} load={s['load']:.2f} "
                   f"fuzz={s['fuzz_sent']} bank={s['disk_mb']['rollout bank']:.1f}MiB", flush=True)  # fmt: skip
     finally:
-        if fuzzer is not None:
-            fuzzer.stop()
-            fuzzer.join(10)
-        _stop_run(proc)
-        log_file.close()
+        try:
+            if fuzzer is not None:
+                fuzzer.stop()
+                fuzzer.join(10)
+        finally:
+            _stop_run(proc)
+            log_file.close()
     margin = 2 * cfg.rollout.max_concurrent_groups
     buffer_end = samples[-1]["buffer"] if samples else {}
     by_kind: dict[str, int] = {}

@@ -62,7 +62,7 @@ class FrameFuzzer(threading.Thread):
         self.sent: Counter[str] = Counter()  # "<socket>.<kind>"
         self.would_block = 0
         self.replies = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         traj = make_trajectory("fuzz-valid", 0, 2)
         self._valid = {"ingest": encode(traj), "control": encode(GetStats())}
         # requests carry their schema in the header only; trajectories in both
@@ -75,7 +75,7 @@ class FrameFuzzer(threading.Thread):
         return sum(self.sent.values())
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def run(self) -> None:
         ctx = zmq.Context()
@@ -91,7 +91,7 @@ class FrameFuzzer(threading.Thread):
         next_at = time.monotonic()
         i = 0
         try:
-            while not self._stop.is_set():
+            while not self._halt.is_set():
                 target = "ingest" if i % 2 == 0 else "control"
                 kind = KINDS[(i // 2) % len(KINDS)]
                 frames = self._frames(target, kind, i)
@@ -105,7 +105,7 @@ class FrameFuzzer(threading.Thread):
                 next_at += interval
                 delay = next_at - time.monotonic()
                 if delay > 0:
-                    self._stop.wait(delay)
+                    self._halt.wait(delay)
                 elif delay < -1.0:  # fell behind (a loaded machine): do not burst
                     next_at = time.monotonic()
         finally:
