@@ -433,22 +433,23 @@ class BufferCore:
     def is_full(self) -> bool:
         """Producers must wait: capacity reached, or the bank over ``bank_max_bytes`` while
         a batch's worth of groups is ready (so the learner can still reach a checkpoint)."""
-        if self.store.is_full:
-            return True
-        limit = self.config.bank_max_bytes
-        over = bool(limit) and self.bank.disk_bytes >= limit
-        if over != self._over_disk_bound:
-            self._over_disk_bound = over
-            if over:
-                self.counters["bank_over_bound"] += 1
-                log.warning(
-                    "rollout bank holds %d bytes >= bank_max_bytes %d: ingest waits for a "
-                    "commit to prune (while %d groups are ready)",
-                    self.bank.disk_bytes,
-                    limit,
-                    self.admission.groups_per_version,
-                )
-        return over and self.store.ready_groups >= self.admission.groups_per_version
+        with self.ready:  # re-entrant: stats() and in-process waiters already hold it
+            if self.store.is_full:
+                return True
+            limit = self.config.bank_max_bytes
+            over = bool(limit) and self.bank.disk_bytes >= limit
+            if over != self._over_disk_bound:
+                self._over_disk_bound = over
+                if over:
+                    self.counters["bank_over_bound"] += 1
+                    log.warning(
+                        "rollout bank holds %d bytes >= bank_max_bytes %d: ingest waits for a "
+                        "commit to prune (while %d groups are ready)",
+                        self.bank.disk_bytes,
+                        limit,
+                        self.admission.groups_per_version,
+                    )
+            return over and self.store.ready_groups >= self.admission.groups_per_version
 
     def close(self) -> None:
         with self.ready:
