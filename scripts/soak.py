@@ -12,8 +12,10 @@ with an endless ``trainer.total_steps``. Once the run has written
 sockets (``--fuzz-rate`` a second, loopback only) until the end. Every ``--interval-s``
 it records, per role process named in ``roles.json`` (by pid, via psutil), the resident
 memory; the size of the run directory, its rollout bank and its checkpoints; the
-learner's step (``metrics.jsonl``) and the buffer's counters; and the 1-minute load
-average (the machine is shared: throughput is only comparable under similar load).
+learner's step (``metrics.jsonl``) and the buffer's counters; the CPU time each role has
+used; and the 1-minute load average. The machine is shared: wall-clock throughput is only
+comparable under similar load, so the report also gives the CPU seconds the roles spent
+per 1,000 samples in each window (what a leak or a growing data structure would raise).
 
 At the end it stops the fuzzer and the run (SIGTERM to the child it started: the run
 checkpoints and exits; SIGKILL of that pid after a grace period), audits the run
@@ -87,6 +89,14 @@ def _rss_mb(psutil: Any, pid: int) -> float | None:
         return psutil.Process(pid).memory_info().rss / 2**20
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
+
+
+def _cpu_s(psutil: Any, pid: int) -> float | None:
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return times.user + times.system
 
 
 def _du_mb(path: Path) -> float:
@@ -188,7 +198,8 @@ def main(argv: list[str]) -> int:
                     "t": time.monotonic() - t_zero,
                     "step": metrics.step,
                     "load": os.getloadavg()[0],
-                    "roles": {r: {"pid": p, "rss_mb": _rss_mb(psutil, p)} for r, p in roster.items()},
+                    "roles": {r: {"pid": p, "rss_mb": _rss_mb(psutil, p), "cpu_s": _cpu_s(psutil, p)}
+                              for r, p in roster.items()},
                     "disk_mb": {
                         "run dir": _du_mb(run_dir),
                         "rollout bank": _du_mb(run_dir / "rollout_bank"),

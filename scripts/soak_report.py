@@ -39,6 +39,20 @@ def _step_at(samples: list[dict[str, Any]], t: float) -> tuple[float, int]:
     return before[-1]["t"], before[-1]["step"]
 
 
+def _cpu_between(samples: list[dict[str, Any]], t0: float, t1: float) -> float | None:
+    """CPU seconds all roles used between the samples at ``t0`` and ``t1`` (same pids)."""
+    at = {s["t"]: s for s in samples}
+    if t0 not in at or t1 not in at:
+        return None
+    total = 0.0
+    for role, info in at[t1]["roles"].items():
+        before = at[t0]["roles"].get(role, {})
+        if before.get("pid") != info.get("pid") or None in (before.get("cpu_s"), info.get("cpu_s")):
+            return None  # a restarted or vanished role: not comparable
+        total += info["cpu_s"] - before["cpu_s"]
+    return total
+
+
 def summarize(
     samples: list[dict[str, Any]], *, samples_per_step: int, warmup_s: float, window_s: float
 ) -> dict[str, Any]:
@@ -49,13 +63,19 @@ def summarize(
         t1, s1 = _step_at(samples, win[1])
         rate = (s1 - s0) * samples_per_step / (t1 - t0) if t1 > t0 else 0.0
         loads = [s["load"] for s in _in(samples, win)]
+        cpu = _cpu_between(samples, t0, t1)
+        done = (s1 - s0) * samples_per_step
         throughput.append(
             {"start_s": win[0], "end_s": win[1], "steps": s1 - s0, "samples_per_s": rate,
-             "load_mean": statistics.fmean(loads) if loads else None}
+             "load_mean": statistics.fmean(loads) if loads else None,
+             "cpu_s_per_ksample": cpu / done * 1000 if cpu is not None and done else None}
         )  # fmt: skip
-    drift = None
+    drift = cpu_drift = None
     if len(throughput) >= 2 and throughput[0]["samples_per_s"] > 0:
         drift = throughput[-1]["samples_per_s"] / throughput[0]["samples_per_s"] - 1
+    if len(throughput) >= 2 and throughput[0]["cpu_s_per_ksample"]:
+        last_cpu = throughput[-1]["cpu_s_per_ksample"]
+        cpu_drift = None if last_cpu is None else last_cpu / throughput[0]["cpu_s_per_ksample"] - 1
     roles: dict[str, Any] = {}
     for role in sorted({r for s in samples for r in s["roles"]}):
         pids = []
@@ -95,6 +115,7 @@ def summarize(
     return {
         "throughput": throughput,
         "throughput_drift": drift,
+        "cpu_per_sample_drift": cpu_drift,
         "roles": roles,
         "disk": disks,
         "load_mean": statistics.fmean(loads) if loads else None,
@@ -181,17 +202,20 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {name} | {_mb(d['first_after_warmup_mb'])} | {_mb(d['max_after_warmup_mb'])} | "
             f"{_mb(d['last_mb'])} |"
         )
-    lines += ["", "## Throughput", "", "| window (min) | steps | samples/s | load avg |",
-              "|---|---|---|---|"]  # fmt: skip
+    lines += ["", "## Throughput", "",
+              "| window (min) | steps | samples/s | CPU s per 1k samples (all roles) | load avg |",
+              "|---|---|---|---|---|"]  # fmt: skip
     for w in s["throughput"]:
         load = "-" if w["load_mean"] is None else f"{w['load_mean']:.2f}"
+        cpu = w.get("cpu_s_per_ksample")
         lines.append(
             f"| {w['start_s'] / 60:.1f}-{w['end_s'] / 60:.1f} | {w['steps']} | "
-            f"{w['samples_per_s']:.1f} | {load} |"
+            f"{w['samples_per_s']:.1f} | {'-' if cpu is None else f'{cpu:.1f}'} | {load} |"
         )
     lines += [
         "",
-        f"Throughput drift (last window vs first after warm-up): {_pct(s['throughput_drift'])}",
+        f"Throughput drift (last window vs first after warm-up): {_pct(s['throughput_drift'])}; "
+        f"CPU time per sample, same windows: {_pct(s.get('cpu_per_sample_drift'))}",
         "",
         "## Fuzzed frames and the audit",
         "",
