@@ -52,6 +52,9 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
             cores,
         )
     ray.init(
+        # "local": always a new instance; without it Ray joins any instance another
+        # process on this machine started with `ray start` (another user's run)
+        address="local",
         num_cpus=num_cpus,
         num_gpus=cfg.ray.num_gpus or None,
         resources={

@@ -168,6 +168,10 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:+.1%}"
 
 
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def _mb(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
@@ -182,7 +186,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{s['steps']} learner steps ({report['samples_per_step']} samples each); run exit "
         f"status {report['exit_status']}; warm-up {report['warmup_s'] / 60:.0f} min, windows "
         f"of {report['window_s'] / 60:.1f} min; machine: {report['cpus']} CPUs shared, "
-        f"load average mean {s['load_mean']:.2f}, max {s['load_max']:.2f}.",
+        f"load average mean {_num(s['load_mean'])}, max {_num(s['load_max'])}.",
         "",
         "## Memory per role (RSS)",
         "",
