@@ -30,9 +30,18 @@ the batch is sent. The learner's checkpoint stores its watermark (hand-outs
 trained on), and on resume the buffer serves again everything at or past it, in
 the original order: nothing lost, nothing repeated. See core.py for the replay.
 
-Left out: compaction/garbage collection of fully consumed segments; an index
-file (reload reads every segment once); Parquet export (pyarrow reads the
-segments directly: ``pa.ipc.open_stream``).
+Pruning (``prune_committed``). Once a checkpoint commits past them, the groups
+of a closed segment are no longer needed on disk; core.py and retention.py
+decide which segments go. The bank then (1) rewrites the ledger atomically as a
+``Snapshot`` (the state the deleted records described: hand-out base, commit,
+version, admission counter, the groups still recognised as closed) followed by
+the records still needed, (2) deletes the segments and fsyncs the folder. A
+crash between the two leaves segments the snapshot already lists as closed: a
+reload skips them and the next commit deletes them. ``disk_bytes`` (segments +
+ledger) is what ``bank_max_bytes`` bounds.
+
+Left out: an index file (reload reads every remaining segment once); Parquet
+export (pyarrow reads the segments directly: ``pa.ipc.open_stream``).
 """
 
 from __future__ import annotations
@@ -85,6 +94,7 @@ class Rewind(msgspec.Struct, tag="rewind"):
 
 class CommitMark(msgspec.Struct, tag="commit"):
     watermark: int
+    retain: list[str] = []  # groups a producer may still send again (wire.Commit)
 
 
 class VersionMark(msgspec.Struct, tag="version"):
@@ -97,7 +107,22 @@ class ResumeMark(msgspec.Struct, tag="resume"):
     accepted_offset: int
 
 
-LedgerRecord = Handout | Refused | Dropped | Rewind | CommitMark | VersionMark | ResumeMark
+class Snapshot(msgspec.Struct, tag="snapshot"):
+    """First record of a pruned ledger: what the records it replaced established."""
+
+    handout_base: int  # hand-outs below this index are committed and out of the ledger
+    committed: int
+    version: int
+    accepted_base: int  # admission groups counted by groups no longer read back (= committed)
+    accepted_offset: int
+    closed: dict[str, int]  # group -> samples accepted: closed for good, skipped on reload
+    retain: list[str] = []
+    pruned_segments: int = 0  # segments deleted so far (all lives of the bank)
+
+
+LedgerRecord = (
+    Handout | Refused | Dropped | Rewind | CommitMark | VersionMark | ResumeMark | Snapshot
+)
 _LEDGER_ENCODER = msgspec.json.Encoder()
 _LEDGER_DECODER = msgspec.json.Decoder(LedgerRecord)
 
@@ -177,6 +202,8 @@ class RolloutBank:
         self._writer: pa.ipc.RecordBatchStreamWriter | None = None
         self._ledger_path = self.dir / LEDGER_NAME
         self._ledger = None
+        self._segment_bytes = {i: p.stat().st_size for i, p in existing}
+        self._ledger_bytes = self._ledger_path.stat().st_size if self._ledger_path.exists() else 0
 
     # ---- reading --------------------------------------------------------------------
     def iter_trajectories(self, from_segment: int = 0) -> Iterator[tuple[int, list[Trajectory]]]:
@@ -201,6 +228,15 @@ class RolloutBank:
     def read_ledger(self) -> list[LedgerRecord]:
         return read_ledger(self._ledger_path, repair=self._ledger is None)
 
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of segments and ledger on disk (what ``bank_max_bytes`` bounds)."""
+        return sum(self._segment_bytes.values()) + self._ledger_bytes
+
+    @property
+    def num_segments(self) -> int:
+        return len(self._segment_bytes)
+
     # ---- writing --------------------------------------------------------------------
     def append(self, trajs: list[Trajectory]) -> int:
         """Write ``trajs`` as one batch and flush; returns the segment they landed in."""
@@ -220,6 +256,7 @@ class RolloutBank:
             self._abandon_segment()
             raise
         segment = self.current_segment
+        self._segment_bytes[segment] = self._file.tell()
         self._rows_in_segment += len(trajs)
         if self._rows_in_segment >= self.segment_rows:
             self._close_segment()
@@ -230,10 +267,45 @@ class RolloutBank:
         if self._ledger is None:
             read_ledger(self._ledger_path, repair=True)
             self._ledger = open(self._ledger_path, "ab")  # noqa: SIM115 - held open for appends
-        self._ledger.write(_LEDGER_ENCODER.encode(entry) + b"\n")
+        line = _LEDGER_ENCODER.encode(entry) + b"\n"
+        self._ledger.write(line)
         self._ledger.flush()
+        self._ledger_bytes += len(line)
         if sync or self.fsync_every_write:
             os.fsync(self._ledger.fileno())
+
+    # ---- pruning --------------------------------------------------------------------
+    def rewrite_ledger(self, records: list[LedgerRecord]) -> None:
+        """Replace the ledger by ``records`` atomically (temp file, fsync, rename, fsync dir)."""
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
+        tmp = self._ledger_path.with_suffix(".tmp")
+        data = b"".join(_LEDGER_ENCODER.encode(r) + b"\n" for r in records)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(self._ledger_path)
+        self._fsync_dir()
+        self._ledger_bytes = len(data)
+
+    def delete_segments(self, indices: list[int]) -> None:
+        """Delete closed segments (never the open one) and fsync the folder."""
+        for index in indices:
+            if index >= self.current_segment:
+                raise ValueError(f"segment {index} is not closed (current {self.current_segment})")
+            (self.dir / segment_name(index)).unlink(missing_ok=True)
+            self._segment_bytes.pop(index, None)
+        if indices:
+            self._fsync_dir()
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         self._close_segment()
@@ -247,6 +319,7 @@ class RolloutBank:
         path = self.dir / segment_name(self.current_segment)
         self._file = open(path, "xb")  # noqa: SIM115 - closed on rotate
         self._writer = pa.ipc.new_stream(self._file, BANK_SCHEMA)
+        self._segment_bytes[self.current_segment] = self._file.tell()
         self._rows_in_segment = 0
 
     def _abandon_segment(self) -> None:
@@ -266,6 +339,7 @@ class RolloutBank:
         self._writer.close()
         self._file.flush()
         os.fsync(self._file.fileno())
+        self._segment_bytes[self.current_segment] = self._file.tell()
         self._file.close()
         self._writer = None
         self._file = None

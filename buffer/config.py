@@ -64,3 +64,16 @@ class BufferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             description="Most trajectories read from the ingest socket per bank write (one Arrow batch and one flush each).",
         ),
     ] = 256
+    prune_committed: Annotated[
+        bool,
+        Meta(
+            description="Delete bank segments, and forget the uids and counts of groups, once a checkpoint commits past them (buffer/retention.py says why nothing is lost or repeated); false keeps the whole bank as an audit trail.",
+        ),
+    ] = True
+    bank_max_bytes: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Bound on the rollout bank's bytes on disk (segments + ledger); 0 = none. Over it, ingest waits (backpressure, nothing dropped) for a commit to prune, as long as a batch's worth of groups is ready; size it to hold at least two checkpoint intervals of samples.",
+        ),
+    ] = 0

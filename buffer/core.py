@@ -24,6 +24,17 @@ Reload after a crash replays bank + ledger: every accepted sample comes back
 completion order, partial groups wait for the fleet's resubmissions, and the
 admission counter is exactly what it was.
 
+Bounded over long runs (``prune_committed``). Each commit trims the hand-out
+list below the watermark, and retention.py decides which groups are final and
+which closed segments no longer hold anything needed: those segments are
+deleted after the ledger is rewritten as a ``Snapshot`` (bank.py), and their
+groups' uids and counts are forgotten. retention.py's docstring gives the
+argument that nothing is lost or served twice. ``bank_max_bytes`` bounds the
+bank on disk by backpressure: while it is exceeded and a batch's worth of groups
+is ready, ingest pauses (producers block, nothing is dropped) until a commit
+prunes; with fewer groups ready ingest continues, so the learner can always
+reach the checkpoint that frees space (the bound is then exceeded, and counted).
+
 Left out: several independent consumers (one learner process fetches the
 global batch and scatters it to its ranks, as verl and AReaL do).
 """
@@ -44,9 +55,11 @@ from buffer.bank import (
     ResumeMark,
     Rewind,
     RolloutBank,
+    Snapshot,
     VersionMark,
 )
 from buffer.config import BufferConfig
+from buffer.retention import Retention
 from buffer.store import Group, GroupStore, rebuild_group, screen
 from buffer.wire import (
     KIND_TRAJECTORY,
@@ -122,8 +135,12 @@ class BufferCore:
         self.rejected: Counter[str] = Counter()
         self.policy_version = 0
         self.committed = 0
-        self._handed: list[str] = []  # group id at each hand-out index
+        self._handed: list[str] = []  # group id at each hand-out index from _handed_base
+        self._handed_base = 0  # hand-outs below it are committed: never served again
         self._first_segment: dict[str, int] = {}
+        self.retention = Retention()
+        self.pruned_segments = 0
+        self._over_disk_bound = False
         self._seq = 0
         self.ready = threading.Condition()
         self._reload()
@@ -177,6 +194,7 @@ class BufferCore:
                 self.counters["bank_write_errors"] += 1
                 log.error("bank write of %d samples failed: %s", len(accepted), err)
                 return 0
+            self.retention.note_samples(segment, {t.group_id for t in accepted})
             dropped: dict[str, list[str]] = {}
             new_ready = False
             for traj in accepted:
@@ -190,6 +208,7 @@ class BufferCore:
                         dropped.setdefault(closed.reason, []).append(closed.group_id)
             for reason, groups in dropped.items():
                 self.bank.record(Dropped(groups, reason))
+                self.retention.note_done(groups)
             if new_ready:
                 self.ready.notify_all()
             return len(accepted)
@@ -208,6 +227,7 @@ class BufferCore:
             if result.refused_stale:
                 ids = [g.group_id for g in result.refused_stale]
                 self.bank.record(Refused(ids, learner_version))
+                self.retention.note_done(ids)
                 log.warning(
                     "refused %d stale groups at learner version %d (max_staleness %d): %s",
                     len(ids),
@@ -238,7 +258,7 @@ class BufferCore:
         with self.ready:
             if batch.handout_start + batch.num_groups != self.handout_count:
                 raise BufferStateError("return_unsent: another hand-out happened after this one")
-            del self._handed[batch.handout_start :]
+            del self._handed[batch.handout_start - self._handed_base :]
             self.store.requeue_front(groups)
             self.store.counters["handed_out_groups"] -= len(groups)
             self.bank.record(Rewind(batch.handout_start))
@@ -255,7 +275,7 @@ class BufferCore:
                 f"cannot serve again from hand-out {watermark}: hand-outs below "
                 f"{self.committed} are committed (trained on and checkpointed)"
             )
-        ids = self._handed[watermark:]
+        ids = self._handed[watermark - self._handed_base :]
         from_segment = min(self._first_segment.get(g, 0) for g in ids)
         stored = self.bank.read_groups(set(ids), from_segment)
         groups = []
@@ -264,7 +284,7 @@ class BufferCore:
             if len(samples) < (samples[0].group_size if samples else 1):
                 raise BufferStateError(f"group {gid!r} handed out but incomplete in the bank")
             groups.append(rebuild_group(samples, filter_truncated=self.config.filter_truncated))
-        del self._handed[watermark:]
+        del self._handed[watermark - self._handed_base :]
         self.store.requeue_front(groups)
         self.counters["rewound_groups"] += len(groups)
         self.bank.record(Rewind(watermark), sync=True)
@@ -288,15 +308,65 @@ class BufferCore:
                 self.policy_version = version
                 self.bank.record(VersionMark(version))
 
-    def commit(self, watermark: int) -> None:
+    def commit(self, watermark: int, retain_groups: list[str] | None = None) -> None:
+        """Hand-outs below ``watermark`` are checkpointed; prune what that makes final.
+
+        ``retain_groups``: groups a producer may still send again (wire.Commit).
+        """
+        retain = sorted(set(retain_groups or ()))
         with self.ready:
             if watermark > self.handout_count:
                 raise BufferStateError(
                     f"commit watermark {watermark} > hand-outs made ({self.handout_count})"
                 )
+            newly: list[str] = []
             if watermark > self.committed:
+                newly = self._handed[
+                    self.committed - self._handed_base : watermark - self._handed_base
+                ]
                 self.committed = watermark
-                self.bank.record(CommitMark(watermark), sync=True)
+            elif set(retain) == self.retention.retain:
+                return
+            del self._handed[: self.committed - self._handed_base]
+            self._handed_base = self.committed
+            if not self.config.prune_committed:
+                self.bank.record(CommitMark(self.committed, retain), sync=True)
+                return
+            plan = self.retention.plan(newly, retain, closed_below=self.bank.current_segment)
+            if plan.delete_segments:
+                self.pruned_segments += len(plan.delete_segments)
+                self.bank.rewrite_ledger(self._snapshot(retain))  # before deleting: crash-safe
+                self.bank.delete_segments(plan.delete_segments)
+            else:
+                self.bank.record(CommitMark(self.committed, retain), sync=True)
+            for gid in plan.forget_groups:
+                self.store.forget(gid)
+                self._first_segment.pop(gid, None)
+            self.retention.forget(plan)
+            self.counters["forgotten_groups"] += len(plan.forget_groups)
+            self.ready.notify_all()  # a producer waiting on the disk bound may go on
+
+    def _snapshot(self, retain: list[str]) -> list:
+        """The pruned ledger: a Snapshot, then the records reload still needs (see bank.py)."""
+        on_disk_live = self.store.ready_groups + len(self._handed)  # +1 each in accepted_raw
+        records: list = [
+            Snapshot(
+                handout_base=self._handed_base,
+                committed=self.committed,
+                version=self.policy_version,
+                accepted_base=self.store.accepted_raw - on_disk_live,
+                accepted_offset=self.store.accepted_offset,
+                closed={g: self.store.accepted_count(g) for g in sorted(self.retention.final)},
+                retain=retain,
+                pruned_segments=self.pruned_segments,
+            )
+        ]
+        if self._handed:
+            records.append(Handout(self._handed_base, list(self._handed), self.policy_version))
+        pending = sorted(self.retention.refused_or_dropped_pending)
+        if pending:  # reload removes them from the ready queue (dropped ones never get there)
+            records.append(Refused(pending, self.policy_version))
+        return records
 
     def resume(self, version: int, watermark: int) -> int:
         """Learner resumed from a checkpoint: re-serve from ``watermark``, reset admission."""
@@ -343,18 +413,43 @@ class BufferCore:
                 handout_count=self.handout_count,
                 committed_watermark=self.committed,
                 policy_version=self.policy_version,
-                full=int(self.store.is_full),
+                full=int(self.is_full),
                 bank_segment=self.bank.current_segment,
+                bank_segments=self.bank.num_segments,
+                bank_disk_bytes=self.bank.disk_bytes,
+                pruned_segments=self.pruned_segments,
+                tracked_handouts=len(self._handed),
+                tracked_first_segments=len(self._first_segment),
             )
+            out.update(self.store.sizes())
+            out.update(self.retention.sizes())
             return out
 
     @property
     def handout_count(self) -> int:
-        return len(self._handed)
+        return self._handed_base + len(self._handed)
 
     @property
     def is_full(self) -> bool:
-        return self.store.is_full
+        """Producers must wait: capacity reached, or the bank over ``bank_max_bytes`` while
+        a batch's worth of groups is ready (so the learner can still reach a checkpoint)."""
+        with self.ready:  # re-entrant: stats() and in-process waiters already hold it
+            if self.store.is_full:
+                return True
+            limit = self.config.bank_max_bytes
+            over = bool(limit) and self.bank.disk_bytes >= limit
+            if over != self._over_disk_bound:
+                self._over_disk_bound = over
+                if over:
+                    self.counters["bank_over_bound"] += 1
+                    log.warning(
+                        "rollout bank holds %d bytes >= bank_max_bytes %d: ingest waits for a "
+                        "commit to prune (while %d groups are ready)",
+                        self.bank.disk_bytes,
+                        limit,
+                        self.admission.groups_per_version,
+                    )
+            return over and self.store.ready_groups >= self.admission.groups_per_version
 
     def close(self) -> None:
         with self.ready:
@@ -362,50 +457,85 @@ class BufferCore:
 
     # ---- reload ---------------------------------------------------------------------
     def _reload(self) -> None:
+        """Replay ledger and bank: the state every acknowledged sample and record implies."""
         records = self.bank.read_ledger()
+        base, handed, refused, offset, accepted_base, closed, retain = self._replay(records)
         reloaded = 0
+        done: list[str] = []
         for segment, trajs in self.bank.iter_trajectories():
+            self.retention.note_samples(segment, {t.group_id for t in trajs})
             for traj in trajs:
+                if traj.group_id in closed:  # final before a prune: not needed again
+                    self.counters["reload_skipped_closed"] += 1
+                    continue
                 if self.store.rejection_reason(traj) is not None:
                     self.counters["reload_duplicates"] += 1
                     continue
                 self._first_segment.setdefault(traj.group_id, segment)
-                self.store.add(traj, self._seq)
+                closed_now = self.store.add(traj, self._seq)
+                if closed_now is not None and not closed_now.kept:
+                    done.append(closed_now.group_id)
                 self._seq += 1
                 reloaded += 1
-        handed: list[str] = []
-        refused: set[str] = set()
-        offset = 0
-        for rec in records:
-            if isinstance(rec, Handout):
-                del handed[rec.start :]
-                handed.extend(rec.groups)
-            elif isinstance(rec, Refused):
-                refused.update(rec.groups)
-            elif isinstance(rec, Rewind):
-                del handed[rec.watermark :]
-            elif isinstance(rec, CommitMark):
-                self.committed = max(self.committed, rec.watermark)
-            elif isinstance(rec, VersionMark):
-                self.policy_version = rec.version
-            elif isinstance(rec, ResumeMark):
-                del handed[rec.watermark :]
-                self.policy_version = rec.version
-                offset = rec.accepted_offset
+        for gid, count in closed.items():
+            self.store.register_closed(gid, count)
         self.store.remove_ready(set(handed))
         self.store.forget_refused(len(self.store.remove_ready(refused)))
-        self.store.counters["handed_out_groups"] = len(handed)
+        self.store.restore_accepted_base(accepted_base)
         self.store.accepted_offset = offset
-        self._handed = handed
+        committed_here = handed[: self.committed - base]
+        self.retention.note_final([*closed, *committed_here])
+        self.retention.note_done([*refused, *done])  # one more commit of lag: safe
+        self.retention.retain = set(retain)
+        self._handed = handed[self.committed - base :]
+        self._handed_base = self.committed
+        self.store.counters["handed_out_groups"] = self.handout_count
         if reloaded or records:
             log.info(
                 "reloaded bank %s: %d samples, %d ready groups, %d partial, %d hand-outs "
-                "(committed %d), policy version %d",
+                "(committed %d), policy version %d, %d groups known closed",
                 self.bank.dir,
                 reloaded,
                 self.store.ready_groups,
                 self.store.partial_groups,
-                len(handed),
+                self.handout_count,
                 self.committed,
                 self.policy_version,
+                len(closed),
             )
+
+    def _replay(
+        self, records: list
+    ) -> tuple[int, list[str], set[str], int, int, dict[str, int], list[str]]:
+        """Ledger records -> (hand-out base, hand-outs from it, refused groups, admission
+        offset, admission base, groups closed by a prune, retain list); sets commit/version."""
+        base, offset, accepted_base = 0, 0, 0
+        handed: list[str] = []
+        refused: set[str] = set()
+        closed: dict[str, int] = {}
+        retain: list[str] = []
+        for rec in records:
+            if isinstance(rec, Snapshot):
+                base, handed = rec.handout_base, []
+                self.committed, self.policy_version = rec.committed, rec.version
+                offset, accepted_base = rec.accepted_offset, rec.accepted_base
+                closed, retain = dict(rec.closed), list(rec.retain)
+                self.pruned_segments = rec.pruned_segments
+                refused = set()
+            elif isinstance(rec, Handout):
+                del handed[max(0, rec.start - base) :]
+                handed.extend(rec.groups)
+            elif isinstance(rec, Refused):
+                refused.update(rec.groups)
+            elif isinstance(rec, Rewind):
+                del handed[max(0, rec.watermark - base) :]
+            elif isinstance(rec, CommitMark):
+                self.committed = max(self.committed, rec.watermark)
+                retain = list(rec.retain)
+            elif isinstance(rec, VersionMark):
+                self.policy_version = rec.version
+            elif isinstance(rec, ResumeMark):
+                del handed[max(0, rec.watermark - base) :]
+                self.policy_version = rec.version
+                offset = rec.accepted_offset
+        return base, handed, refused, offset, accepted_base, closed, retain

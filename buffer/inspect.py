@@ -28,6 +28,7 @@ from buffer.bank import (
     Refused,
     ResumeMark,
     Rewind,
+    Snapshot,
     VersionMark,
     list_segments,
     read_ledger,
@@ -62,12 +63,15 @@ def summarize(bank_dir: str | Path) -> dict[str, Any]:
     ledger = read_ledger(root / LEDGER_NAME)
     handed: list[str] = []
     handout_versions: dict[str, int] = {}
-    refused = committed = rewinds = resumes = 0
+    refused = committed = rewinds = resumes = base = pruned = 0
     dropped: Counter[str] = Counter()
     policy_version = 0
     for rec in ledger:
-        if isinstance(rec, Handout):
-            del handed[rec.start :]
+        if isinstance(rec, Snapshot):  # a pruned bank: hand-outs below base are gone
+            base, committed, policy_version = rec.handout_base, rec.committed, rec.version
+            pruned, handed = rec.pruned_segments, []
+        elif isinstance(rec, Handout):
+            del handed[max(0, rec.start - base) :]
             handed.extend(rec.groups)
             handout_versions.update(dict.fromkeys(rec.groups, rec.version))
         elif isinstance(rec, Refused):
@@ -76,14 +80,14 @@ def summarize(bank_dir: str | Path) -> dict[str, Any]:
             dropped[rec.reason] += len(rec.groups)
         elif isinstance(rec, Rewind):
             rewinds += 1
-            del handed[rec.watermark :]
+            del handed[max(0, rec.watermark - base) :]
         elif isinstance(rec, CommitMark):
             committed = max(committed, rec.watermark)
         elif isinstance(rec, VersionMark):
             policy_version = rec.version
         elif isinstance(rec, ResumeMark):
             resumes += 1
-            del handed[rec.watermark :]
+            del handed[max(0, rec.watermark - base) :]
             policy_version = rec.version
     staleness = [
         handout_versions[g] - group_min_version[g]
@@ -98,7 +102,8 @@ def summarize(bank_dir: str | Path) -> dict[str, Any]:
         "groups": len(group_count),
         "complete_groups": complete,
         "partial_groups": len(group_count) - complete,
-        "handouts": len(handed),
+        "handouts": base + len(handed),
+        "pruned_segments": pruned,
         "committed_watermark": committed,
         "refused_stale_groups": refused,
         "dropped_groups": dict(dropped),
@@ -183,7 +188,7 @@ def render(summary: dict[str, Any], out: TextIO) -> None:
     s = summary
     out.write(f"rollout bank {s['bank_dir']}\n")
     out.write(
-        f"  segments {s['segments']}, samples {s['samples']} "
+        f"  segments {s['segments']} (pruned {s['pruned_segments']}), samples {s['samples']} "
         f"(duplicate rows {s['duplicate_rows']}), groups {s['groups']} "
         f"(complete {s['complete_groups']}, partial {s['partial_groups']})\n"
     )

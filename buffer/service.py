@@ -279,7 +279,7 @@ class BufferService:
             elif isinstance(request, GetStats):
                 reply = Stats(request_id=rid, counters=self.stats())
             elif isinstance(request, Commit):
-                core.commit(request.watermark)
+                core.commit(request.watermark, request.retain_groups)
                 reply = Ack(request_id=rid, value=request.watermark)
             elif isinstance(request, Resume):
                 accepted = core.resume(request.version, request.watermark)

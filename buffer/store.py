@@ -28,6 +28,10 @@ refused and counted (``refused_stale``): the safety net behind admission pacing.
 filters, minus groups refused as stale, minus ``accepted_offset`` (set when the
 learner resumes from a checkpoint; see admission.py).
 
+Memory: uids and per-group counts are kept until the owner ``forget``s a group
+that can no longer receive samples (retention.py); a group known only as closed
+(reloaded from a pruned ledger) is ``register_closed`` with its count.
+
 This module is pure bookkeeping: no sockets, no files, not thread-safe (the
 owner serialises calls). Capacity is counted in *complete* groups: partial
 groups cannot be the backpressure trigger, or producers blocked at the
@@ -104,7 +108,8 @@ class GroupStore:
         self.accepted_offset = 0
         self._accepted_raw = 0
         self._seen_uids: set[str] = set()
-        self._accepted_per_group: dict[str, int] = {}  # every group ever seen
+        self._group_uids: dict[str, list[str]] = {}  # to forget a group's uids with it
+        self._accepted_per_group: dict[str, int] = {}  # every group not yet forgotten
         self._partial: dict[str, Group] = {}
         self._ready: deque[Group] = deque()
 
@@ -124,6 +129,7 @@ class GroupStore:
         """Accept ``traj`` (caller checked ``rejection_reason``); report its group if now closed."""
         self._seen_uids.add(traj.uid)
         gid = traj.group_id
+        self._group_uids.setdefault(gid, []).append(traj.uid)
         self._accepted_per_group[gid] = self._accepted_per_group.get(gid, 0) + 1
         self.counters["accepted_samples"] += 1
         group = self._partial.get(gid)
@@ -225,10 +231,36 @@ class GroupStore:
         self.accepted_offset = self._accepted_raw - target
         return self.accepted_offset
 
+    def restore_accepted_base(self, groups: int) -> None:
+        """Admission groups counted by groups no longer read back (a pruned bank)."""
+        self._accepted_raw += groups
+
+    def register_closed(self, group_id: str, accepted: int) -> None:
+        """Know ``group_id`` as closed with ``accepted`` samples (its samples are not loaded)."""
+        self._accepted_per_group[group_id] = accepted
+
+    def forget(self, group_id: str) -> None:
+        """Drop every trace of a group that can receive no more samples (retention.py)."""
+        self._accepted_per_group.pop(group_id, None)
+        for uid in self._group_uids.pop(group_id, ()):
+            self._seen_uids.discard(uid)
+
+    def sizes(self) -> dict[str, int]:
+        """Entries held per map (the soak watches these stay bounded)."""
+        return {
+            "store_known_uids": len(self._seen_uids),
+            "store_known_groups": len(self._accepted_per_group),
+        }
+
     # ---- views ----------------------------------------------------------------------
     @property
     def accepted_groups(self) -> int:
         return self._accepted_raw - self.accepted_offset
+
+    @property
+    def accepted_raw(self) -> int:
+        """Groups completed and kept, minus refused; before the resume offset."""
+        return self._accepted_raw
 
     @property
     def ready_groups(self) -> int:

@@ -175,8 +175,9 @@ class BufferControl(ABC):
     def stats(self) -> dict[str, int | float]: ...
 
     @abstractmethod
-    def commit(self, watermark: int) -> None:
-        """Hand-outs below ``watermark`` are trained on and checkpointed."""
+    def commit(self, watermark: int, retain_groups: list[str] | None = None) -> None:
+        """Hand-outs below ``watermark`` are trained on and checkpointed; ``retain_groups``
+        may still be sent again (see ``wire.Commit``)."""
 
     @abstractmethod
     def resume(self, version: int, watermark: int) -> int:
@@ -303,8 +304,9 @@ class BufferClient(BufferControl):
     def stats(self) -> dict[str, int | float]:
         return _expect(self._request(GetStats()), Stats).counters
 
-    def commit(self, watermark: int) -> None:
-        _expect(self._request(Commit(watermark=watermark)), Ack)
+    def commit(self, watermark: int, retain_groups: list[str] | None = None) -> None:
+        request = Commit(watermark=watermark, retain_groups=list(retain_groups or []))
+        _expect(self._request(request), Ack)
 
     def resume(self, version: int, watermark: int) -> int:
         reply = _expect(self._request(Resume(version=version, watermark=watermark)), Ack)
@@ -371,8 +373,8 @@ class InProcessBufferClient(BufferControl):
     def stats(self) -> dict[str, int | float]:
         return self.core.stats()
 
-    def commit(self, watermark: int) -> None:
-        self.core.commit(watermark)
+    def commit(self, watermark: int, retain_groups: list[str] | None = None) -> None:
+        self.core.commit(watermark, retain_groups)
 
     def resume(self, version: int, watermark: int) -> int:
         accepted = self.core.resume(version, watermark)

@@ -210,9 +210,15 @@ class GetStats(_Request, tag="get_stats"):
 
 
 class Commit(_Request, tag="commit"):
-    """Hand-outs below ``watermark`` are trained on and checkpointed: never serve them again."""
+    """Hand-outs below ``watermark`` are trained on and checkpointed: never serve them again.
+
+    ``retain_groups``: groups a producer may still send again (prompts listed unfinished in
+    a checkpoint that can still be resumed); the buffer keeps recognising them as closed
+    while it prunes everything else that is committed (core.py, retention.py).
+    """
 
     watermark: int
+    retain_groups: list[str] = []
 
 
 class Resume(_Request, tag="resume"):

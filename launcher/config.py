@@ -33,6 +33,13 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     save_freq: Annotated[
         int, Meta(ge=-1, description="Checkpoint every this many steps (-1 = only at the end).")
     ] = -1
+    keep_checkpoints: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Keep only the newest this many complete checkpoints (0 = all; at least 2 are kept, for the fallback to the previous one). Older ones cannot be resumed once the buffer has committed past them.",
+        ),
+    ] = 0
     test_freq: Annotated[
         int,
         Meta(

@@ -58,7 +58,12 @@ class GroupStatusSource(Protocol):
 
 def group_id_for(prompt: PromptItem) -> str:
     """The rollout worker's id for the group of ``prompt`` (``RolloutWorker._start_group``)."""
-    return f"p{prompt.index}"
+    return group_id_for_index(prompt.index)
+
+
+def group_id_for_index(index: int) -> str:
+    """The group id of the prompt at global reader position ``index``."""
+    return f"p{index}"
 
 
 @dataclass

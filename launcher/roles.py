@@ -193,10 +193,12 @@ class LearnerRole:
         """Hand-outs received (and, after the step that used them, trained on)."""
         return int(self.buffer.state_dict()["received_watermark"])
 
-    def commit_buffer(self, watermark: int | None = None) -> None:
+    def commit_buffer(
+        self, watermark: int | None = None, retain_groups: list[str] | None = None
+    ) -> None:
         if watermark is None:
             watermark = self.buffer_watermark()
-        self.buffer.commit(watermark)
+        self.buffer.commit(watermark, retain_groups)
 
     def announce_version(self, version: int) -> None:
         """Tell a (restarted) buffer the version the engines hold: admission's clock."""

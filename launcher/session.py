@@ -19,6 +19,7 @@ from typing import Any
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig
+from launcher.delivery import group_id_for_index
 from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
 from launcher.supervision import (
     Supervised,
@@ -38,6 +39,7 @@ STALL_WARN_S = 60.0  # warn when the learner has waited this long for one batch
 BUFFER_REBIND_ATTEMPTS = 20  # its old port may linger a moment after a kill -9
 ROSTER_FILE = "roles.json"  # role -> pid, rewritten whenever a role is (re)started
 STARTUP_STOP_TIMEOUT_S = 30.0  # a stop during start-up: engines get this long to end
+BUFFER_ADDRESSES_FILE = "buffer_addresses.json"  # {"ingest", "control"}: for tools (the soak)
 
 
 class StopRequested(Exception):
@@ -70,6 +72,8 @@ class Run:
         self.version = 0  # the version the engines hold (set by publish): rejoin and restart
         self.origin = StartRecord()
         self.last_checkpoint_watermark: int | None = None
+        # (hand-out watermark, prompts unfinished) of each checkpoint still resumable
+        self.resumable: list[tuple[int, list[int]]] = []
         self.quarantined: set[str] = set()
         self.failed = False
         self.placement_group: Any = None
@@ -212,6 +216,9 @@ class Run:
                     ) from err
                 time.sleep(0.5)
         self.buffer_addresses = addresses  # fixed from now on: clients reconnect to them
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ingest, control = addresses
+        write_roster(self.run_dir / BUFFER_ADDRESSES_FILE, {"ingest": ingest, "control": control})
         self.supervisor.register("buffer", self.buffer)
         return addresses
 
@@ -256,6 +263,7 @@ class Run:
             self.version = self.origin.policy_version
             watermark = int(extra.get("buffer", {}).get("received_watermark", 0))
             self.last_checkpoint_watermark = watermark
+            self.resumable = [(watermark, _unfinished(extra.get("reader")))]
             reset = ray.get(self.learners[0].resume_buffer.remote(self.version, watermark))
             log.info(
                 "resumed from %s: step %d, policy version %d, hand-out watermark %d, "
@@ -418,11 +426,29 @@ class Run:
             [w.save_checkpoint.remote(str(self.ckpt_root), extra) for w in self.learners],
             "saving a checkpoint",
         )[0]
+        self.resumable.append((record.watermark, _unfinished(extra["reader"])))
         if self.last_checkpoint_watermark is not None:
-            ray.get(self.learners[0].commit_buffer.remote(self.last_checkpoint_watermark))
+            committed = self.last_checkpoint_watermark
+            # checkpoints below the commit can no longer resume; the prompts the others list
+            # unfinished may be generated again, so the buffer keeps knowing them (retention.py)
+            self.resumable = [(w, u) for w, u in self.resumable if w >= committed]
+            retain = sorted({group_id_for_index(i) for _, u in self.resumable for i in u})
+            ray.get(self.learners[0].commit_buffer.remote(committed, retain))
         self.last_checkpoint_watermark = record.watermark
         log.info("checkpoint written: %s", record.path)
+        self.remove_old_checkpoints()
         return record
+
+    def remove_old_checkpoints(self) -> None:
+        """Keep the newest ``trainer.keep_checkpoints`` (at least 2) complete checkpoints."""
+        import shutil
+
+        keep = self.cfg.trainer.keep_checkpoints
+        if keep <= 0:
+            return
+        for old in checkpoint_candidates(self.ckpt_root)[max(keep, 2) :]:
+            log.info("removing old checkpoint %s (trainer.keep_checkpoints=%d)", old, keep)
+            shutil.rmtree(old, ignore_errors=True)
 
     def close(self, failed: bool = False) -> None:
         """End every role; after a role died (``failed``) kill them, as they may be stuck."""
@@ -475,6 +501,13 @@ class Run:
             )
         if self.started_ray:
             ray.shutdown()
+
+
+def _unfinished(reader_state: Any) -> list[int]:
+    """Prompt positions a checkpoint's delivery state lists as started but not accepted."""
+    if not isinstance(reader_state, dict):
+        return []
+    return [int(i) for i in reader_state.get("unfinished_prompts", [])]
 
 
 def _quietly(fn: Any, what: str) -> None:

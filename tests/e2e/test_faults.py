@@ -53,6 +53,7 @@ def _cmd(tmp: Path, run_dir: Path, steps: int) -> list[str]:
         f"trainer.save_freq={SAVE_FREQ}",
         "trainer.test_freq=-1",
         f"buffer.max_staleness={ETA}",
+        "buffer.prune_committed=false",  # the audit below reads every group back from the bank
         f"model.path={tmp / 'model'}",
         "model.warmstart.steps=20",
         f"data.train_files=[{tmp / 'data' / 'train.parquet'}]",

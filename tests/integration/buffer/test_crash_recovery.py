@@ -135,3 +135,54 @@ def test_kill_dash_nine_then_restart_loses_and_repeats_nothing(tmp_path):
         proc.wait()
         sender.close()
         client.close()
+
+
+def test_kill_dash_nine_after_pruning_then_resume_loses_and_repeats_nothing(tmp_path):
+    """Commits prune the bank (segments of 8 groups); a kill -9 and a learner resume from
+    its last checkpoint still serve every group exactly once; a retained group re-sent by
+    the fleet after the restart is recognised and dropped."""
+    bank, ready = tmp_path / "bank", tmp_path / "ready.json"
+    port = _free_port_pair()
+    proc, addresses = _start(port, bank, ready)
+    all_ids = [f"g{i:03d}" for i in range(NUM_GROUPS)]
+    sender = TrajectorySender(addresses["ingest"], linger_ms=0)
+    client = BufferClient(addresses["control"], timeout_s=3)
+    try:
+        for gid in all_ids:
+            for traj in make_group(gid, GROUP_SIZE):
+                sender.send(traj)
+        deadline = time.monotonic() + 60
+        while sum(client.group_status(all_ids)) < NUM_GROUPS * GROUP_SIZE:
+            assert time.monotonic() < deadline, "samples not accepted"
+            time.sleep(0.05)
+        received: list[str] = []
+        checkpoints: list[int] = []
+        while len(received) < 40:  # the learner trains; a checkpoint every 10 groups
+            _fetch(client, received)
+            if len(received) % 10 == 0 and len(received) not in checkpoints:
+                checkpoints.append(len(received))
+                if len(checkpoints) > 1:  # the driver commits one checkpoint late
+                    client.commit(checkpoints[-2], retain_groups=["g025"])
+        assert client.stats()["pruned_segments"] >= 2
+        proc.kill()  # SIGKILL after pruning; the learner dies too, back to checkpoint 40
+        proc.wait()
+
+        proc, again = _start(port, bank, ready)
+        assert again == addresses
+        client.resume(version=0, watermark=checkpoints[-1])
+        for traj in make_group("g025", GROUP_SIZE):  # the fleet regenerates a retained group
+            sender.send(traj)
+        deadline = time.monotonic() + 60
+        while len(received) < NUM_GROUPS:
+            assert time.monotonic() < deadline, f"only {len(received)} groups received"
+            _fetch(client, received)
+        assert received == all_ids  # in order, none lost, none twice
+        assert client.get_batch(1, 0, timeout_s=1) is None  # g025 was not accepted again
+        stats = client.stats()
+        assert stats["group_closed"] + stats.get("duplicates", 0) == GROUP_SIZE
+        assert stats["handout_count"] == NUM_GROUPS and stats["ready_groups"] == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        sender.close()
+        client.close()
