@@ -52,6 +52,7 @@ SUITE_MODULES: dict[str, str] = {
     "rollout": "bench.rollout",
     "learner": "bench.learner",
     "e2e": "bench.e2e",
+    "accuracy": "bench.accuracy",
 }
 # harness flag -> parameter names a suite's ``run`` may use for it (first match wins)
 SIZE_PARAMETERS: dict[str, tuple[str, ...]] = {
@@ -71,6 +72,7 @@ QUICK_BUDGET_S: dict[str, float] = {
     "rollout": 80.0,
     "learner": 80.0,
     "e2e": 290.0,
+    "accuracy": 420.0,
 }
 
 

@@ -322,6 +322,50 @@ def summarise(runs: list[dict[str, Any]], etas: Sequence[int]) -> dict[str, Any]
     return summary
 
 
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What every run of a suite shares: data files, the warm-started model, the base config."""
+
+    train_file: Path
+    val_file: Path
+    budget: dict[str, Any]  # the long-tail length targets' distribution and percentiles
+    model_dir: Path
+    base_config: Path
+
+
+def prepare_workload(
+    work: Path, sizes: E2ESizes, base_config: str | Path | None, progress: Progress
+) -> Workload:
+    """Write the long-tailed data under ``work`` and build (once) the warm-started model."""
+    from launcher.config import load_run_config
+
+    base = Path(base_config) if base_config is not None else DEFAULT_BASE_CONFIG
+    train_file, val_file, budget_stats = write_long_tail_data(work / "data", sizes)
+    base_cfg = load_run_config(base if base.is_file() else None, [])
+    # built once, reused by every run and by later invocations on the same folder
+    warm = "base" if sizes.warmstart_steps is None else sizes.warmstart_steps
+    model_dir = work / (
+        f"model-{sizes.task}-h{sizes.hidden}-l{sizes.layers}-w{warm}"
+        f"-len{sizes.budget_median:g}x{sizes.budget_sigma:g}-cap{sizes.max_new_tokens}"
+    )
+    progress.note(f"building the warm-started model at {model_dir} (once per output folder)")
+    build_model(model_dir, train_file, sizes, base_cfg.model.warmstart, base_cfg.model.tiny)
+    return Workload(train_file, val_file, budget_stats, model_dir, base)
+
+
+def train_once(
+    train: TrainFn, base: Path, overrides: list[str], run_dir: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One training run from scratch in ``run_dir``: (the loop's result, its metrics rows)."""
+    from launcher.config import load_run_config
+
+    cfg = load_run_config(base if base.is_file() else None, overrides)
+    if run_dir.exists():  # metrics.jsonl is appended to: start every run afresh
+        shutil.rmtree(run_dir)
+    result = train(cfg)
+    return result, read_metrics(result["metrics_path"])
+
+
 def _default_train_fn() -> TrainFn:
     from launcher.train import run as train_run  # the integrator's training loop
 
@@ -346,8 +390,6 @@ def run(
     sizes: E2ESizes | None = None,
 ) -> dict[str, Any]:
     """Train once per η (and once with the bypass loss at the largest η); write ``e2e.json``."""
-    from launcher.config import load_run_config
-
     if 0 not in etas or len(etas) < 2:
         raise ValueError(f"e2e: etas must include 0 and at least one async bound, got {list(etas)}")
     started = time.monotonic()
@@ -362,20 +404,12 @@ def run(
         device=device,
     )
     reps = 1 if quick else max(1, reps)
-    base = Path(base_config) if base_config is not None else DEFAULT_BASE_CONFIG
     train = train_fn or _default_train_fn()
-    work = Path(out_dir) / "e2e"
-    train_file, val_file, budget_stats = write_long_tail_data(work / "data", sizes)
-    base_cfg = load_run_config(base if base.is_file() else None, [])
-    # built once, reused by every run and by later invocations on the same folder
-    warm = "base" if sizes.warmstart_steps is None else sizes.warmstart_steps
-    model_dir = work / (
-        f"model-h{sizes.hidden}-l{sizes.layers}-w{warm}"
-        f"-len{sizes.budget_median:g}x{sizes.budget_sigma:g}-cap{sizes.max_new_tokens}"
-    )
     progress = Progress(SUITE, total=(len(etas) + 1) * reps)
-    progress.note(f"building the warm-started model at {model_dir} (once per output folder)")
-    build_model(model_dir, train_file, sizes, base_cfg.model.warmstart, base_cfg.model.tiny)
+    work = Path(out_dir) / "e2e"
+    workload = prepare_workload(work, sizes, base_config, progress)
+    base, model_dir = workload.base_config, workload.model_dir
+    train_file, val_file, budget_stats = workload.train_file, workload.val_file, workload.budget
     max_eta = max(etas)
     plan = [(eta, "decoupled") for eta in etas] + [(max_eta, "bypass")]
     runs: list[dict[str, Any]] = []
@@ -394,12 +428,8 @@ def run(
                 val_file=val_file,
                 max_eta=max_eta,
             )
-            cfg = load_run_config(base if base.is_file() else None, overrides)
-            if run_dir.exists():  # metrics.jsonl is appended to: start every run afresh
-                shutil.rmtree(run_dir)
             progress.note(f"training {label} (rep {rep + 1}/{reps}) -> {run_dir}")
-            result = train(cfg)
-            rows = read_metrics(result["metrics_path"])
+            result, rows = train_once(train, base, overrides, run_dir)
             figures = analyse_run(
                 rows,
                 samples_per_step=sizes.train_batch_size * sizes.group_size,
