@@ -5,12 +5,15 @@
 - ``report.md``: the machine, then one row per headline ratio (ours ÷ the
   baseline a peer system uses), a failed or missing suite shown as its error
   (``suite unavailable: ...``), then each suite's other summary figures and,
-  for e2e, one row per run (η, correction, samples/s, score, idle fractions).
+  for e2e, one row per run (η, correction, samples/s, score, idle fractions);
+  for accuracy, one row per setting (final score and time to target, mean ± std).
 - ``summary.png``: every headline ratio as a bar (1.0 = parity with the baseline).
 - ``<suite>_throughput.png``: throughput against size for each suite that sweeps
   sizes (the record's ``sweep``, see ``bench.common``).
 - ``e2e_score.png``: validation score against wall time, one line per η (and the
   bypass-loss run beside the decoupled correction at the largest η).
+- ``accuracy_score.png``: held-out score vs step and vs training wall time per
+  setting, the mean of seeds with a ± std band (the target score dotted).
 
 Plots use matplotlib's Agg backend (no display). Left out: comparisons across
 output folders (each folder is one run on one machine; compare JSONs yourself).

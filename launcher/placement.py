@@ -52,6 +52,9 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
             cores,
         )
     ray.init(
+        # "local": always a new instance; without it Ray joins any cluster a `ray start`
+        # on this machine recorded in /tmp/ray, and then refuses num_cpus and resources
+        address="local",
         num_cpus=num_cpus,
         num_gpus=cfg.ray.num_gpus or None,
         resources={
