@@ -103,7 +103,11 @@ def _scripted_train(cfg):
     eta, seed = cfg.buffer.max_staleness, cfg.trainer.seed
     rows = [{"step": 0, "val/score/mean": 0.2, "timing_s/validate": 0.5}]
     for step in range(1, cfg.trainer.total_steps + 1):
-        row = {"step": step, "timing_s/step": 1.0, "time/elapsed_s": step / (1 + eta) + 0.5}
+        row = {
+            "step": step,
+            "timing_s/step": 1 / (1 + eta),
+            "time/elapsed_s": step / (1 + eta) + 0.5,
+        }
         if step % cfg.trainer.test_freq == 0:
             row |= {"val/score/mean": 0.2 + 0.1 * step + 0.01 * seed}
         rows.append(row)
