@@ -285,19 +285,36 @@ def run(
                 "train_wall_s": curve[-1]["wall_s"] if curve else None,
             }
             runs.append(record)
+            _write_record(out_dir, runs, sizes, etas, bypass_eta, workload, started, complete=False)
             progress.step(
                 f"{label}: final {record['final_score']}, target {sizes.target_score} at "
                 f"{record['time_to_target_s']} s / step {record['step_to_target']}, "
                 f"{figures['samples_per_s']} samples/s"
             )
+    return _write_record(out_dir, runs, sizes, etas, bypass_eta, workload, started, complete=True)
+
+
+def _write_record(
+    out_dir: str | Path,
+    runs: list[dict[str, Any]],
+    sizes: AccuracySizes,
+    etas: Sequence[int],
+    bypass_eta: int | None,
+    workload: Any,
+    started: float,
+    *,
+    complete: bool,
+) -> dict[str, Any]:
+    """Write ``accuracy.json`` for the runs so far (after each run: a stopped grid keeps them)."""
     summary, per_setting = summarise(runs, sizes.target_score)
+    summary["grid_complete"] = complete
     config = {
         "etas": list(etas),
         "bypass_eta": bypass_eta,
         "seeds": list(sizes.seeds),
         "target_score": sizes.target_score,
         "base_config": str(workload.base_config),
-        "sizes": dataclasses.asdict(work_sizes),
+        "sizes": dataclasses.asdict(sizes.workload),
     }
     results = {"runs": runs, "settings": per_setting, "long_tail": workload.budget}
     write_json(
