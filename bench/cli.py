@@ -7,8 +7,8 @@ written to ``DIR/<suite>.json`` inside the standard envelope of
 ``bench.common.suite_record``. ``all`` runs each suite in a child process of its
 own (``python -m launcher.cli bench SUITE ...``) so a crash, a hang or leaked
 state (Ray, process groups) in one cannot spoil the next; with ``--quick`` the
-children share a deadline that keeps the whole run under 17 minutes (the
-accuracy suite, whole training runs, takes up to 7.5 of them). A suite
+children share a deadline that keeps the whole run under 19 minutes (the
+accuracy suite, whole training runs, takes up to 9 of them). A suite
 that is missing, fails or times out still gets its JSON, with ``status: error``
 and a one-line ``error`` (``suite unavailable: ...``), and the table shows it.
 Either way ``bench.report`` then writes ``report.md`` and the plots (in the parent
@@ -73,7 +73,7 @@ QUICK_BUDGET_S: dict[str, float] = {
     "rollout": 80.0,
     "learner": 80.0,
     "e2e": 290.0,
-    "accuracy": 450.0,
+    "accuracy": 540.0,
 }
 
 
