@@ -234,7 +234,13 @@ def run(
     parent, child = spawn.Pipe()
     proc = spawn.Process(target=_producer, args=(child, count, seed), daemon=True)
     proc.start()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(  # "local": never join a cluster another `ray start` on this machine recorded
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     rep = [0]
     try:
         queue, producer = _ray_setup(count, seed)
