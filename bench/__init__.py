@@ -11,6 +11,8 @@ so machine noise lands on both, and reports the ratio:
 - ``rollout``     the embedded engine vs ``transformers`` ``generate``.
 - ``learner``     packed vs padded micro-batches.
 - ``e2e``         the whole training loop at staleness bound η = 1, 2, 4 vs η = 0.
+- ``accuracy``    held-out score over time at η = 0, 2, 4, 8 (and the bypass loss
+                  at 8) over seeds: does async learn as well as sync, and sooner?
 
 ``bench.cli`` runs suites and writes ``DIR/<suite>.json``; ``bench.report``
 renders the Markdown table and plots; ``bench.common`` holds machine facts,

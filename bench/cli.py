@@ -7,8 +7,8 @@ written to ``DIR/<suite>.json`` inside the standard envelope of
 ``bench.common.suite_record``. ``all`` runs each suite in a child process of its
 own (``python -m launcher.cli bench SUITE ...``) so a crash, a hang or leaked
 state (Ray, process groups) in one cannot spoil the next; with ``--quick`` the
-children share a deadline that keeps the whole run under fifteen minutes (e2e,
-every η twice, takes most of it). A suite
+children share a deadline that keeps the whole run under about 25 minutes (e2e,
+every η twice, and the accuracy suite, whole training runs, take most of it). A suite
 that is missing, fails or times out still gets its JSON, with ``status: error``
 and a one-line ``error`` (``suite unavailable: ...``), and the table shows it.
 Either way ``bench.report`` then writes ``report.md`` and the plots (in the parent
@@ -53,6 +53,7 @@ SUITE_MODULES: dict[str, str] = {
     "rollout": "bench.rollout",
     "learner": "bench.learner",
     "e2e": "bench.e2e",
+    "accuracy": "bench.accuracy",
 }
 # harness flag -> parameter names a suite's ``run`` may use for it (first match wins)
 SIZE_PARAMETERS: dict[str, tuple[str, ...]] = {
@@ -73,6 +74,7 @@ QUICK_BUDGET_S: dict[str, float] = {
     "rollout": 80.0,
     "learner": 80.0,
     "e2e": 600.0,
+    "accuracy": 540.0,
 }
 
 

@@ -372,6 +372,50 @@ def run_plan(etas: Sequence[int], reps: int) -> list[tuple[int, int, str]]:
     return plan
 
 
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What every run of a suite shares: data files, the warm-started model, the base config."""
+
+    train_file: Path
+    val_file: Path
+    budget: dict[str, Any]  # the long-tail length targets' distribution and percentiles
+    model_dir: Path
+    base_config: Path
+
+
+def prepare_workload(
+    work: Path, sizes: E2ESizes, base_config: str | Path | None, progress: Progress
+) -> Workload:
+    """Write the long-tailed data under ``work`` and build (once) the warm-started model."""
+    from launcher.config import load_run_config
+
+    base = Path(base_config) if base_config is not None else DEFAULT_BASE_CONFIG
+    train_file, val_file, budget_stats = write_long_tail_data(work / "data", sizes)
+    base_cfg = load_run_config(base if base.is_file() else None, [])
+    # built once, reused by every run and by later invocations on the same folder
+    warm = "base" if sizes.warmstart_steps is None else sizes.warmstart_steps
+    model_dir = work / (
+        f"model-{sizes.task}-h{sizes.hidden}-l{sizes.layers}-w{warm}"
+        f"-len{sizes.budget_median:g}x{sizes.budget_sigma:g}-cap{sizes.max_new_tokens}"
+    )
+    progress.note(f"building the warm-started model at {model_dir} (once per output folder)")
+    build_model(model_dir, train_file, sizes, base_cfg.model.warmstart, base_cfg.model.tiny)
+    return Workload(train_file, val_file, budget_stats, model_dir, base)
+
+
+def train_once(
+    train: TrainFn, base: Path, overrides: list[str], run_dir: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One training run from scratch in ``run_dir``: (the loop's result, its metrics rows)."""
+    from launcher.config import load_run_config
+
+    cfg = load_run_config(base if base.is_file() else None, overrides)
+    if run_dir.exists():  # metrics.jsonl is appended to: start every run afresh
+        shutil.rmtree(run_dir)
+    result = train(cfg)
+    return result, read_metrics(result["metrics_path"])
+
+
 def _default_train_fn() -> TrainFn:
     from launcher.train import run as train_run  # the integrator's training loop
 
@@ -398,8 +442,6 @@ def run(
 ) -> dict[str, Any]:
     """Train every η ``reps`` times, alternated (and once with the bypass loss at the
     largest η); write ``e2e.json``."""
-    from launcher.config import load_run_config
-
     if 0 not in etas or len(etas) < 2:
         raise ValueError(f"e2e: etas must include 0 and at least one async bound, got {list(etas)}")
     if headline_eta not in etas or headline_eta == 0:
@@ -422,14 +464,6 @@ def run(
     base = Path(base_config) if base_config is not None else DEFAULT_BASE_CONFIG
     train = train_fn or _default_train_fn()
     work = Path(out_dir) / "e2e"
-    train_file, val_file, budget_stats = write_long_tail_data(work / "data", sizes)
-    base_cfg = load_run_config(base if base.is_file() else None, [])
-    # built once, reused by every run and by later invocations on the same folder
-    warm = "base" if sizes.warmstart_steps is None else sizes.warmstart_steps
-    model_dir = work / (
-        f"model-h{sizes.hidden}-l{sizes.layers}-w{warm}"
-        f"-len{sizes.budget_median:g}x{sizes.budget_sigma:g}-cap{sizes.max_new_tokens}"
-    )
     plan = run_plan(etas, reps)
     config = {
         "base_config": str(base),
@@ -446,8 +480,9 @@ def run(
     )
     progress = Progress(SUITE, total=len(plan))
     progress.note(f"headline η = {headline_eta} (declared); {reps} repetitions per η")
-    progress.note(f"building the warm-started model at {model_dir} (once per output folder)")
-    build_model(model_dir, train_file, sizes, base_cfg.model.warmstart, base_cfg.model.tiny)
+    workload = prepare_workload(work, sizes, base_config, progress)
+    model_dir = workload.model_dir
+    train_file, val_file, budget_stats = workload.train_file, workload.val_file, workload.budget
     max_eta = max(etas)
     runs: list[dict[str, Any]] = []
     for rep, eta, correction in plan:
@@ -463,12 +498,8 @@ def run(
             val_file=val_file,
             max_eta=max_eta,
         )
-        cfg = load_run_config(base if base.is_file() else None, overrides)
-        if run_dir.exists():  # metrics.jsonl is appended to: start every run afresh
-            shutil.rmtree(run_dir)
         progress.note(f"training {label} (rep {rep + 1}/{reps}) -> {run_dir}")
-        result = train(cfg)
-        rows = read_metrics(result["metrics_path"])
+        result, rows = train_once(train, base, overrides, run_dir)
         figures = analyse_run(
             rows,
             samples_per_step=sizes.train_batch_size * sizes.group_size,

@@ -5,12 +5,15 @@
 - ``report.md``: the machine, then one row per headline ratio (ours ÷ the
   baseline a peer system uses), a failed or missing suite shown as its error
   (``suite unavailable: ...``), then each suite's other summary figures and,
-  for e2e, one row per run (η, correction, samples/s, score, idle fractions).
+  for e2e, one row per run (η, correction, samples/s, score, idle fractions);
+  for accuracy, one row per setting (final score and time to target, mean ± std).
 - ``summary.png``: every headline ratio as a bar (1.0 = parity with the baseline).
 - ``<suite>_throughput.png``: throughput against size for each suite that sweeps
   sizes (the record's ``sweep``, see ``bench.common``).
 - ``e2e_score.png``: validation score against wall time, one line per η (and the
   bypass-loss run beside the decoupled correction at the largest η).
+- ``accuracy_score.png``: held-out score vs step and vs training wall time per
+  setting, the mean of seeds with a ± std band (the target score dotted).
 
 Plots use matplotlib's Agg backend (no display). Left out: comparisons across
 output folders (each folder is one run on one machine; compare JSONs yourself).
@@ -78,6 +81,13 @@ HEADLINES: dict[str, list[tuple[str, str, str]]] = {
             "async_vs_sync",
             "median over alternated repetitions of samples/s at the declared η ÷ η = 0,"
             " paired per repetition, validation included on both (long-tailed lengths)",
+            "synchronous trainer (verl default)",
+        ),
+    ],
+    "accuracy": [
+        (
+            "time_to_target_vs_sync",
+            "time to the target held-out score at η = 0 ÷ at η = 4 (decoupled, mean of seeds)",
             "synchronous trainer (verl default)",
         ),
     ],
@@ -192,6 +202,33 @@ def _e2e_lines(record: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _accuracy_lines(record: Mapping[str, Any]) -> list[str]:
+    settings = (record.get("results") or {}).get("settings") or {}
+    if not settings:
+        return []
+    lines = [
+        "",
+        "| setting | seeds | final score mean | ± std | time to target (s) | ± std | step to target | reached | samples/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, figures in settings.items():
+        values = [
+            figures.get(k)
+            for k in (
+                "seeds",
+                "final_score_mean",
+                "final_score_std",
+                "time_to_target_s_mean",
+                "time_to_target_s_std",
+                "step_to_target_mean",
+                "reached",
+                "samples_per_s_mean",
+            )
+        ]
+        lines.append(f"| {key} | " + " | ".join(fmt(v) for v in values) + " |")
+    return lines
+
+
 def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in mapping.items():
@@ -237,6 +274,8 @@ def markdown(records: Mapping[str, Mapping[str, Any]]) -> str:
             lines += [f"| {k} | {fmt(v)} |" for k, v in extra.items()]
         if suite == "e2e":
             lines += _e2e_lines(record)
+        if suite == "accuracy":
+            lines += _accuracy_lines(record)
     return "\n".join(lines) + "\n"
 
 
@@ -345,6 +384,48 @@ def plot_e2e_scores(record: Mapping[str, Any], path: Path) -> Path | None:
     return path
 
 
+def plot_accuracy(record: Mapping[str, Any], path: Path) -> Path | None:
+    """Held-out score vs step and vs training wall time, per setting: mean of seeds ± std band."""
+    runs = [r for r in (record.get("results") or {}).get("runs") or [] if r.get("curve")]
+    if not runs:
+        return None
+    plt = _pyplot()
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11.0, 4.2), sharey=True)
+    settings: dict[str, list[Mapping[str, Any]]] = {}
+    for run in runs:
+        name = f"η={run['eta']}" + (" bypass" if run.get("correction") == "bypass" else "")
+        settings.setdefault(name, []).append(run)
+    for name, mine in settings.items():
+        points = min(len(r["curve"]) for r in mine)
+        columns = [[r["curve"][i] for r in mine] for i in range(points)]
+        mean = [sum(p["score"] for p in col) / len(col) for col in columns]
+        spread = [
+            (sum((p["score"] - m) ** 2 for p in col) / max(1, len(col) - 1)) ** 0.5
+            for col, m in zip(columns, mean, strict=True)
+        ]
+        low = [m - s for m, s in zip(mean, spread, strict=True)]
+        high = [m + s for m, s in zip(mean, spread, strict=True)]
+        style = "--" if "bypass" in name else "-"
+        for ax, key in ((by_step, "step"), (by_time, "wall_s")):
+            xs = [sum(p[key] for p in col) / len(col) for col in columns]
+            (line,) = ax.plot(xs, mean, style, marker="o", markersize=3, label=name)
+            ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.15)
+    target = (record.get("summary") or {}).get("target_score")
+    for ax in (by_step, by_time):
+        if isinstance(target, int | float):
+            ax.axhline(target, color="gray", linestyle=":", linewidth=1)
+        ax.grid(alpha=0.3)
+    by_step.set_xlabel("learner step")
+    by_time.set_xlabel("training wall time (s, validation excluded)")
+    by_step.set_ylabel("held-out score (greedy, mean of seeds ± std)")
+    by_time.legend()
+    fig.suptitle("accuracy: held-out score per staleness bound η (decoupled unless marked)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_report(out_dir: str | Path) -> dict[str, Path]:
     """Write report.md and every plot the records allow; returns {name: path}."""
     out = Path(out_dir)
@@ -364,6 +445,11 @@ def write_report(out_dir: str | Path) -> dict[str, Path]:
     e2e = records.get("e2e")
     if e2e is not None and e2e.get("status", "ok") == "ok":
         path = plot_e2e_scores(e2e, out / "e2e_score.png")
+        if path is not None:
+            written[path.name] = path
+    accuracy = records.get("accuracy")
+    if accuracy is not None and accuracy.get("status", "ok") == "ok":
+        path = plot_accuracy(accuracy, out / "accuracy_score.png")
         if path is not None:
             written[path.name] = path
     log.info("bench report: %s", ", ".join(str(p) for p in written.values()))

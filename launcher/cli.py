@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="throughput harness: each stage against its baseline, as ratios"
     )
     p.add_argument(
-        "suite", choices=["transport", "weight-sync", "rollout", "learner", "e2e", "all"]
+        "suite",
+        choices=["transport", "weight-sync", "rollout", "learner", "e2e", "accuracy", "all"],
     )
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="smallest sizes and fewest repetitions")

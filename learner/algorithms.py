@@ -168,9 +168,14 @@ def compute_reinforce_pp_advantages(
 ) -> torch.Tensor:
     """REINFORCE++ (arXiv 2501.03262): discounted reward-to-go, whitened over the batch.
 
-    G_t = r_t + γ·G' (G' the next valid step's return; masked steps are
-    transparent, as in ``compute_gae``), then A = masked_whiten(G)·mask. For
-    right-padded responses this equals verl's ``reinforce_plus_plus``.
+    verl's ``reinforce_plus_plus`` exactly, masked gaps included. Backward over t:
+
+        G_t = r_t + γ·G',   then G' := G_t·mask_t
+
+    so a masked step (a tool/observation token inside a response) ends the
+    return: the step before it starts afresh from its own reward, as verl's
+    "reset after EOS" does. A = masked_whiten(G)·mask, with mean and unbiased
+    variance over the masked-in steps of the whole batch.
     """
     _check_2d("token_rewards", token_rewards, response_mask, "compute_reinforce_pp_advantages")
     mask = _float_mask(response_mask, token_rewards)
@@ -178,9 +183,9 @@ def compute_reinforce_pp_advantages(
     running = torch.zeros_like(mask[:, 0])
     returns = torch.zeros_like(mask)
     for t in reversed(range(mask.shape[1])):
-        step = mask[:, t]
-        running = step * (rewards[:, t] + gamma * running) + (1 - step) * running
+        running = rewards[:, t] + gamma * running
         returns[:, t] = running
+        running = running * mask[:, t]
     return masked_whiten(returns, mask) * mask
 
 

@@ -100,9 +100,9 @@ class CorrectionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         float,
         Meta(
             ge=0,
-            description="Decoupled: tokens with π_prox/π_behav above this get weight 0 (AReaL's behav_imp_weight_cap; 0 = no cap).",
+            description="Decoupled: tokens with π_prox/π_behav above this get weight 0 (AReaL's behav_imp_weight_cap, 5.0 in its configs; 0 = no cap). Uncapped, one token weighted 100x can wreck a step at η = 8.",
         ),
-    ] = 0.0
+    ] = 5.0
 
 
 class KLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -283,6 +283,10 @@ class RolloutWorker:
             out["val/response_length/mean"] = statistics.fmean(
                 s.sample.num_generated for _, s in results
             )
+            versions = [v for _, s in results for v in s.sample.token_versions]
+            if versions:  # which weights validated: should be the version just published
+                out["val/policy_version/min"] = float(min(versions))
+                out["val/policy_version/max"] = float(max(versions))
         for source, values in sorted(by_source.items()):
             out[f"val/score/{source}"] = statistics.fmean(values)
         return out

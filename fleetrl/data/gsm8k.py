@@ -9,8 +9,12 @@ in the HF repository), or one such file. Each record has ``question`` and
 Output, per split, ``OUT/<split>.parquet`` with the same content verl writes:
 the question plus verl's instruction suffix as a single user message,
 ``data_source`` "openai/gsm8k", ``ability`` "math", ``reward_model``
-{style "rule", ground_truth N with thousands separators removed} and
-``extra_info`` {split, index, answer, question}.
+{style "rule", ground_truth} and ``extra_info`` {split, index, answer, question}.
+The ground truth is taken by verl's ``extract_solution`` rule: the FIRST
+``"#### "`` (one space) followed by ``-?[0-9.,]+``, commas removed; whatever
+follows the number is ignored (``#### 5 apples`` -> "5", ``#### 72.`` -> "72.",
+``#### .5`` -> ".5", ``#### ,5`` -> "5"). A record without such a marker, which
+verl's script stops on with an assertion, is reported as a dataset error.
 
 Run: ``fleetrl data gsm8k --input ~/data/gsm8k_raw --out data/gsm8k``.
 """
@@ -34,15 +38,13 @@ log = get_logger(__name__)
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 SPLITS = ("train", "test")
-_ANSWER_RE = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
+_ANSWER_RE = re.compile(r"#### (-?[0-9.,]+)")
 
 
 def ground_truth_of(answer: str) -> str | None:
-    """The number after the last ``####`` of a GSM8K answer, commas removed (None if absent)."""
-    if "####" not in answer:
-        return None
-    tail = answer.rsplit("####", 1)[1].strip()
-    return tail.replace(",", "") if _ANSWER_RE.fullmatch(tail) else None
+    """verl's ground truth of a GSM8K answer: the first ``#### N``, commas removed."""
+    found = _ANSWER_RE.search(answer)
+    return found.group(1).replace(",", "") if found else None
 
 
 def find_split_files(root: Path, split: str) -> list[Path]:
@@ -92,7 +94,7 @@ def convert_record(record: Any, *, split: str, index: int, file: Path) -> dict[s
     if ground_truth is None:
         raise DatasetError(
             file,
-            f"does not end with '#### <number>': ...{answer[-60:]!r}",
+            f"holds no '#### <number>': ...{answer[-60:]!r}",
             row=index,
             field="answer",
         )

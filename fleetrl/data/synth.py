@@ -1,10 +1,13 @@
 """Synthetic verifiable tasks a tiny character-level model can learn by RL on a CPU.
 
 Each task enumerates a small, finite instance space of (prompt text, answer)
-pairs; every answer is a short digit string (one or two tokens with the
+pairs; every answer is a short digit string (one to three tokens with the
 project's character tokenizer, so ``max_new_tokens`` of 4 is enough):
 
 - ``add``        "3+5=" -> "8": single-digit addition, 100 instances.
+- ``add2``       "47+8=" -> "55": a number below 100 plus a digit, 1,000 instances
+                 (200 held out: enough distinct prompts for a held-out score that
+                 moves in steps of 0.005, and a carry to learn).
 - ``copy_last``  "last:4172=" -> "2": the last digit of 2-4 digits, 11,100 instances.
 - ``count``      "count a:abba=" -> "2": the number of a's in 1-8 letters a/b, 510 instances.
 
@@ -62,6 +65,10 @@ def _add_instances() -> list[tuple[str, str]]:
     return [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
 
 
+def _add2_instances() -> list[tuple[str, str]]:
+    return [(f"{a}+{b}=", str(a + b)) for a in range(100) for b in range(10)]
+
+
 def _copy_last_instances() -> list[tuple[str, str]]:
     return [
         (f"last:{''.join(digits)}=", digits[-1])
@@ -82,6 +89,7 @@ TASKS: dict[str, SynthTask] = {
     task.name: task
     for task in (
         SynthTask("add", "single-digit addition a+b=", _add_instances),
+        SynthTask("add2", "a number below 100 plus a digit a+b=", _add2_instances),
         SynthTask("copy_last", "copy the last of 2-4 digits", _copy_last_instances),
         SynthTask("count", "count the a's in 1-8 letters a/b", _count_instances),
     )

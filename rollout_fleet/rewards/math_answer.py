@@ -1,116 +1,157 @@
-"""MATH-style scorer: the last ``\\boxed{...}`` of the solution against the ground truth.
+"""MATH scorer with verl's rule, case for case (``verl/utils/reward_score/math_reward.py``,
+itself the "simple" hendrycks-math rule of lm-evaluation-harness).
 
-Extraction: the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced, so
-``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``; ``\\boxed 5`` gives ``5``. A
-solution without one scores 0.
+Registered for verl's MATH sources (``lighteval/MATH``,
+``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500``).
 
-Equivalence (the "simple" rule of verl's hendrycks-math scorer, re-derived):
-both sides are normalised — line breaks, ``\\!``, spaces, ``\\left``/``\\right``,
-``^\\circ``, dollar signs, ``\\%`` and trailing units (``10\\text{ cm}``) are
-dropped, ``\\text{X}`` unwraps to X, ``dfrac``/``tfrac`` become ``frac``,
-``\\frac12`` becomes ``\\frac{1}{2}``, ``\\sqrt2`` becomes ``\\sqrt{2}``, a short
-``x =`` prefix and a trailing full stop are removed, ``.5`` becomes ``0.5`` — and
-compared as strings. Plain numbers (integers, decimals, ``a/b``,
-``\\frac{a}{b}``, thousands separators) are also compared as exact rationals,
-so "0.5", "1/2" and "\\frac12" are equal, as are "1,000" and "1000".
+Extraction (``boxed_answer``):
+- if ``"\\boxed "`` (with a space) occurs anywhere, the answer is the text after
+  its LAST occurrence up to the next ``$`` (nothing stripped: ``\\boxed 5.``
+  gives ``"5."``);
+- otherwise the last ``\\boxed`` must be followed directly by ``{``; the answer
+  is the text up to the brace that balances it. ``\\boxed`` not followed by
+  ``{``, an unbalanced box, and ``\\fbox{...}`` (verl finds it but cannot
+  unbox it) give no answer: score 0.
 
-Left out: symbolic equivalence (sympy / math-verify: "2\\sqrt{2}" vs
-"\\sqrt{8}"), intervals and sets in different orders, matrices.
+Equivalence (``is_equivalent``): both sides go through ``strip_string`` and are
+compared as strings. The ground truth is NOT unboxed. ``strip_string``, in
+order: drop line breaks and ``\\!``; ``\\\\`` -> ``\\``; ``tfrac``/``dfrac`` ->
+``frac``; drop ``\\left``, ``\\right``, ``^{\\circ}``, ``^\\circ``, ``\\$``; cut at
+``\\text{ `` (a unit; twice is an error); drop ``\\%``; `` .`` -> `` 0.`` and
+``{.`` -> ``{0.``; a leading ``.`` gets a ``0``; ``k = v`` -> ``v`` when the left
+side is at most 2 characters; ``\\sqrt3`` -> ``\\sqrt{3}``; drop spaces;
+``\\frac12`` -> ``\\frac{1}{2}``; exactly ``0.5`` -> ``\\frac{1}{2}``; ``a/b`` of
+two plain integers -> ``\\frac{a}{b}``. Plain ``$`` and ``%``, thousands
+separators and trailing zeros are kept (``1,000`` != ``1000``, ``1.0`` != ``1``).
+Where verl's normalisation raises (``\\text{ `` twice, ``\\sqrt`` or ``\\frac``
+with nothing after it) the raw strings are compared.
+
+A more forgiving scorer (exact rationals, ``\\fbox``, boxed ground truths) is
+``rollout_fleet.rewards.math_lenient``, registered as ``fleetrl/math-lenient``.
 """
 
 from __future__ import annotations
 
-import re
-from fractions import Fraction
 from typing import Any
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
-_UNIT_RE = re.compile(r"^(?P<value>.+?)\s*\\(?:text|mbox|mathrm)\{\s*[a-zA-Z][^{}]*\}$")
-_TEXT_RE = re.compile(r"\\(?:text|textbf|mbox|mathrm)\{(?P<inner>[^{}]*)\}")
-_FRAC_SHORT_RE = re.compile(r"\\frac(?P<num>[0-9a-zA-Z])(?P<den>[0-9a-zA-Z])")
-_FRAC_HALF_RE = re.compile(r"\\frac(?P<num>\{[^{}]*\})(?P<den>[0-9a-zA-Z])")
-_SQRT_RE = re.compile(r"\\sqrt(?P<arg>[0-9a-zA-Z])")
-_DECIMAL_RE = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)")
-_INT_RATIO_RE = re.compile(r"(?P<num>-?\d+)/(?P<den>\d+)")
-_FRAC_RE = re.compile(r"(?P<sign>-?)\\frac\{(?P<num>-?\d+)\}\{(?P<den>\d+)\}")
-_THOUSANDS_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_BOX_SPACE = "\\boxed "
+_BOX_BRACE = "\\boxed{"
+_UNIT = "\\text{ "
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}``/``\\fbox{...}`` (balanced braces), or None."""
-    start = max(text.rfind(command) for command in _BOX_COMMANDS)
-    if start < 0:
-        return None
-    command = next(c for c in _BOX_COMMANDS if text.startswith(c, start))
-    rest = text[start + len(command) :]
-    if rest.startswith(" "):  # "\boxed 5": the argument runs to the next "$" or space
-        return rest.strip().split("$")[0].split()[0] if rest.strip() else None
-    if not rest.startswith("{"):
+class _Unnormalizable(ValueError):
+    """verl's normalisation raises on this text; it is compared raw instead."""
+
+
+def boxed_answer(solution: str) -> str | None:
+    """The answer of the solution's last box under verl's rule, or None."""
+    if _BOX_SPACE in solution:
+        return solution.split(_BOX_SPACE)[-1].split("$")[0]
+    start = solution.rfind("\\boxed")
+    if start < 0 or not solution.startswith(_BOX_BRACE, start):
         return None
     depth = 0
-    for i, ch in enumerate(rest):
-        if ch == "{":
+    for i in range(start + len(_BOX_BRACE) - 1, len(solution)):
+        if solution[i] == "{":
             depth += 1
-        elif ch == "}":
+        elif solution[i] == "}":
             depth -= 1
             if depth == 0:
-                return rest[1:i]
-    return None  # unbalanced: the solution was cut off inside the box
-
-
-def normalize(answer: str) -> str:
-    """Canonical string of a MATH answer (see the module docstring for every rule)."""
-    text = answer.replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
-    text = text.replace("tfrac", "frac").replace("dfrac", "frac")
-    text = text.replace("\\left", "").replace("\\right", "")
-    text = text.replace("^{\\circ}", "").replace("^\\circ", "")
-    text = text.replace("\\$", "").replace("$", "")
-    text = text.strip()
-    unit = _UNIT_RE.match(text)
-    if unit:
-        text = unit.group("value")
-    text = _TEXT_RE.sub(lambda m: m.group("inner"), text)
-    text = text.replace("\\%", "").replace("%", "")
-    text = text.replace(" .", " 0.").replace("{.", "{0.")
-    if text.startswith("."):
-        text = "0" + text
-    parts = text.split("=")
-    if len(parts) == 2 and len(parts[0].strip()) <= 2:
-        text = parts[1]
-    text = text.replace(" ", "")
-    text = _SQRT_RE.sub(r"\\sqrt{\g<arg>}", text)
-    text = _FRAC_SHORT_RE.sub(r"\\frac{\g<num>}{\g<den>}", text)
-    text = _FRAC_HALF_RE.sub(r"\\frac\g<num>{\g<den>}", text)
-    text = text.rstrip(".")
-    return text
-
-
-def as_rational(text: str) -> Fraction | None:
-    """The exact value of a normalised plain number (int, decimal, a/b, \\frac{a}{b}), else None."""
-    if _THOUSANDS_RE.fullmatch(text):
-        text = text.replace(",", "")
-    if _DECIMAL_RE.fullmatch(text):
-        return Fraction(text)
-    match = _INT_RATIO_RE.fullmatch(text) or _FRAC_RE.fullmatch(text)
-    if match and int(match.group("den")) != 0:
-        value = Fraction(int(match.group("num")), int(match.group("den")))
-        return -value if match.groupdict().get("sign") == "-" else value
+                return solution[start + len(_BOX_BRACE) : i]
     return None
 
 
+def _remove_right_units(text: str) -> str:
+    parts = text.split(_UNIT)
+    if len(parts) > 2:
+        raise _Unnormalizable(text)
+    return parts[0]
+
+
+def _fix_sqrt(text: str) -> str:
+    head, *rest = text.split("\\sqrt")
+    out = head
+    for part in rest:
+        if not part:
+            raise _Unnormalizable(text)
+        out += "\\sqrt" + (part if part[0] == "{" else "{" + part[0] + "}" + part[1:])
+    return out
+
+
+def _fix_fracs(text: str) -> str:
+    head, *rest = text.split("\\frac")
+    out = head
+    for part in rest:
+        if not part:
+            raise _Unnormalizable(text)
+        out += "\\frac"
+        if part[0] == "{":
+            out += part
+        elif len(part) < 2:
+            return text  # verl gives up on the whole string here
+        elif part[1] != "{":
+            out += "{" + part[0] + "}{" + part[1] + "}" + part[2:]
+        else:
+            out += "{" + part[0] + "}" + part[1:]
+    return out
+
+
+def _fix_a_slash_b(text: str) -> str:
+    parts = text.split("/")
+    if len(parts) != 2:
+        return text
+    try:
+        numerator, denominator = int(parts[0]), int(parts[1])
+    except ValueError:
+        return text
+    if text != f"{numerator}/{denominator}":
+        return text
+    return "\\frac{" + str(numerator) + "}{" + str(denominator) + "}"
+
+
+def strip_string(text: str) -> str:
+    """verl's normalisation of a MATH answer (rules in the module docstring)."""
+    for old, new in (
+        ("\n", ""),
+        ("\\!", ""),
+        ("\\\\", "\\"),
+        ("tfrac", "frac"),
+        ("dfrac", "frac"),
+        ("\\left", ""),
+        ("\\right", ""),
+        ("^{\\circ}", ""),
+        ("^\\circ", ""),
+        ("\\$", ""),
+    ):
+        text = text.replace(old, new)
+    text = _remove_right_units(text)
+    text = text.replace("\\%", "").replace(" .", " 0.").replace("{.", "{0.")
+    if not text:
+        return text
+    if text[0] == ".":
+        text = "0" + text
+    sides = text.split("=")
+    if len(sides) == 2 and len(sides[0]) <= 2:
+        text = sides[1]
+    text = _fix_sqrt(text).replace(" ", "")
+    text = _fix_fracs(text)
+    if text == "0.5":
+        text = "\\frac{1}{2}"
+    return _fix_a_slash_b(text)
+
+
 def is_equivalent(answer: str, ground_truth: str) -> bool:
-    left, right = normalize(answer), normalize(ground_truth)
-    if left == right:
-        return True
-    left_value, right_value = as_rational(left), as_rational(right)
-    return left_value is not None and left_value == right_value
+    """verl's ``is_equiv``: normalised strings equal (raw strings if normalisation fails)."""
+    try:
+        return strip_string(answer) == strip_string(ground_truth)
+    except _Unnormalizable:
+        return answer == ground_truth
 
 
 def compute_score(solution_str: str, ground_truth: str) -> dict[str, Any]:
-    """1.0 if the last boxed answer is equivalent to ``ground_truth`` (itself unboxed if boxed)."""
-    answer = last_boxed(solution_str)
-    truth = last_boxed(ground_truth) or ground_truth
-    correct = answer is not None and is_equivalent(answer, truth)
+    """1.0 if the last box's answer is equivalent to ``ground_truth``, else 0.0."""
+    answer = boxed_answer(solution_str)
+    correct = answer is not None and is_equivalent(answer, ground_truth)
     return {
         "score": float(correct),
         "acc": float(correct),

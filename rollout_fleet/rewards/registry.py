@@ -5,9 +5,13 @@ A reward function has verl's custom-reward signature and is called with keywords
     fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None)
         -> float | dict   # a dict holds "score" plus extra numeric metrics ("acc", ...)
 
-Built in: "openai/gsm8k" (strict ``####`` rule), the MATH sources
-"lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"
-(last ``\\boxed{}``), and "synth/*" (the synthetic tasks' exact match). A key
+Built in, each returning what verl's ``default_compute_score`` returns for the
+same source (as ``"score"``, with extra metrics): "openai/gsm8k" (verl's strict
+``#### N`` rule), the MATH sources "lighteval/MATH",
+"DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500" (verl's
+hendrycks-math rule on the last ``\\boxed{}``); and, under names of our own,
+"fleetrl/gsm8k-lenient" and "fleetrl/math-lenient" (numbers normalised, exact
+rationals) and "synth/*" (the synthetic tasks' exact match). A key
 ending in ``*`` matches every source with that prefix; an exact key wins over
 a prefix, and a longer prefix over a shorter one.
 
@@ -21,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetrl.log import get_logger
-from rollout_fleet.rewards import gsm8k, math_answer, synth
+from rollout_fleet.rewards import gsm8k, gsm8k_lenient, math_answer, math_lenient, synth
 
 log = get_logger(__name__)
 
@@ -29,6 +33,8 @@ RewardFn = Callable[[str, str, str, "dict[str, Any] | None"], "float | dict[str,
 
 GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+GSM8K_LENIENT_SOURCE = "fleetrl/gsm8k-lenient"
+MATH_LENIENT_SOURCE = "fleetrl/math-lenient"
 SYNTH_PATTERN = "synth/*"
 
 
@@ -42,6 +48,14 @@ def _gsm8k(data_source: str, solution_str: str, ground_truth: str, extra_info: A
 
 def _math(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None):
     return math_answer.compute_score(solution_str, ground_truth)
+
+
+def _gsm8k_lenient(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None):
+    return gsm8k_lenient.compute_score(solution_str, ground_truth)
+
+
+def _math_lenient(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None):
+    return math_lenient.compute_score(solution_str, ground_truth)
 
 
 def _synth(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None):
@@ -105,5 +119,7 @@ def default_registry() -> RewardRegistry:
         registry.register(source, _gsm8k)
     for source in MATH_SOURCES:
         registry.register(source, _math)
+    registry.register(GSM8K_LENIENT_SOURCE, _gsm8k_lenient)
+    registry.register(MATH_LENIENT_SOURCE, _math_lenient)
     registry.register(SYNTH_PATTERN, _synth)
     return registry

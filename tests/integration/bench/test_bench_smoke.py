@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
+from pathlib import Path
 
 import pytest
 
-from bench import cli, e2e
+from bench import accuracy, cli, e2e
 from bench.common import read_json
 from bench.report import HEADLINES, write_report
 
@@ -76,3 +78,81 @@ def test_e2e_trains_sync_and_async_and_writes_scores_idle_fractions_and_plots(tm
     assert out["summary"]["val_score_bypass_eta1"] is not None
     written = write_report(tmp_path)
     assert {"e2e_score.png", "e2e_throughput.png", "summary.png"} <= set(written)
+
+
+def _accuracy_sizes(seeds: tuple[int, ...]) -> accuracy.AccuracySizes:
+    workload = dataclasses.replace(
+        accuracy.QUICK_SIZES.workload,
+        total_steps=4,
+        warmup_steps=1,
+        test_freq=2,
+        train_batch_size=2,
+        group_size=2,
+        max_new_tokens=8,
+        train_size=40,
+        val_size=4,
+        hidden=32,
+        warmstart_steps=20,
+    )
+    return accuracy.AccuracySizes(workload=workload, target_score=0.5, seeds=seeds)
+
+
+def _scripted_train(cfg):
+    """A stand-in for the training loop: metrics.jsonl whose score rises faster at larger η."""
+    run_dir = Path(cfg.trainer.output_dir)
+    run_dir.mkdir(parents=True)
+    eta, seed = cfg.buffer.max_staleness, cfg.trainer.seed
+    rows = [{"step": 0, "val/score/mean": 0.2, "timing_s/validate": 0.5}]
+    for step in range(1, cfg.trainer.total_steps + 1):
+        row = {
+            "step": step,
+            "timing_s/step": 1 / (1 + eta),
+            "time/elapsed_s": step / (1 + eta) + 0.5,
+        }
+        if step % cfg.trainer.test_freq == 0:
+            row |= {"val/score/mean": 0.2 + 0.1 * step + 0.01 * seed}
+        rows.append(row)
+    path = run_dir / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"metrics_path": str(path), "run_dir": str(run_dir)}
+
+
+def test_accuracy_grid_reports_curves_seed_statistics_headlines_and_plot(tmp_path):
+    sizes = _accuracy_sizes((0, 1))
+    sizes = dataclasses.replace(  # the scripted loop needs no trained model
+        sizes, workload=dataclasses.replace(sizes.workload, warmstart_steps=0)
+    )
+    out = accuracy.run(tmp_path, etas=(0, 4, 8), sizes=sizes, train_fn=_scripted_train)
+    record = read_json(tmp_path / "accuracy.json")
+    _assert_headlines(record, "accuracy")
+    runs = record["results"]["runs"]
+    assert len(runs) == 8 and {(r["eta"], r["correction"]) for r in runs} == {
+        (0, "decoupled"),
+        (4, "decoupled"),
+        (8, "decoupled"),
+        (8, "bypass"),
+    }
+    assert [p["step"] for p in runs[0]["curve"]] == [0, 2, 4]
+    summary = out["summary"]
+    assert summary["time_to_target_vs_sync"] == pytest.approx(5.0)  # 4.0 s vs 0.8 s
+    assert summary["final_gap_eta4"] == pytest.approx(0.0)
+    assert summary["correction_gain_eta8"] == pytest.approx(0.0)
+    assert summary["final_score_std_eta0"] == pytest.approx(0.01 / 2**0.5)
+    written = write_report(tmp_path)
+    assert "accuracy_score.png" in written
+    assert "| eta8_bypass |" in written["report.md"].read_text()
+
+
+@pytest.mark.slow
+def test_accuracy_trains_sync_and_async_at_its_smallest_size(tmp_path):
+    out = accuracy.run(tmp_path, quick=True, etas=(0, 1), sizes=_accuracy_sizes((0,)), bypass_eta=1)
+    runs = out["results"]["runs"]
+    assert [(r["eta"], r["correction"]) for r in runs] == [
+        (0, "decoupled"),
+        (1, "decoupled"),
+        (1, "bypass"),
+    ]
+    for run in runs:
+        assert [p["step"] for p in run["curve"]] == [0, 2, 4]
+        assert all(0.0 <= p["score"] <= 1.0 and p["wall_s"] >= 0.0 for p in run["curve"])
+    assert set(out["results"]["settings"]) == {"eta0", "eta1", "eta1_bypass"}

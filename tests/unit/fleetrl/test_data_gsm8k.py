@@ -24,12 +24,51 @@ def _jsonl(path, records):
     return path
 
 
-def test_ground_truth_is_the_number_after_the_last_marker_without_commas():
-    assert gsm8k.ground_truth_of("a #### 1 b\n#### 1,234") == "1234"
-    assert gsm8k.ground_truth_of("#### -8") == "-8"
-    assert gsm8k.ground_truth_of("#### 2.5") == "2.5"
-    assert gsm8k.ground_truth_of("no marker 5") is None
-    assert gsm8k.ground_truth_of("#### seven") is None
+# (answer text, the ground truth verl's examples/data_preprocess/gsm8k.py writes; None
+# where its extract_solution stops on an assertion)
+GROUND_TRUTH_CASES = [
+    ("3+4=7\n#### 7", "7"),
+    ("#### 1,234", "1234"),
+    ("#### 12,000", "12000"),
+    ("#### -8", "-8"),
+    ("#### 2.5", "2.5"),
+    ("a #### 1 b\n#### 1,234", "1"),  # the FIRST marker
+    ("#### 5\n#### 6", "5"),
+    ("#### 5 apples", "5"),
+    ("#### 72.", "72."),
+    ("#### .5", ".5"),
+    ("#### ,72", "72"),
+    ("#### 7,2", "72"),
+    ("#### 1.2.3", "1.2.3"),
+    ("#### 3.50", "3.50"),
+    ("#### 072", "072"),
+    ("#### $5", None),
+    ("####5 then #### 6", "6"),
+    ("####  5", None),
+    ("####\n5", None),
+    ("#### -", None),
+    ("##### 9", "9"),
+    ("no marker 5", None),
+    ("#### seven", None),
+    ("#### \uff15", None),
+]
+
+
+@pytest.mark.parametrize(("answer", "expected"), GROUND_TRUTH_CASES)
+def test_ground_truth_is_verls_first_marker_rule(answer, expected):
+    assert gsm8k.ground_truth_of(answer) == expected
+
+
+def test_rows_verl_accepts_are_converted_with_verls_ground_truth(tmp_path):
+    records = [
+        {"question": "q1", "answer": "#### 5 apples"},
+        {"question": "q2", "answer": "#### 72."},
+        {"question": "q3", "answer": "#### .5"},
+        {"question": "q4", "answer": "#### 3\n#### 4"},
+    ]
+    written = gsm8k.convert(_jsonl(tmp_path / "train.jsonl", records), tmp_path / "out")
+    rows = pq.read_table(written["train"]).to_pylist()
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["5", "72.", ".5", "3"]
 
 
 def test_folder_of_jsonl_converts_to_verl_rows(tmp_path):

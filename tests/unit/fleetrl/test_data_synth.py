@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import typing
 
+import pyarrow.parquet as pq
 import pytest
 
 from fleetrl.data import synth
@@ -22,14 +23,15 @@ def test_every_task_answer_is_right_and_short():
     assert ("3+5=", "8") in instances["add"] and len(instances["add"]) == 100
     assert ("last:4172=", "2") in instances["copy_last"]
     assert ("count a:abba=", "2") in instances["count"]
-    for content, answer in instances["add"]:
+    assert ("47+8=", "55") in instances["add2"] and len(instances["add2"]) == 1000
+    for content, answer in instances["add"] + instances["add2"]:
         a, b = content.removesuffix("=").split("+")
         assert int(answer) == int(a) + int(b)
     for content, answer in instances["count"]:
         assert int(answer) == content.removeprefix("count a:").removesuffix("=").count("a")
     for name, pairs in instances.items():
         assert len(set(pairs)) == len(pairs), name
-        assert all(1 <= len(answer) <= 2 for _, answer in pairs), name
+        assert all(1 <= len(answer) <= 3 for _, answer in pairs), name
 
 
 @pytest.mark.parametrize("task", sorted(synth.TASKS))
@@ -76,3 +78,12 @@ def test_config_accepts_exactly_the_registered_task_names():
     hint = typing.get_type_hints(DataConfig, include_extras=True)["synth_task"]
     literal = typing.get_args(hint)[0]
     assert set(typing.get_args(literal)) == {"", *synth.TASKS}
+
+
+def test_add2_holds_out_200_distinct_prompts_never_trained_on(tmp_path):
+    train_path, test_path = synth.write_synth_dataset("add2", tmp_path, 2000, 200, seed=0)
+    train = pq.read_table(train_path).to_pylist()
+    test = pq.read_table(test_path).to_pylist()
+    test_prompts = {row["prompt"][0]["content"] for row in test}
+    assert len(test_prompts) == 200
+    assert not test_prompts & {row["prompt"][0]["content"] for row in train}

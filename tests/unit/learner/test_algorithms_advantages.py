@@ -204,6 +204,37 @@ def test_reinforce_pp_matches_reference_whitened_reward_to_go():
     torch.testing.assert_close(compute_reinforce_pp_advantages(rewards, mask, gamma), expected)
 
 
+def test_reinforce_pp_masked_step_restarts_the_return_as_verl():
+    # verl's reinforce_plus_plus on this batch (the second row all zeros): the return
+    # at t=0 does not see the reward at t=2 across the masked step t=1.
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 1], [1, 1, 1]], dtype=torch.float64)
+    adv = compute_reinforce_pp_advantages(rewards, mask, gamma=1.0)
+    expected = [[-1 / math.sqrt(5), 0.0, 4 / math.sqrt(5)], [-1 / math.sqrt(5)] * 3]
+    torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64), atol=1e-4, rtol=0)
+    single = compute_reinforce_pp_advantages(rewards[:1], mask[:1], gamma=1.0)
+    torch.testing.assert_close(
+        single, torch.tensor([[-math.sqrt(0.5), 0.0, math.sqrt(0.5)]], dtype=torch.float64)
+    )
+
+
+def test_reinforce_pp_with_holes_matches_verls_recurrence():
+    generator = torch.Generator().manual_seed(5)
+    mask = random_mask(generator, 5, 9, holes=True)
+    rewards = torch.randn(5, 9, generator=generator, dtype=torch.float64)
+    gamma = 0.9
+    returns = []
+    for r_row, m_row in zip(rewards.tolist(), mask.tolist(), strict=True):
+        row, running = [0.0] * len(r_row), 0.0
+        for t in reversed(range(len(r_row))):
+            running = r_row[t] + gamma * running
+            row[t] = running
+            running *= m_row[t]
+        returns.append(row)
+    expected = torch.tensor(ref_whiten(returns, mask.tolist()), dtype=torch.float64) * mask
+    torch.testing.assert_close(compute_reinforce_pp_advantages(rewards, mask, gamma), expected)
+
+
 # ------------------------------------------------------------ GRPO / Dr. GRPO / RLOO
 
 

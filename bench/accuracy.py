@@ -1,0 +1,331 @@
+"""Accuracy suite: does asynchronous training learn as well as synchronous, and sooner?
+
+The question a verl user asks before trusting an async trainer: at staleness
+bound η, with the decoupled PPO correction, is the held-out score as good as the
+synchronous trainer's (η = 0), and how much sooner is a given score reached?
+
+Workload (shared with the e2e suite, ``bench.e2e.prepare_workload``): the
+``synth/add2`` task (a number below 100 plus a digit: 1,000 instances, 200 of
+them held out and never trained on, so the held-out score moves in steps of
+0.005 and is not saturated within a few steps), a tiny model warm-started on
+80 % wrong labels, and long-tailed response lengths (``bench.e2e_workload``).
+
+Grid: η ∈ {0, 2, 4, 8} with the decoupled correction, plus the bypass loss at
+η = 8, each with ``SEEDS`` trainer seeds (``--quick``: η ∈ {0, 4, 8} and the
+bypass at 8, one seed).
+Every run is ``launcher.train.run`` on the same data, model, resources and
+concurrency cap; only η, the correction and the seed change. Runs go
+seed-major, alternating the order of settings, so machine noise spreads.
+
+Per run: the held-out score (greedy) against the step and against training
+wall time (the run's elapsed clock from its first learner step, less its own
+validation time: start-up, the same for every setting, and how often a run
+validates do not count); the first time and step at which the score
+reaches ``target_score``, a constant of the sizes declared before any run.
+Per setting: final score mean ± std over seeds, time to target mean ± std.
+
+Summary: ``time_to_target_vs_sync`` = mean time to target at η = 0 ÷ at η = 4
+(> 1: async reaches the score sooner); ``final_gap_eta4`` = mean final score
+at η = 4 (decoupled) − at η = 0; ``correction_gain_eta8`` = decoupled − bypass
+at η = 8. A setting where some seed never reaches the target reports its mean
+over the seeds that did and ``reached`` counts them.
+
+Run: ``fleetrl bench accuracy --out runs/bench`` (``--quick`` for the small grid).
+Left out: runs two at a time (the machine is shared; each run uses both cores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import Progress, ratio, suite_json_path, suite_record, write_json
+from bench.e2e import (
+    SCORE_KEYS,
+    STEP_TIME_KEYS,
+    VALIDATION_TIME_KEYS,
+    E2ESizes,
+    TrainFn,
+    analyse_run,
+    prepare_workload,
+    run_overrides,
+    train_once,
+)
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+
+SUITE = "accuracy"
+ETAS: tuple[int, ...] = (0, 2, 4, 8)
+QUICK_ETAS: tuple[int, ...] = (0, 4, 8)  # --quick: the settings the summary needs
+BYPASS_ETA = 8
+SEEDS: tuple[int, ...] = (0, 1, 2)
+ELAPSED_KEY = "time/elapsed_s"
+STEP_KEY = "step"
+
+
+@dataclasses.dataclass(frozen=True)
+class AccuracySizes:
+    """The workload (as the e2e suite's) plus what the accuracy grid adds."""
+
+    workload: E2ESizes
+    target_score: float  # declared before any run: the score whose arrival is timed
+    seeds: tuple[int, ...] = SEEDS
+
+
+FULL_SIZES = AccuracySizes(
+    workload=E2ESizes(
+        total_steps=32,
+        warmup_steps=4,
+        test_freq=4,
+        train_batch_size=8,
+        group_size=8,
+        max_new_tokens=48,
+        budget_median=4.0,
+        budget_sigma=1.1,
+        train_size=2000,
+        val_size=200,
+        hidden=64,
+        layers=2,
+        engines=1,
+        learner_ranks=1,
+        device="cpu",
+        warmstart_steps=500,
+        task="add2",
+    ),
+    # declared before the full grid from the quick grid's η = 0 curve (0.245 at step 0,
+    # 0.43-0.455 over steps 4-16, 0.525 at 24): reached by sync in mid-run
+    target_score=0.45,
+)
+# --quick: the same runs (a shorter warm start or run never reached the target in a
+# trial: 300 warm-start steps start at 0.12 held-out), fewer settings, one seed
+QUICK_SIZES = dataclasses.replace(FULL_SIZES, seeds=(0,))
+
+
+def score_curve(rows: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """[{step, wall_s, score}] at each validation.
+
+    wall_s is training wall time: the run's elapsed clock since its first learner
+    step began (start-up of Ray, engines and the initial validation excluded),
+    less the validation time spent since then.
+    """
+    start = next(
+        (
+            (_number(r, (ELAPSED_KEY,)) or 0.0) - (_number(r, STEP_TIME_KEYS) or 0.0)
+            for r in rows
+            if _number(r, STEP_TIME_KEYS) is not None
+        ),
+        0.0,
+    )
+    curve, validation_s = [], 0.0
+    for row in rows:
+        score = _number(row, SCORE_KEYS)
+        elapsed = _number(row, (ELAPSED_KEY,))
+        if elapsed is not None:  # validations before the first step are start-up
+            validation_s += _number(row, VALIDATION_TIME_KEYS) or 0.0
+        if score is None:
+            continue
+        wall = 0.0 if elapsed is None else max(0.0, elapsed - start - validation_s)
+        curve.append({"step": _number(row, (STEP_KEY,)) or 0.0, "wall_s": wall, "score": score})
+    return curve
+
+
+def _number(row: Mapping[str, Any], keys: Sequence[str]) -> float | None:
+    for key in keys:
+        value = row.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    return None
+
+
+def first_reaching(curve: list[dict[str, float]], target: float) -> dict[str, float] | None:
+    """The first validation point whose score is >= ``target`` (None if never)."""
+    return next((point for point in curve if point["score"] >= target), None)
+
+
+def mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def setting_key(eta: int, correction: str) -> str:
+    return f"eta{eta}" if correction == "decoupled" else f"eta{eta}_{correction}"
+
+
+def summarise(runs: list[dict[str, Any]], target: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(summary with the three headline figures, per-setting statistics over seeds)."""
+    settings: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        key = setting_key(run["eta"], run["correction"])
+        settings.setdefault(key, {"eta": run["eta"], "correction": run["correction"], "runs": []})
+        settings[key]["runs"].append(run)
+    per_setting: dict[str, Any] = {}
+    for key, setting in settings.items():
+        mine = setting["runs"]
+        finals = [r["final_score"] for r in mine if r["final_score"] is not None]
+        times = [r["time_to_target_s"] for r in mine if r["time_to_target_s"] is not None]
+        steps = [r["step_to_target"] for r in mine if r["step_to_target"] is not None]
+        rates = [r["samples_per_s"] for r in mine if r.get("samples_per_s") is not None]
+        final_mean, final_std = mean_std(finals)
+        time_mean, time_std = mean_std(times)
+        per_setting[key] = {
+            "eta": setting["eta"],
+            "correction": setting["correction"],
+            "seeds": len(mine),
+            "final_score_mean": final_mean,
+            "final_score_std": final_std,
+            "time_to_target_s_mean": time_mean,
+            "time_to_target_s_std": time_std,
+            "step_to_target_mean": mean_std(steps)[0],
+            "reached": len(times),
+            "samples_per_s_mean": mean_std(rates)[0],
+        }
+
+    def figure(key: str, name: str) -> float | None:
+        return per_setting.get(key, {}).get(name)
+
+    def gap(left: str, right: str) -> float | None:
+        a, b = figure(left, "final_score_mean"), figure(right, "final_score_mean")
+        return a - b if a is not None and b is not None else None
+
+    summary: dict[str, Any] = {
+        "time_to_target_vs_sync": ratio(
+            figure("eta0", "time_to_target_s_mean"), figure("eta4", "time_to_target_s_mean")
+        ),
+        "final_gap_eta4": gap("eta4", "eta0"),
+        "correction_gain_eta8": gap(f"eta{BYPASS_ETA}", f"eta{BYPASS_ETA}_bypass"),
+        "target_score": target,
+    }
+    for key, figures in per_setting.items():
+        summary[f"final_score_mean_{key}"] = figures["final_score_mean"]
+        summary[f"final_score_std_{key}"] = figures["final_score_std"]
+        summary[f"time_to_target_s_{key}"] = figures["time_to_target_s_mean"]
+        summary[f"reached_{key}"] = figures["reached"]
+    return summary, per_setting
+
+
+def _default_train_fn() -> TrainFn:
+    from launcher.train import run as train_run
+
+    return train_run
+
+
+def run(
+    out_dir: str | Path,
+    quick: bool = False,
+    reps: int | None = None,
+    *,
+    etas: Sequence[int] | None = None,
+    bypass_eta: int | None = BYPASS_ETA,
+    base_config: str | Path | None = None,
+    train_fn: TrainFn | None = None,
+    sizes: AccuracySizes | None = None,
+) -> dict[str, Any]:
+    """Train the grid (settings × seeds), write ``accuracy.json``; ``reps`` = number of seeds."""
+    etas = tuple(etas) if etas is not None else (QUICK_ETAS if quick else ETAS)
+    if 0 not in etas:
+        raise ValueError(f"accuracy: etas must include 0 (the sync baseline), got {list(etas)}")
+    started = time.monotonic()
+    sizes = sizes or (QUICK_SIZES if quick else FULL_SIZES)
+    if reps is not None and not quick:
+        sizes = dataclasses.replace(sizes, seeds=tuple(range(max(1, reps))))
+    work_sizes = sizes.workload
+    train = train_fn or _default_train_fn()
+    plan = [(eta, "decoupled") for eta in etas]
+    if bypass_eta is not None:
+        plan.append((bypass_eta, "bypass"))
+    progress = Progress(SUITE, total=len(plan) * len(sizes.seeds))
+    work = Path(out_dir) / SUITE
+    workload = prepare_workload(work, work_sizes, base_config, progress)
+    max_eta = max(eta for eta, _ in plan)
+    runs: list[dict[str, Any]] = []
+    for index, seed in enumerate(sizes.seeds):
+        for eta, correction in plan if index % 2 == 0 else list(reversed(plan)):
+            label = f"η={eta}" + (" bypass" if correction == "bypass" else "") + f" seed {seed}"
+            run_dir = work / "runs" / f"{setting_key(eta, correction)}-seed{seed}"
+            overrides = run_overrides(
+                work_sizes,
+                eta=eta,
+                correction=correction,
+                run_dir=run_dir,
+                model_dir=workload.model_dir,
+                train_file=workload.train_file,
+                val_file=workload.val_file,
+                max_eta=max_eta,
+            ) + [f"trainer.seed={seed}"]
+            progress.note(f"training {label} -> {run_dir}")
+            result, rows = train_once(train, workload.base_config, overrides, run_dir)
+            curve = score_curve(rows)
+            reached = first_reaching(curve, sizes.target_score)
+            figures = analyse_run(
+                rows,
+                samples_per_step=work_sizes.train_batch_size * work_sizes.group_size,
+                warmup_steps=work_sizes.warmup_steps,
+            )
+            record = {
+                "label": label,
+                "eta": eta,
+                "correction": correction,
+                "seed": seed,
+                "run_dir": str(result.get("run_dir", run_dir)),
+                "curve": curve,
+                "initial_score": curve[0]["score"] if curve else None,
+                "final_score": curve[-1]["score"] if curve else None,
+                "time_to_target_s": reached["wall_s"] if reached else None,
+                "step_to_target": reached["step"] if reached else None,
+                "samples_per_s": figures["samples_per_s"],
+                "staleness_max": figures["staleness_max"],
+                "trainer_idle_fraction": figures["trainer_idle_fraction"],
+                "response_length_mean": figures["response_length_mean"],
+                "train_wall_s": curve[-1]["wall_s"] if curve else None,
+            }
+            runs.append(record)
+            _write_record(out_dir, runs, sizes, etas, bypass_eta, workload, started, complete=False)
+            progress.step(
+                f"{label}: final {record['final_score']}, target {sizes.target_score} at "
+                f"{record['time_to_target_s']} s / step {record['step_to_target']}, "
+                f"{figures['samples_per_s']} samples/s"
+            )
+    return _write_record(out_dir, runs, sizes, etas, bypass_eta, workload, started, complete=True)
+
+
+def _write_record(
+    out_dir: str | Path,
+    runs: list[dict[str, Any]],
+    sizes: AccuracySizes,
+    etas: Sequence[int],
+    bypass_eta: int | None,
+    workload: Any,
+    started: float,
+    *,
+    complete: bool,
+) -> dict[str, Any]:
+    """Write ``accuracy.json`` for the runs so far (after each run: a stopped grid keeps them)."""
+    summary, per_setting = summarise(runs, sizes.target_score)
+    summary["grid_complete"] = complete
+    config = {
+        "etas": list(etas),
+        "bypass_eta": bypass_eta,
+        "seeds": list(sizes.seeds),
+        "target_score": sizes.target_score,
+        "base_config": str(workload.base_config),
+        "sizes": dataclasses.asdict(sizes.workload),
+    }
+    results = {"runs": runs, "settings": per_setting, "long_tail": workload.budget}
+    write_json(
+        suite_json_path(out_dir, SUITE),
+        suite_record(
+            SUITE,
+            config=config,
+            results=results,
+            summary=summary,
+            wall_s=time.monotonic() - started,
+        ),
+    )
+    return {"config": config, "results": results, "summary": summary}
