@@ -52,6 +52,7 @@ from bench.e2e import (
     E2ESizes,
     TrainFn,
     analyse_run,
+    default_train_fn,
     prepare_workload,
     run_overrides,
     train_once,
@@ -210,12 +211,6 @@ def summarise(runs: list[dict[str, Any]], target: float) -> tuple[dict[str, Any]
     return summary, per_setting
 
 
-def _default_train_fn() -> TrainFn:
-    from launcher.train import run as train_run
-
-    return train_run
-
-
 def run(
     out_dir: str | Path,
     quick: bool = False,
@@ -236,7 +231,7 @@ def run(
     if reps is not None and not quick:
         sizes = dataclasses.replace(sizes, seeds=tuple(range(max(1, reps))))
     work_sizes = sizes.workload
-    train = train_fn or _default_train_fn()
+    train = train_fn or default_train_fn()
     plan = [(eta, "decoupled") for eta in etas]
     if bypass_eta is not None:
         plan.append((bypass_eta, "bypass"))

@@ -416,7 +416,8 @@ def train_once(
     return result, read_metrics(result["metrics_path"])
 
 
-def _default_train_fn() -> TrainFn:
+def default_train_fn() -> TrainFn:
+    """``launcher.train.run``, imported only when a suite trains for real."""
     from launcher.train import run as train_run  # the integrator's training loop
 
     return train_run
@@ -462,7 +463,7 @@ def run(
     )
     reps = max(1, reps) if reps is not None else (QUICK_REPS if quick else FULL_REPS)
     base = Path(base_config) if base_config is not None else DEFAULT_BASE_CONFIG
-    train = train_fn or _default_train_fn()
+    train = train_fn or default_train_fn()
     work = Path(out_dir) / "e2e"
     plan = run_plan(etas, reps)
     config = {
