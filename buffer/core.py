@@ -75,6 +75,17 @@ from fleetrl.log import get_logger
 
 log = get_logger(__name__)
 
+COUNTERS = (
+    "received_messages",
+    "bank_write_errors",
+    "rewound_groups",
+    "forgotten_groups",
+    "bank_over_bound",
+    "reload_skipped_closed",
+    "reload_duplicates",
+    "undeliverable_replies",
+)
+
 MAX_GROUP_SIZE = 4096
 REJECT_LOG_FIRST = 10  # rejected frames logged individually per reason, then every Nth
 REJECT_LOG_EVERY = 1000
@@ -131,7 +142,9 @@ class BufferCore:
             segment_rows=config.segment_rows,
             fsync_every_write=config.fsync_every_write,
         )
-        self.counters: Counter[str] = Counter()
+        # every counter is reported from the start (0 until it moves), so readers of
+        # stats() never meet a missing key before the first message arrives
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self.rejected: Counter[str] = Counter()
         self.policy_version = 0
         self.committed = 0
