@@ -57,9 +57,20 @@ def init_group(
     )
 
 
+CLOSE_BARRIER_S = 10.0
+
+
 def close_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the learner group together: a barrier first (bounded: a dead peer does not hold
+    us), so no rank tears down its transport while a peer still talks to it (gloo aborts the
+    process when a pair's peer vanishes mid-use), then destroy."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=CLOSE_BARRIER_S))
+    except RuntimeError as err:  # a peer died or timed out: leave anyway
+        log.warning("learner group barrier before close failed: %s", err)
+    dist.destroy_process_group()
 
 
 def broadcast_bytes(payload: bytes | None, device: torch.device, src: int = 0) -> bytes:
