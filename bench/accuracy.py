@@ -37,10 +37,9 @@ Left out: runs two at a time (the machine is shared; each run uses both cores).
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,7 @@ from bench.e2e import (
     TrainFn,
     analyse_run,
     default_train_fn,
+    first_number,
     prepare_workload,
     run_overrides,
     train_once,
@@ -117,31 +117,25 @@ def score_curve(rows: list[dict[str, Any]]) -> list[dict[str, float]]:
     """
     start = next(
         (
-            (_number(r, (ELAPSED_KEY,)) or 0.0) - (_number(r, STEP_TIME_KEYS) or 0.0)
+            (first_number(r, (ELAPSED_KEY,)) or 0.0) - (first_number(r, STEP_TIME_KEYS) or 0.0)
             for r in rows
-            if _number(r, STEP_TIME_KEYS) is not None
+            if first_number(r, STEP_TIME_KEYS) is not None
         ),
         0.0,
     )
     curve, validation_s = [], 0.0
     for row in rows:
-        score = _number(row, SCORE_KEYS)
-        elapsed = _number(row, (ELAPSED_KEY,))
+        score = first_number(row, SCORE_KEYS)
+        elapsed = first_number(row, (ELAPSED_KEY,))
         if elapsed is not None:  # validations before the first step are start-up
-            validation_s += _number(row, VALIDATION_TIME_KEYS) or 0.0
+            validation_s += first_number(row, VALIDATION_TIME_KEYS) or 0.0
         if score is None:
             continue
         wall = 0.0 if elapsed is None else max(0.0, elapsed - start - validation_s)
-        curve.append({"step": _number(row, (STEP_KEY,)) or 0.0, "wall_s": wall, "score": score})
+        curve.append(
+            {"step": first_number(row, (STEP_KEY,)) or 0.0, "wall_s": wall, "score": score}
+        )
     return curve
-
-
-def _number(row: Mapping[str, Any], keys: Sequence[str]) -> float | None:
-    for key in keys:
-        value = row.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-    return None
 
 
 def first_reaching(curve: list[dict[str, float]], target: float) -> dict[str, float] | None:

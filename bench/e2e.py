@@ -41,7 +41,7 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +212,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _first(row: dict[str, Any], keys: Sequence[str]) -> float | None:
+def first_number(row: Mapping[str, Any], keys: Sequence[str]) -> float | None:
+    """The first of ``keys`` whose value in ``row`` is a finite number (bools are not)."""
     for key in keys:
         value = row.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
@@ -235,30 +236,30 @@ def analyse_run(
     """
     clock, elapsed = 0.0, []
     for row in rows:
-        logged = _first(row, ELAPSED_KEYS)
-        clock = logged if logged is not None else clock + (_first(row, STEP_TIME_KEYS) or 0.0)
+        logged = first_number(row, ELAPSED_KEYS)
+        clock = logged if logged is not None else clock + (first_number(row, STEP_TIME_KEYS) or 0.0)
         elapsed.append(clock)
-    train_index = [i for i, r in enumerate(rows) if _first(r, STEP_TIME_KEYS) is not None]
+    train_index = [i for i, r in enumerate(rows) if first_number(r, STEP_TIME_KEYS) is not None]
     measured_index = train_index[warmup_steps:]
     measured = [rows[i] for i in measured_index]
     samples_per_s, window_s = None, None
     if measured:
         start = elapsed[train_index[warmup_steps - 1]] if warmup_steps else 0.0
         window_s = elapsed[measured_index[-1]] - start
-        samples = sum(_first(r, SAMPLES_KEYS) or samples_per_step for r in measured)
+        samples = sum(first_number(r, SAMPLES_KEYS) or samples_per_step for r in measured)
         samples_per_s = ratio(samples, window_s)
-    validation_s = sum(_first(r, VALIDATION_TIME_KEYS) or 0.0 for r in measured)
+    validation_s = sum(first_number(r, VALIDATION_TIME_KEYS) or 0.0 for r in measured)
     curve = [
-        [elapsed[i], _first(row, SCORE_KEYS)]
+        [elapsed[i], first_number(row, SCORE_KEYS)]
         for i, row in enumerate(rows)
-        if _first(row, SCORE_KEYS) is not None
+        if first_number(row, SCORE_KEYS) is not None
     ]
     scores = [s for _, s in curve]
-    step_s = sum(_first(r, STEP_TIME_KEYS) or 0.0 for r in measured)
-    waited_s = sum(_first(r, ("timing_s/gen",)) or 0.0 for r in measured)
-    has_wait = any(_first(r, ("timing_s/gen",)) is not None for r in measured)
-    staleness = [s for r in rows if (s := _first(r, ("staleness/max",))) is not None]
-    lengths = [m for r in measured if (m := _first(r, RESPONSE_LENGTH_KEYS)) is not None]
+    step_s = sum(first_number(r, STEP_TIME_KEYS) or 0.0 for r in measured)
+    waited_s = sum(first_number(r, ("timing_s/gen",)) or 0.0 for r in measured)
+    has_wait = any(first_number(r, ("timing_s/gen",)) is not None for r in measured)
+    staleness = [s for r in rows if (s := first_number(r, ("staleness/max",))) is not None]
+    lengths = [m for r in measured if (m := first_number(r, RESPONSE_LENGTH_KEYS)) is not None]
     last = measured[-1] if measured else {}
     return {
         "steps": len(train_index),
@@ -272,8 +273,8 @@ def analyse_run(
         "best_val_score": max(scores) if scores else None,
         "trainer_idle_fraction": ratio(waited_s, step_s)
         if has_wait
-        else _first(last, ("trainer/idle_fraction",)),
-        "rollout_idle_fraction": _first(last, ("rollout/idle_fraction",)),
+        else first_number(last, ("trainer/idle_fraction",)),
+        "rollout_idle_fraction": first_number(last, ("rollout/idle_fraction",)),
         "staleness_max": max(staleness, default=None),
         "response_length_mean": sum(lengths) / len(lengths) if lengths else None,
         # samples/s rewards short responses; tokens/s shows whether a policy just answers shorter
