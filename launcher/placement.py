@@ -122,7 +122,7 @@ def free_nodes() -> list[Any]:
     import ray
     from ray._private.state import available_resources_per_node
 
-    from launcher.preflight import Node
+    from launcher.preflight_findings import Node
 
     names = {
         n["NodeID"]: n.get("NodeManagerAddress") or n["NodeID"][:8]
@@ -138,7 +138,7 @@ def free_nodes() -> list[Any]:
 
 def missing(cfg: RunConfig, part: str) -> str:
     """What the free resources lack for ``part`` ("learner" or "rollout"), per node."""
-    from launcher.preflight import check_resources
+    from launcher.preflight_resources import check_resources
 
     findings = check_resources(cfg, free_nodes(), local=False, parts=(part,))
     if not findings:
@@ -189,7 +189,7 @@ def wait_for_engine_room(cfg: RunConfig) -> None:
     Engines are placed by the fleet (one actor each); waiting here first, where the
     driver can say what is missing, keeps their own start-up timeout for start-up.
     """
-    from launcher.preflight import check_resources
+    from launcher.preflight_resources import check_resources
 
     def room(timeout_s: float) -> bool:
         if not check_resources(cfg, free_nodes(), local=False, parts=("rollout",)):

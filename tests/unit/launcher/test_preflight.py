@@ -19,19 +19,18 @@ import pytest
 
 from launcher.config import load_run_config
 from launcher.preflight import (
-    Node,
     PreflightFailed,
     Probes,
     check_backend,
     check_cluster,
     check_output_dir,
-    check_resources,
     check_tracking,
-    count_parameters,
     ensure_ready,
-    local_node,
     run_checks,
 )
+from launcher.preflight_findings import Node
+from launcher.preflight_resources import check_resources, local_node
+from learner.memory import ModelShape
 
 REPO = Path(__file__).resolve().parents[3]
 GIB = 2**30
@@ -58,7 +57,15 @@ def _cfg(tmp_path, *overrides):
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(
-        json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100})
+        json.dumps(
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "vocab_size": 100,
+                "num_attention_heads": 4,
+                "intermediate_size": 256,
+            }  # fmt: skip
+        )
     )
     return load_run_config(
         None,
@@ -270,7 +277,7 @@ def test_parameter_count_of_qwen2_7b_config():
         "vocab_size": 152064,
         "tie_word_embeddings": False,
     }
-    assert 7.4e9 < count_parameters(qwen7b) < 7.8e9  # Qwen2.5-7B: 7.62B
+    assert 7.4e9 < ModelShape.from_config_dict(qwen7b).params() < 7.8e9  # Qwen2.5-7B: 7.62B
 
 
 # ---- all at once ---------------------------------------------------------------------------
