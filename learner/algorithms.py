@@ -294,6 +294,7 @@ def policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float | None = 3.0,
     is_weights: torch.Tensor | None = None,
+    behavior_logprob: torch.Tensor | None = None,
     loss_agg_mode: str = "token-mean",
     global_token_count: Count = None,
     global_seq_count: Count = None,
@@ -312,6 +313,16 @@ def policy_loss(
     (``compute_importance_weights``). Bypass: ``old_logprob`` = π_behav and
     ``is_weights=None``. ``clip_ratio_c=None`` disables the dual clip.
 
+    ``behavior_logprob`` (decoupled only) adds the trust region around the
+    behaviour policy: with ρ = π_θ/π_behav = w·r, a token already past it in its
+    advantage's direction (A > 0 and ρ > 1 + ε_high, or A < 0 and ρ < 1 − ε_low)
+    gets L = max(L, −A·clip(ρ, 1 − ε_low, 1 + ε_high)), a constant: no gradient.
+    Elsewhere L is unchanged, and so is every token with w = 0. With one
+    mini-batch per step π_prox = π_θ, r = 1 and the π_prox clip never binds; this
+    bound is then the only trust region, and the gradient equals the bypass
+    loss's: w·A·∇log π_θ inside it, 0 past it. Without it a stale token that the
+    policy has already pushed up (w up to the cap) is pushed again with weight w.
+
     Metrics (0-dim detached tensors, local to this micro-batch): ``pg_clipfrac``
     (tokens where the clip was active), ``pg_clipfrac_lower`` (tokens where the
     dual clip was active), ``ppo_kl`` (masked mean of old_logprob − logprob),
@@ -325,6 +336,8 @@ def policy_loss(
         _check_2d(name, tensor, response_mask, "policy_loss")
     if is_weights is not None:
         _check_2d("is_weights", is_weights, response_mask, "policy_loss")
+    if behavior_logprob is not None:
+        _check_2d("behavior_logprob", behavior_logprob, response_mask, "policy_loss")
     if clip_ratio_low < 0 or clip_ratio_high < 0:
         raise ValueError(
             f"policy_loss: clip ratios must be >= 0, got low={clip_ratio_low}, high={clip_ratio_high}"
@@ -347,6 +360,21 @@ def policy_loss(
         dual_active = torch.zeros_like(clip_active)
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
+    behavior_active = torch.zeros_like(clip_active)
+    if behavior_logprob is not None:
+        behavior_ratio = torch.exp(
+            torch.clamp(
+                logprob - behavior_logprob.detach(), min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP
+            )
+        )
+        bound = -advantages * torch.clamp(behavior_ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+        past = ((advantages > 0) & (behavior_ratio > 1 + clip_ratio_high)) | (
+            (advantages < 0) & (behavior_ratio < 1 - clip_ratio_low)
+        )
+        if is_weights is not None:
+            past = past & (is_weights.detach() > 0)
+        behavior_active = past & (bound > per_token)
+        per_token = torch.where(behavior_active, bound.detach(), per_token)
 
     loss = agg_loss(
         per_token,
@@ -363,6 +391,7 @@ def policy_loss(
             "pg_clipfrac": masked_mean(clip_active.to(mask.dtype), mask),
             "pg_clipfrac_lower": masked_mean(dual_active.to(mask.dtype), mask),
             "ppo_kl": masked_mean(-log_ratio.detach(), mask),
+            "pg_clipfrac_behavior": masked_mean(behavior_active.to(mask.dtype), mask),
             "pg_loss": loss.detach(),
         }
     return loss, metrics

@@ -103,6 +103,12 @@ class CorrectionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             description="Decoupled: tokens with π_prox/π_behav above this get weight 0 (AReaL's behav_imp_weight_cap, 5.0 in its configs; 0 = no cap). Uncapped, one token weighted 100x can wreck a step at η = 8.",
         ),
     ] = 5.0
+    decoupled_behavior_clip: Annotated[
+        bool,
+        Meta(
+            description="Decoupled: also clip π_θ/π_behav with the PPO bounds, so a stale token the policy has already moved past the trust region in its advantage's direction gets no gradient. With one mini-batch per step π_prox = π_θ and the π_prox clip never binds; without this bound a token pushed up since it was sampled is pushed again with weight π_prox/π_behav (up to the cap).",
+        ),
+    ] = True
 
 
 class KLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -24,6 +24,10 @@ Weights are computed under ``no_grad`` and detached: they are never
 differentiated. They are 0 on padding. A masked token keeps its place in the
 loss denominator (its contribution is 0), as AReaL.
 
+The decoupled loss's second trust region, around π_behav (a stale token already
+past the PPO clip in its advantage's direction gets no gradient), lives in
+``learner.algorithms.policy_loss`` (``behavior_logprob``): it depends on π_θ.
+
 Left out: weight normalisation to batch mean 1 and rejection of whole batches.
 """
 

@@ -33,6 +33,8 @@ class Targets:
     ref_logprob: torch.Tensor | None
     old_values: torch.Tensor | None
     returns: torch.Tensor | None
+    # π_behav for the decoupled loss's behaviour trust region (None: no such bound)
+    behavior_logprob: torch.Tensor | None = None
 
 
 def ragged_to_padded(flat: torch.Tensor, batch: GlobalBatch) -> torch.Tensor:
@@ -122,6 +124,7 @@ def prepare_targets(
         for key, value in is_metrics.items():
             metrics["is/" + key.removeprefix("is_")] = float(value)
 
+    behavior_clip = corr.mode == "decoupled" and corr.decoupled_behavior_clip
     metrics["critic/advantages/mean"] = float(alg.masked_mean(advantages, mask))
     metrics["critic/advantages/max"] = float(advantages.masked_fill(mask == 0, -1e30).max())
     metrics["critic/advantages/min"] = float(advantages.masked_fill(mask == 0, 1e30).min())
@@ -130,7 +133,16 @@ def prepare_targets(
     if values is not None:
         metrics["critic/values/mean"] = float(alg.masked_mean(values, mask))
     return (
-        Targets(mask, old_logprob, advantages, is_weights, ref_logprob, values, returns),
+        Targets(
+            mask,
+            old_logprob,
+            advantages,
+            is_weights,
+            ref_logprob,
+            values,
+            returns,
+            behavior_logprob=behavior if behavior_clip else None,
+        ),
         metrics,
     )
 

@@ -370,6 +370,7 @@ class LearnerWorker:
                 logprob, pick(targets.old_logprob), pick(targets.advantages), mask,
                 clip_ratio_low=pl.clip_ratio_low, clip_ratio_high=pl.clip_ratio_high,
                 clip_ratio_c=pl.clip_ratio_c, is_weights=pick(targets.is_weights),
+                behavior_logprob=pick(targets.behavior_logprob),
                 loss_agg_mode=pl.loss_agg_mode, **count_kwargs,
             )  # fmt: skip
             pg_loss_local += m["pg_loss"]
@@ -391,6 +392,7 @@ class LearnerWorker:
             sums.add("actor/entropy", entropy_sum / max(tokens, 1.0), tokens)
             sums.add("actor/pg_clipfrac", float(m["pg_clipfrac"]), tokens)
             sums.add("actor/pg_clipfrac_lower", float(m["pg_clipfrac_lower"]), tokens)
+            sums.add("actor/pg_clipfrac_behavior", float(m["pg_clipfrac_behavior"]), tokens)
             sums.add("actor/ppo_kl", float(m["ppo_kl"]), tokens)
         # Each micro-batch loss is (its share of the global mean) × ws: summing over
         # micro-batches and ranks and dividing by ws gives this mini-batch's global loss.
