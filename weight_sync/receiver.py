@@ -12,7 +12,7 @@ The engine's HTTP handlers (SGLang's endpoints) call, each in a worker thread:
 ``receive`` blocks on the learner's broadcast(s) and returns ``(name, tensor)``
 pairs for the engine to load; it does not touch the model. Given ``load`` (a
 callable taking those pairs), it receives into the group's reusable arena
-instead of fresh memory and calls ``load`` before the next receive may reuse it
+(on CPU) instead of fresh memory and calls ``load`` before the next receive may reuse it
 (an engine that copies the tensors into its model before replying, as both of
 ours do): on CPU a fresh receive buffer costs a page fault per 4 KiB, more than
 the broadcast itself (see ``buckets``). ``load_format``
@@ -175,13 +175,16 @@ class WeightReceiver:
             )
         metas = metas_from_wire(names, dtypes, shapes)
         group, lock, arena = self._group(group_name)
+        # CPU only: fresh CPU memory page-faults; CUDA's caching allocator reuses anyway,
+        # and an arena would pin the largest update's size on the GPU.
+        reuse = load is not None and self.device.type == "cpu"
         with lock:
             deadline = time.monotonic() + group.timeout_s
             if load_format == "flattened_bucket":
                 nbytes = sum(m.nbytes for m in metas)
                 flat = (
                     arena.flat(nbytes)
-                    if load is not None
+                    if reuse
                     else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 )
                 group.wait(
@@ -191,7 +194,7 @@ class WeightReceiver:
             else:
                 tensors = (
                     arena.tensors(metas)
-                    if load is not None
+                    if reuse
                     else [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
                 )
                 works = [group.broadcast(t) for t in tensors]

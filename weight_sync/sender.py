@@ -105,8 +105,11 @@ class WeightSender:
         self.device = torch.device(device)
         self.backend = resolve_backend(config.backend, self.device)
         self.bucket_bytes = max(1, int(bucket_mb_for(config, self.backend) * 2**20))
-        # Bucket buffers are reused across buckets and versions (see ``buckets``).
-        self._bucket_pool = BufferPool(self.bucket_bytes, self.device)
+        # CPU bucket buffers are reused across buckets and versions (see ``buckets``); on
+        # CUDA the caching allocator already reuses them, and nothing stays pinned here.
+        self._bucket_pool = BufferPool(
+            self.bucket_bytes, self.device, max_free=4 if self.device.type == "cpu" else 0
+        )
         self._lock = threading.Lock()  # guards _clients (membership may change from other threads)
         self._clients: dict[str, EngineClient] = {}
         self._group: WeightGroup | None = None
