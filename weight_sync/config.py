@@ -13,16 +13,12 @@ class WeightSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         Literal["auto", "gloo", "nccl"],
         Meta(description="Collective backend: auto = nccl with CUDA, else gloo."),
     ] = "auto"
-    bucket_mb: (
-        Annotated[
-            float,
-            Meta(
-                gt=0,
-                description="Flat bucket size in MiB (peers use 512-1024 on GPU). Unset: per backend, see bucket_mb_for (gloo 128: on CPU each bucket costs an HTTP round trip and a load the next broadcast waits for; nccl 64).",
-            ),
-        ]
-        | None
-    ) = None
+    bucket_mb: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        Meta(
+            description="Flat bucket size in MiB (peers use 512-1024 on GPU). Unset: per backend (DEFAULT_BUCKET_MB): gloo 128, because on CPU each bucket costs an HTTP round trip and an engine-side load that the next broadcast waits for, and gloo's per-call cost is high, so fewer, larger buckets win; nccl 64."
+        ),
+    ] = None
     pause_mode: Annotated[
         Literal["in_place", "abort", "retract"],
         Meta(
