@@ -46,7 +46,7 @@ from fleetrl.log import get_logger, setup_logging
 log = get_logger(__name__)
 
 RAW_NAME = "__raw_broadcast__"
-QUICK = {"hidden_sizes": [256, 512], "layers": 4, "vocab": 8192, "reps": 9}
+QUICK = {"hidden_sizes": [256, 512], "layers": 4, "vocab": 8192, "reps": 15}
 FULL = {"hidden_sizes": [512, 1024, 2048], "layers": 8, "vocab": 32000, "reps": 5}
 
 
