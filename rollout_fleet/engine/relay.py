@@ -1,15 +1,8 @@
-"""The bridge between the HTTP event loop and the scheduler thread, batched both ways.
+"""Scheduler-thread events carried to an asyncio loop with one wake-up per decode step.
 
 The scheduler thread produces many per-sequence events per step; waking the HTTP
 event loop once per event makes the two threads fight for the GIL. ``EventRelay``
 queues them and schedules a single drain on the loop per burst.
-
-The other way, a burst of ``/generate`` requests (a rollout worker sends a GRPO
-group's n samples as n requests) would be n scheduler commands, each waking the
-scheduler thread and, when its future completes, the loop again.
-``SubmitBatcher`` collects the sequences that handlers submit during one loop
-iteration and hands them over as one command, and no handler waits for it
-(a submission cannot fail; the handler waits for its sequences' events).
 """
 
 from __future__ import annotations
@@ -17,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 
@@ -56,28 +48,3 @@ class EventRelay:
         while self._pending:
             queue, item = self._pending.popleft()
             queue.put_nowait(item)
-
-
-class SubmitBatcher:
-    """Hands the sequences submitted during one loop iteration to the scheduler together.
-
-    ``add`` (on the loop) queues and, for the first item of an iteration, schedules
-    ``flush`` with ``call_soon``; ``flush`` passes everything queued to ``submit`` (the
-    scheduler's, which only enqueues a command). Call ``flush`` directly before any
-    command that must follow these submissions (an abort of their rids).
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, submit: Callable[[list], Any]) -> None:
-        self.loop = loop
-        self._submit = submit
-        self._pending: list = []
-
-    def add(self, items: list) -> None:
-        if not self._pending:
-            self.loop.call_soon(self.flush)
-        self._pending.extend(items)
-
-    def flush(self) -> None:
-        if self._pending:
-            items, self._pending = self._pending, []
-            self._submit(items)

@@ -66,12 +66,9 @@ log = get_logger(__name__)
 # The scheduler thread wakes at least this often while idle (to notice stop()).
 IDLE_WAIT_S = 0.5
 # An idle engine waits this long after a submission for the next one of a burst ...
-ADMISSION_WINDOW_S = 0.002
-# ... and at most this many windows in all. A GRPO batch sent as one request per sample
-# (32 on the rollout bench) takes several ms to arrive through HTTP on a loaded CPU; with
-# 1 ms x 5 the late samples joined one to 13 steps after the rest in 25 of 40 rounds,
-# each round running that many extra steps on a part of the batch (2 ms x 10: 9 of 40).
-BURST_WINDOWS = 10
+ADMISSION_WINDOW_S = 0.001
+# ... and at most this many windows in all.
+BURST_WINDOWS = 5
 # Prefilled prompts kept for the rest of their group (least recently used out first).
 DEFAULT_PREFILL_CACHE_BYTES = 64 << 20
 

@@ -43,7 +43,7 @@ from aiohttp import web
 
 from fleetrl.log import get_logger
 from rollout_fleet import protocol as P
-from rollout_fleet.engine.relay import EventRelay, SubmitBatcher
+from rollout_fleet.engine.relay import EventRelay
 from rollout_fleet.engine.requests import (
     ModelLimits,
     RequestError,
@@ -154,7 +154,7 @@ class EmbeddedEngine:
         self._thread: threading.Thread | None = None
         self._runner_web: web.AppRunner | None = None
         self.base_url: str | None = None
-        self._relays: list[tuple[EventRelay, SubmitBatcher]] = []
+        self._relays: list[EventRelay] = []
         self.scheduler.add_delivery_hook(self._wake_relays)
         self.scheduler.start()
 
@@ -282,28 +282,22 @@ class EmbeddedEngine:
 
     # -- generation ------------------------------------------------------------------------
 
-    def _relay(self, loop: asyncio.AbstractEventLoop) -> tuple[EventRelay, SubmitBatcher]:
-        """The relay and submit batcher for ``loop`` (normally one: the serving loop)."""
-        for relay, batcher in self._relays:
+    def _relay(self, loop: asyncio.AbstractEventLoop) -> EventRelay:
+        """The relay for ``loop`` (normally one: the serving loop)."""
+        for relay in self._relays:
             if relay.loop is loop:
-                return relay, batcher
-        pair = (EventRelay(loop), SubmitBatcher(loop, self.scheduler.submit))
-        self._relays = [*(p for p in self._relays if not p[0].loop.is_closed()), pair]
-        return pair
-
-    def _flush_submissions(self) -> None:
-        """Hand queued /generate submissions over now, so a control command follows them."""
-        for _, batcher in self._relays:
-            if batcher.loop is asyncio.get_running_loop():
-                batcher.flush()
+                return relay
+        relay = EventRelay(loop)
+        self._relays = [*(r for r in self._relays if not r.loop.is_closed()), relay]
+        return relay
 
     def _wake_relays(self) -> None:
-        for relay, _ in self._relays:
+        for relay in self._relays:
             relay.wake()
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         req = await _body(request, P.GenerateRequest)
-        relay, batcher = self._relay(asyncio.get_running_loop())
+        relay = self._relay(asyncio.get_running_loop())
         events: asyncio.Queue = asyncio.Queue()
 
         def on_event(seq: Sequence, done: bool) -> None:
@@ -319,7 +313,7 @@ class EmbeddedEngine:
 
         items, batched = expand_generate(req, self.runner.tokenizer, self.limits, on_event)
         options = {id(seq): opt for seq, opt in items}
-        batcher.add([seq for seq, _ in items])
+        await asyncio.wrap_future(self.scheduler.submit([seq for seq, _ in items]))
         try:
             if req.stream:
                 return await self._stream(request, items, options, events)
@@ -332,7 +326,6 @@ class EmbeddedEngine:
                     )
         except (asyncio.CancelledError, ConnectionResetError):
             # The client went away: free the batch rows its samples hold.
-            batcher.flush()  # the aborts below must follow the submission
             for rid in {seq.parent_rid for seq, _ in items}:
                 self.scheduler.abort(rid=rid, message="client disconnected")
             raise
@@ -374,7 +367,6 @@ class EmbeddedEngine:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         req = await _body(request, P.PauseGenerationRequest, optional=True)
-        self._flush_submissions()
         count = await asyncio.wrap_future(self.scheduler.pause(req.mode))
         log.debug("%s paused (%s): %d sequences affected", self.engine_id, req.mode, count)
         return _json({"message": "Generation paused successfully.", "status": "ok"})
@@ -385,7 +377,6 @@ class EmbeddedEngine:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         req = await _body(request, P.AbortRequest)
-        self._flush_submissions()
         if not req.rid and not req.abort_all:
             raise RequestError("give rid or abort_all=true")
         await asyncio.wrap_future(
@@ -394,7 +385,6 @@ class EmbeddedEngine:
         return web.Response(status=200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        self._flush_submissions()
         ok = await asyncio.wrap_future(self.scheduler.flush_cache())
         if ok:
             return web.Response(text="Cache flushed.\n", status=200)
@@ -404,7 +394,6 @@ class EmbeddedEngine:
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         req = await _body(request, P.UpdateWeightVersionRequest)
-        self._flush_submissions()
         if req.abort_all_requests:
             await asyncio.wrap_future(self.scheduler.abort(abort_all=True))
         await asyncio.wrap_future(self.scheduler.set_weight_version(req.new_version))

@@ -1,7 +1,6 @@
 """Scheduler events reach the HTTP loop in bursts: every ``on_event`` of a recorded
 batch runs before the delivery hook, the hook runs once per burst, and the relay wakes
-its loop once for any number of queued events, delivering them in order; the other way,
-the submissions of one loop iteration reach the scheduler as one call, in order."""
+its loop once for any number of queued events, delivering them in order."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import threading
 
 import torch
 
-from rollout_fleet.engine.relay import EventRelay, SubmitBatcher
+from rollout_fleet.engine.relay import EventRelay
 from rollout_fleet.engine.runner import ModelRunner
 from rollout_fleet.engine.sampling import RowSampling
 from rollout_fleet.engine.scheduler import Scheduler, Sequence
@@ -84,22 +83,3 @@ def test_relay_wakes_the_loop_once_and_delivers_in_order():
         assert queue.get_nowait() == 5
     finally:
         loop.close()
-
-
-def test_submissions_of_one_loop_iteration_reach_the_scheduler_as_one_call_in_order():
-    calls: list[list[str]] = []
-
-    async def main() -> None:
-        batcher = SubmitBatcher(asyncio.get_running_loop(), calls.append)
-        batcher.add(["a0", "a1"])
-        batcher.add(["b0"])
-        assert calls == []  # nothing handed over within the iteration
-        await asyncio.sleep(0)
-        assert calls == [["a0", "a1", "b0"]]
-        batcher.add(["c0"])
-        batcher.flush()  # a control command that must follow c0 flushes first
-        assert calls[-1] == ["c0"]
-        await asyncio.sleep(0)  # the scheduled flush then finds nothing to hand over
-        assert len(calls) == 2
-
-    asyncio.run(main())
