@@ -68,9 +68,10 @@ class WeightSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
 # Bucket size when ``bucket_mb`` is unset, per collective backend. gloo (CPU): every bucket
 # is one HTTP request whose engine-side load the next broadcast waits for, and gloo's
-# per-call cost is high, so fewer, larger buckets win: measured on the 84 MB quick bench
-# model (``fleetrl bench weight-sync --quick``), 16 MiB buckets ran at 0.86x one broadcast
-# per parameter, 64 MiB at 0.95x, 128 MiB at 1.08x. nccl: unchanged (64 MiB).
+# per-call cost is high, so fewer, larger buckets win: on the 84 MB quick bench model, in
+# one profiling run of 9 alternated publishes each (buffers reused), 16 MiB buckets ran at
+# 0.86x one broadcast per parameter, 64 MiB at 0.95x, 128 MiB at 1.08x (one bucket).
+# nccl: unchanged (64 MiB).
 DEFAULT_BUCKET_MB = {"gloo": 128.0, "nccl": 64.0}
 
 
