@@ -6,8 +6,8 @@ transformer of the given hidden size and layer count) one receiver process
 three ``WeightSender``s, each with its own group to it, are measured in
 alternation (A B C, C B A, ...):
 
-- ``bucketed``: fleetrl's publish (``flattened_bucket``, ``bucket_mb`` buckets,
-  packing overlapped with broadcasting);
+- ``bucketed``: fleetrl's publish (``flattened_bucket``, ``bucket_mb`` buckets:
+  512 MiB on CUDA, gloo's default on CPU; packing overlapped with broadcasting);
 - ``raw_broadcast``: one broadcast of one flat tensor of the same total bytes
   (the transport's limit through the same HTTP/receiver path);
 - ``per_param``: one broadcast per parameter without buckets, all metadata in
@@ -46,7 +46,7 @@ from fleetrl.log import get_logger, setup_logging
 log = get_logger(__name__)
 
 RAW_NAME = "__raw_broadcast__"
-QUICK = {"hidden_sizes": [256, 512], "layers": 4, "vocab": 8192, "reps": 3}
+QUICK = {"hidden_sizes": [256, 512], "layers": 4, "vocab": 8192, "reps": 15}
 FULL = {"hidden_sizes": [512, 1024, 2048], "layers": 8, "vocab": 32000, "reps": 5}
 
 
@@ -199,7 +199,10 @@ def run(
     layers = int(layers or preset["layers"])
     reps = int(reps or preset["reps"])
     if bucket_mb is None:
-        bucket_mb = 512.0 if device.startswith("cuda") else 16.0
+        from weight_sync.config import DEFAULT_BUCKET_MB
+
+        # GPU: the size peers use; CPU: the gloo default a run gets (``bucket_mb_for``).
+        bucket_mb = 512.0 if device.startswith("cuda") else DEFAULT_BUCKET_MB["gloo"]
     progress = Progress("weight-sync")
     started = time.monotonic()
     rows = []

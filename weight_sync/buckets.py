@@ -15,8 +15,16 @@ Packing copies each tensor into the open bucket of its dtype as soon as it
 arrives, so a gathered full tensor can be freed at once. A tensor at least as
 large as a bucket is sent alone, as a zero-copy byte view of itself.
 
-Left out: compression, quantisation on the wire, and bucket reuse (each bucket
-is a fresh allocation, because the previous one may still be in flight).
+Buffers are reused: the sender hands a bucket's buffer back to a ``BufferPool``
+once its broadcast and every engine's reply are done, and the receiver keeps one
+receive arena per group (``ReceiveArena``). On CPU a fresh buffer of tens of MiB
+is a fresh ``mmap``, and touching it page-faults every 4 KiB: measured with gloo
+on this machine, broadcasting 84 MB into a fresh buffer took 68 ms against 24 ms
+into a reused one, more than the per-call overhead bucketing saves (39 separate
+broadcasts of the same bytes: 44 ms). Both reuse only on CPU: CUDA's caching
+allocator reuses memory anyway, and a pool there would pin GPU memory.
+
+Left out: compression and quantisation on the wire.
 """
 
 from __future__ import annotations
@@ -104,6 +112,39 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+class BufferPool:
+    """Free ``uint8`` buffers of one size on one device, reused across buckets and versions.
+
+    Holds at most ``max_free`` buffers (the sender has at most one bucket in flight, one
+    packed ahead and one open per dtype), so its memory is bounded by a few buckets.
+    """
+
+    def __init__(self, nbytes: int, device: torch.device | str, max_free: int = 4) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"buffer size must be positive, got {nbytes}")
+        self.nbytes = int(nbytes)
+        self.device = torch.device(device)
+        self.max_free = max_free
+        self._free: list[torch.Tensor] = []
+        self.allocations = 0  # fresh buffers made (tests and metrics read it)
+
+    def take(self) -> torch.Tensor:
+        if self._free:
+            return self._free.pop()
+        self.allocations += 1
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+
+    def give(self, buffer: torch.Tensor | None) -> None:
+        """Return a buffer from ``take`` (None, or a buffer of another size, is ignored)."""
+        if (
+            buffer is not None
+            and buffer.numel() == self.nbytes
+            and buffer.device == self.device
+            and len(self._free) < self.max_free
+        ):
+            self._free.append(buffer)
+
+
 @dataclass
 class Bucket:
     """One update request's tensors, in order: packed in ``flat``, or unpacked in ``parts``.
@@ -118,6 +159,13 @@ class Bucket:
     metas: list[TensorMeta]
     flat: torch.Tensor  # 1-D uint8
     parts: list[torch.Tensor] | None = None
+    pooled: torch.Tensor | None = None  # the pool buffer ``flat`` views, if any
+
+    def release(self, pool: BufferPool | None) -> None:
+        """Hand the bucket's buffer back to ``pool`` (call once it is no longer in flight)."""
+        if pool is not None:
+            pool.give(self.pooled)
+        self.pooled = None
 
     @property
     def nbytes(self) -> int:
@@ -151,25 +199,40 @@ class BucketPacker:
     ``add`` returns the buckets that became full (zero, one or two); ``finish``
     returns the partly filled ones, oldest first. ``device`` is where bucket
     buffers live (the broadcast device); tensors elsewhere are copied there.
+    Buffers come from ``pool`` (a fresh pool if None; give buckets back with
+    ``Bucket.release`` once sent).
     """
 
-    def __init__(self, bucket_bytes: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        bucket_bytes: int,
+        device: torch.device | str = "cpu",
+        pool: BufferPool | None = None,
+    ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.bucket_bytes = int(bucket_bytes)
         self.device = torch.device(device)
+        self.pool = pool if pool is not None else BufferPool(self.bucket_bytes, self.device)
+        if self.pool.nbytes != self.bucket_bytes or self.pool.device != self.device:
+            raise ValueError(
+                f"buffer pool holds {self.pool.nbytes} bytes on {self.pool.device}, "
+                f"the packer needs {self.bucket_bytes} on {self.device}"
+            )
         self._open: dict[torch.dtype, _OpenBucket] = {}
         self._next_index = 0
         self._seen: set[str] = set()
 
-    def _emit(self, metas: list[TensorMeta], flat: torch.Tensor) -> Bucket:
-        bucket = Bucket(self._next_index, metas, flat)
+    def _emit(
+        self, metas: list[TensorMeta], flat: torch.Tensor, pooled: torch.Tensor | None = None
+    ) -> Bucket:
+        bucket = Bucket(self._next_index, metas, flat, pooled=pooled)
         self._next_index += 1
         return bucket
 
     def _close(self, dtype: torch.dtype) -> Bucket:
         ob = self._open.pop(dtype)
-        return self._emit(ob.metas, ob.buffer[: ob.used])
+        return self._emit(ob.metas, ob.buffer[: ob.used], ob.buffer)
 
     def add(self, name: str, tensor: torch.Tensor) -> list[Bucket]:
         if name in self._seen:
@@ -186,8 +249,7 @@ class BucketPacker:
             ready.append(self._close(meta.dtype))
             ob = None
         if ob is None:
-            buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
-            ob = self._open[meta.dtype] = _OpenBucket(buffer)
+            ob = self._open[meta.dtype] = _OpenBucket(self.pool.take())
         ob.buffer[ob.used : ob.used + meta.nbytes].copy_(tensor_bytes(tensor))
         ob.used += meta.nbytes
         ob.metas.append(meta)
@@ -201,9 +263,10 @@ def pack_buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     bucket_bytes: int,
     device: torch.device | str = "cpu",
+    pool: BufferPool | None = None,
 ) -> Iterator[Bucket]:
     """Lazily pack a stream of named tensors into buckets (see ``BucketPacker``)."""
-    packer = BucketPacker(bucket_bytes, device)
+    packer = BucketPacker(bucket_bytes, device, pool)
     for name, tensor in named_tensors:
         yield from packer.add(name, tensor)
     yield from packer.finish()

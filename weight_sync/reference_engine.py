@@ -131,27 +131,32 @@ class ReferenceEngine:
             if self.die_on_update is not None and self.updates >= self.die_on_update:
                 log.error("fault injection: dying on update request %d", self.updates)
                 os._exit(DIE_EXIT_CODE)
-        named = self.receiver.receive(
+
+        def load(named: list[tuple[str, torch.Tensor]]) -> int:
+            with self._lock:
+                for name, tensor in named:
+                    target = self.tensors.get(name)
+                    if target is None:
+                        raise ValueError(f"unknown tensor {name!r}")
+                    if target.shape != tensor.shape or target.dtype != tensor.dtype:
+                        raise ValueError(
+                            f"tensor {name}: engine holds {target.dtype} {tuple(target.shape)}, "
+                            f"update is {tensor.dtype} {tuple(tensor.shape)}"
+                        )
+                    target.copy_(tensor)
+                if body.get("weight_version") is not None:
+                    self.weight_version = str(body["weight_version"])
+            return len(named)
+
+        count = self.receiver.receive(
             body["names"],
             body["dtypes"],
             body["shapes"],
             body["group_name"],
             body.get("load_format"),
+            load=load,
         )
-        with self._lock:
-            for name, tensor in named:
-                target = self.tensors.get(name)
-                if target is None:
-                    raise ValueError(f"unknown tensor {name!r}")
-                if target.shape != tensor.shape or target.dtype != tensor.dtype:
-                    raise ValueError(
-                        f"tensor {name}: engine holds {target.dtype} {tuple(target.shape)}, "
-                        f"update is {tensor.dtype} {tuple(tensor.shape)}"
-                    )
-                target.copy_(tensor)
-            if body.get("weight_version") is not None:
-                self.weight_version = str(body["weight_version"])
-        return {"success": True, "message": f"loaded {len(named)} tensors"}
+        return {"success": True, "message": f"loaded {count} tensors"}
 
     def destroy(self, body: dict[str, Any]) -> dict[str, Any]:
         self.receiver.destroy(body["group_name"])

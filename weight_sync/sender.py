@@ -67,8 +67,8 @@ from typing import Any
 import torch
 
 from fleetrl.log import get_logger
-from weight_sync.buckets import Bucket, group_unpacked, pack_buckets
-from weight_sync.config import WeightSyncConfig
+from weight_sync.buckets import Bucket, BufferPool, group_unpacked, pack_buckets
+from weight_sync.config import WeightSyncConfig, bucket_mb_for
 from weight_sync.engine_client import EngineCallError, EngineClient, EngineEndpoint
 from weight_sync.errors import BucketFailure, WeightSyncError, describe, drain_stream
 from weight_sync.group import GroupError, MasterStore, WeightGroup, resolve_backend
@@ -104,7 +104,12 @@ class WeightSender:
         self.master_address = master_address
         self.device = torch.device(device)
         self.backend = resolve_backend(config.backend, self.device)
-        self.bucket_bytes = max(1, int(config.bucket_mb * 2**20))
+        self.bucket_bytes = max(1, int(bucket_mb_for(config, self.backend) * 2**20))
+        # CPU bucket buffers are reused across buckets and versions (see ``buckets``); on
+        # CUDA the caching allocator already reuses them, and nothing stays pinned here.
+        self._bucket_pool = BufferPool(
+            self.bucket_bytes, self.device, max_free=4 if self.device.type == "cpu" else 0
+        )
         self._lock = threading.Lock()  # guards _clients (membership may change from other threads)
         self._clients: dict[str, EngineClient] = {}
         self._group: WeightGroup | None = None
@@ -278,8 +283,10 @@ class WeightSender:
         assert group is not None
         clients = list(self._group_clients)
         packed = self.config.load_format == "flattened_bucket"
-        buckets = (pack_buckets if packed else group_unpacked)(
-            stream, self.bucket_bytes, self.device
+        buckets = (
+            pack_buckets(stream, self.bucket_bytes, self.device, self._bucket_pool)
+            if packed
+            else group_unpacked(stream, self.bucket_bytes, self.device)
         )
 
         def fetch() -> Bucket | None:
@@ -335,6 +342,7 @@ class WeightSender:
             metrics.bytes += bucket.nbytes
             metrics.num_buckets += 1
             metrics.num_tensors += len(bucket.metas)
+            bucket.release(self._bucket_pool)  # sent and loaded everywhere: reuse its buffer
             bucket = next_bucket
         stream_s = time.perf_counter() - stream_started
         metrics.gbps = metrics.bytes / stream_s / 1e9 if stream_s > 0 else 0.0

@@ -529,11 +529,15 @@ class EmbeddedEngine:
             await asyncio.wrap_future(self.scheduler.abort(abort_all=True))
         receiver = self._receiver
         try:
-            tensors = await self._weight_call(
-                receiver.receive, req.names, req.dtypes, req.shapes, req.group_name, req.load_format
-            )
-            count = await asyncio.wrap_future(
-                self.scheduler.load_weights(tensors, req.weight_version)
+            # The weight thread waits for the scheduler's load: the receive arena is reused.
+            count = await self._weight_call(
+                receiver.receive,
+                req.names,
+                req.dtypes,
+                req.shapes,
+                req.group_name,
+                req.load_format,
+                lambda tensors: self.scheduler.load_weights(tensors, req.weight_version).result(),
             )
         except (RuntimeError, ValueError, OSError, TimeoutError) as err:
             log.error("%s: update_weights_from_distributed failed: %s", self.engine_id, err)

@@ -35,10 +35,10 @@ class FakeReceiver:
     ):
         self.groups.add(group_name)
 
-    def receive(self, names, dtypes, shapes, group_name, load_format):
+    def receive(self, names, dtypes, shapes, group_name, load_format, load=None):
         if group_name not in self.groups:
             raise ValueError(f"group {group_name!r} is not initialised")
-        return self.next_update
+        return self.next_update if load is None else load(self.next_update)
 
     def destroy(self, group_name):
         self.groups.discard(group_name)

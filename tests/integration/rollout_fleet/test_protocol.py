@@ -116,8 +116,9 @@ class Receiver:
     def init_group(self, *args, **kwargs):
         pass
 
-    def receive(self, names, dtypes, shapes, group_name, load_format):
-        return [(n, torch.zeros(s)) for n, s in zip(names, shapes, strict=True)]
+    def receive(self, names, dtypes, shapes, group_name, load_format, load=None):
+        named = [(n, torch.zeros(s)) for n, s in zip(names, shapes, strict=True)]
+        return named if load is None else load(named)
 
     def destroy(self, group_name):
         pass

@@ -7,6 +7,7 @@ import torch
 
 from weight_sync.buckets import (
     BucketPacker,
+    BufferPool,
     TensorMeta,
     dtype_name,
     metas_from_wire,
@@ -140,3 +141,31 @@ def test_per_tensor_requests_group_metadata_and_keep_each_tensor_uncopied():
     parts = [p for r in requests for p in r.broadcast_tensors()]
     assert [p.data_ptr() for p in parts] == [t.data_ptr() for _, t in named]
     assert sum(r.nbytes for r in requests) == 80
+
+
+def test_pooled_buffers_are_reused_across_versions_and_stay_bit_exact():
+    specs = [(f"w{i}", torch.float32, (64,)) for i in range(8)]  # 256 B each
+    pool = BufferPool(1024, "cpu")
+    for version in range(3):
+        named = [(n, t + version) for n, t in _named(*specs)]
+        buckets = list(pack_buckets(named, 1024, "cpu", pool))
+        got = _roundtrip(buckets)
+        for name, tensor in named:
+            assert torch.equal(got[name], tensor), (version, name)
+        for bucket in buckets:
+            bucket.release(pool)
+    # two full buckets per version, made once: later versions pack into returned buffers
+    assert pool.allocations == 2
+
+
+def test_pool_ignores_foreign_buffers_and_keeps_at_most_max_free():
+    pool = BufferPool(16, "cpu", max_free=1)
+    pool.give(torch.empty(8, dtype=torch.uint8))  # another size
+    pool.give(None)
+    first, second = pool.take(), pool.take()
+    pool.give(first)
+    pool.give(second)  # over max_free: dropped
+    assert pool.take() is first
+    assert pool.allocations == 2
+    with pytest.raises(ValueError, match="pool holds 16 bytes"):
+        BucketPacker(32, "cpu", pool)
