@@ -85,7 +85,8 @@ def prompts(tokenizer, count):
 def make_worker(engines, tokenizer, *, n, count, **config):
     router = Router()
     for engine in engines:
-        router.add_engine(engine.engine_id, engine.base_url)
+        router.membership.launch(engine.engine_id, engine.base_url)
+        router.membership.weights_loaded(engine.engine_id, 0)
     sink = Sink()
     cfg = RolloutConfig(
         n=n,
@@ -233,7 +234,7 @@ def test_dead_engine_groups_regenerate_on_the_other_without_loss_or_duplicates(e
         async with EngineClient(first.base_url, timeout_s=5) as probe:
             while await probe.health():  # the fleet's health check: 503 once the engine died
                 await asyncio.sleep(0.01)
-        router.mark_dead("e0", "health check failed")  # ... and its verdict
+        router.membership.die("e0", "health check failed")  # ... and its verdict
         await task
 
     run_then_close(worker, scenario())

@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 
 from rollout_fleet.config import RolloutConfig
-from rollout_fleet.router import EngineState, Router
+from rollout_fleet.membership import EngineStatus as EngineState
+from rollout_fleet.router import Router
 from rollout_fleet.worker import RolloutWorker
 from tests.unit.rollout_fleet.fakes import (
     CollectingSender,
@@ -37,7 +38,8 @@ def make_worker(
 ):
     router = Router()
     for engine in engines:
-        router.add_engine(engine.name, engine.base_url)
+        router.membership.launch(engine.name, engine.base_url)
+        router.membership.weights_loaded(engine.name, 0)
     sender = sender or CollectingSender()
     cfg = RolloutConfig(
         n=n,
@@ -237,7 +239,7 @@ def test_engine_declared_dead_mid_request_loses_nothing_and_duplicates_nothing()
         worker, router, sender = make_worker([a, b], n=2)
         task = asyncio.create_task(worker.run(num_groups=4))
         await wait_for(lambda: a.inflight == 4 and b.inflight == 4)
-        router.mark_dead("a", "test")  # as the fleet would on a failed health check
+        router.membership.die("a", "test")  # as the fleet would on a failed health check
         b.release()
         await task
         trajs = sender.trajectories
