@@ -116,9 +116,7 @@ def test_dead_actor_is_replaced_and_routed_to_only_once_it_holds_the_latest_weig
     async def scenario():
         fleet = h.fleet(weights_pushed=True)
         await fleet.start()
-        h.members.apply_sync(
-            SyncOutcome(version=4, targets=h.members.weight_targets().engines)
-        )
+        h.members.apply_sync(SyncOutcome(version=4, targets=h.members.weight_targets().engines))
         victim = h.actors[0]
         victim.dead = True
         await fleet.check_once()

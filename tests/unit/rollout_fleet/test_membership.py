@@ -98,9 +98,7 @@ def test_every_legal_transition_reaches_its_state(action, start):
         assert m.status("e") is RESULT[action]
 
 
-@pytest.mark.parametrize(
-    ("action", "start"), sorted((x for x in ALL if x not in LEGAL), key=str)
-)
+@pytest.mark.parametrize(("action", "start"), sorted((x for x in ALL if x not in LEGAL), key=str))
 def test_every_illegal_transition_raises_and_changes_nothing(action, start):
     m = in_state(start)
     before = m.snapshot()
@@ -112,7 +110,9 @@ def test_every_illegal_transition_raises_and_changes_nothing(action, start):
 
 def test_an_illegal_transition_names_the_action_and_the_states_it_is_allowed_from():
     m = in_state(S.DEAD)
-    with pytest.raises(IllegalTransition, match=r"cannot suspect from dead; allowed from ready, suspect"):
+    with pytest.raises(
+        IllegalTransition, match=r"cannot suspect from dead; allowed from ready, suspect"
+    ):
         m.suspect("e", "slow")
 
 
