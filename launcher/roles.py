@@ -355,7 +355,7 @@ class RolloutRole:
         )
         self.val_files = cfg.data.val_files
         self._reader_args = reader_args
-        self.membership = Membership()
+        self.membership = Membership(suspect_cooldown_s=cfg.rollout.suspect_cooldown_s)
         self.router = Router(self.membership)
         self.fleet = EngineFleet(
             cfg.rollout,
@@ -370,13 +370,14 @@ class RolloutRole:
             log_dir=str(Path(run_dir) / "logs"),
             pause_mode=cfg.weight_sync.pause_mode,
         )
-        from launcher.delivery import DeliveryTracker
+        from rollout_fleet.delivery import DeliveryLedger
 
         self.sender = TrajectorySender(ingest, curve=curve, hwm=cfg.buffer.high_water_mark)
         self.control = BufferClient(control, curve=curve, timeout_s=BUFFER_REPLY_TIMEOUT_S)
         # held until the buffer reports each group accepted: re-sent after a buffer restart,
-        # re-queued after a learner resume (launcher/delivery.py)
-        self.delivery = DeliveryTracker(self.reader, self.sender, self.control, cfg.rollout.n)
+        # re-queued after a learner resume; admission counts its sent groups as running
+        # (rollout_fleet/delivery.py)
+        self.delivery = DeliveryLedger(self.reader, self.sender, self.control, cfg.rollout.n)
         self._health_task: asyncio.Task | None = None
         self._reconcile_task: asyncio.Task | None = None
         self.rewards = RewardRunner(
@@ -401,12 +402,9 @@ class RolloutRole:
             reader=self.delivery.prompts(),
             sender=self.delivery,
             admission_source=self.control.admission,
-            delivery_source=self.control.group_status,
-            on_group_dropped=self.delivery.forget,
+            ledger=self.delivery,
             reward_runner=self.rewards,
             tokenizer=self.tokenizer,
-            groups_per_version=cfg.groups_per_version,
-            max_staleness=cfg.buffer.max_staleness,
             client_factory=lambda url: EngineClient(
                 url, api_key=self.api_key, timeout_s=cfg.rollout.request_timeout_s
             ),

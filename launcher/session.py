@@ -21,7 +21,6 @@ from typing import Any
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig
-from launcher.delivery import group_id_for_index
 from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
 from launcher.supervision import (
     Supervised,
@@ -34,6 +33,7 @@ from launcher.supervision import (
     make_run_secrets,
     write_roster,
 )
+from rollout_fleet.delivery import group_id_for_index
 from rollout_fleet.membership import WeightTargets
 
 log = get_logger(__name__)
