@@ -280,6 +280,50 @@ def test_engine_declared_dead_mid_request_loses_nothing_and_duplicates_nothing()
     asyncio.run(scenario())
 
 
+def test_engine_that_must_reload_weights_mid_request_loses_and_duplicates_nothing():
+    async def scenario():
+        a, b = FakeEngine("a"), FakeEngine("b")
+        a.hold = True
+        b.hold = True
+        worker, router, sender = make_worker([a, b], n=2)
+        task = asyncio.create_task(worker.run(num_groups=4))
+        await wait_for(lambda: a.inflight == 4 and b.inflight == 4)
+        # as a publish that dropped it would: it holds stale weights until the next one
+        router.membership.require_weights("a", 1, "missed version 1")
+        b.release()
+        await task
+        trajs = sender.trajectories
+        assert len(trajs) == 8
+        check_groups_whole(trajs, 2)
+        assert {t.engine_id for t in trajs} == {"b"}
+        assert worker.metrics()["rollout/requests_lost_to_dead_engines"] == 4
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_request_on_an_engine_replaced_meanwhile_does_not_touch_the_new_one():
+    async def scenario():
+        a = FakeEngine("a")
+        a.hold = True
+        worker, router, _ = make_worker([a], n=1)
+        task = asyncio.create_task(worker.run(num_groups=1))
+        await wait_for(lambda: a.inflight == 1)
+        lease = router.acquire("probe")
+        router.release(lease)
+        router.membership.die("a", "killed")
+        router.membership.launch("a", "http://a/2")
+        router.membership.weights_loaded("a", 0)
+        worker.runner._suspect(lease, "late failure of the old process")
+        assert router.state("a") is EngineState.READY  # not suspect: another process
+        worker.runner._suspect(router.acquire("probe"), "a failure of the new process")
+        assert router.state("a") is EngineState.SUSPECT
+        router.membership.clear_suspect("a")
+        a.release()
+        await task
+
+    asyncio.run(scenario())
+
+
 def test_sample_out_of_attempts_drops_its_group_whole_and_counts_it():
     bad = FakeEngine("a")
     bad.fail = True
