@@ -120,6 +120,9 @@ class WeightSender:
         self._instance = uuid.uuid4().hex[:8]  # torch allows one group per name per process
         self._pool = ThreadPoolExecutor(_MAX_HTTP_THREADS, thread_name_prefix="weight-sync-http")
         self._unchecked = UncheckedEngines()
+        # removed (not dropped) engines still in the current group: told to leave it when it
+        # is torn down, then closed
+        self._leaving: list[EngineClient] = []
         self.latest_version: int | None = None
 
     # ------------------------------------------------------------------ membership
@@ -156,7 +159,7 @@ class WeightSender:
                     f"engine {name!r} is not a weight-sync member; members: {list(self._clients)}"
                 )
             client = self._clients.pop(name)
-        client.close()
+            self._leaving.append(client)
         log.info("engine %s leaves weight sync at the next version", name)
 
     def set_members(self, endpoints: Iterable[EngineEndpoint]) -> None:
@@ -526,13 +529,18 @@ class WeightSender:
     def _teardown_group(self, *, notify: bool, abort: bool) -> None:
         group, store, clients = self._group, self._store, self._group_clients
         self._group, self._store, self._group_clients = None, None, []
-        if group is None:
-            return
-        if notify:
-            with self._lock:  # engines dropped meanwhile are no longer members: not asked
-                alive = [c for c in clients if self._clients.get(c.name) is c]
+        with self._lock:
+            leaving, self._leaving = self._leaving, []
+        if group is not None and notify:
+            # members and removed engines leave the group; engines dropped (failed) are not asked
+            with self._lock:
+                alive = [c for c in clients if self._clients.get(c.name) is c or c in leaving]
             for client in alive:
                 self._best_effort_destroy(client, group.group_name)
+        for client in leaving:
+            client.close()
+        if group is None:
+            return
         group.close(abort=abort)
         if store is not None:
             store.close()
