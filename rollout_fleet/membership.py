@@ -348,13 +348,6 @@ class Membership:
                 for m in self._members.values()
             }
 
-    def counts(self) -> dict[EngineStatus, int]:
-        with self._lock:
-            out = dict.fromkeys(EngineStatus, 0)
-            for m in self._members.values():
-                out[m.status] += 1
-            return out
-
     # ---- listeners ----------------------------------------------------------------------
 
     def subscribe(self, listener: Listener) -> None:
