@@ -33,6 +33,12 @@ boundary) plus the groups the buffer still holds for training
 (``GroupStore.reset_accepted_for_resume``). Anything
 generated after the checkpoint and lost does not count.
 
+One source of truth: B is derived from the run config once (``derive_groups_per_version``)
+and handed to the buffer, which builds the rule (``BufferCore``) and reports all
+of its inputs with every ``AdmissionState``; the rollout worker applies the rule
+to the state it polled (``StalenessAdmission.from_state``) rather than deriving
+B and η again from its own copy of the config.
+
 Left out: per-sample (rather than per-group) accounting; partial groups count
 as running on the producer side.
 """
@@ -40,6 +46,21 @@ as running on the producer side.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+
+def derive_groups_per_version(train_batch_size: int, sync_every: int) -> int:
+    """B: groups the learner consumes per published version (a batch per step, a version
+    every ``sync_every`` steps)."""
+    return train_batch_size * sync_every
+
+
+class AdmissionInputs(Protocol):
+    """What the buffer reports (``buffer.wire.AdmissionState``): the rule's inputs."""
+
+    max_staleness: int
+    groups_per_version: int
+    max_concurrent: int
 
 
 @dataclass(frozen=True)
@@ -57,6 +78,11 @@ class StalenessAdmission:
             raise ValueError(f"groups_per_version must be >= 1, got {self.groups_per_version}")
         if self.max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {self.max_concurrent}")
+
+    @classmethod
+    def from_state(cls, state: AdmissionInputs) -> StalenessAdmission:
+        """The buffer's rule, from the inputs it reported (a producer's view of it)."""
+        return cls(state.max_staleness, state.groups_per_version, state.max_concurrent)
 
     def window_end(self, policy_version: int) -> int:
         """Total groups (accepted + running) allowed while the learner is at ``policy_version``."""

@@ -27,7 +27,7 @@ retain list: not by the length of the run.
 
 Why forgetting loses nothing and duplicates nothing. A forgotten group's uids
 are no longer recognised, so the argument is that no sample of it can arrive
-again. Samples are sent again in two ways only (launcher/delivery.py):
+again. Samples are sent again in two ways only (rollout_fleet/delivery.py):
 
 1. after a buffer restart, the delivery ledger re-sends the groups it still
    holds (not yet seen whole by ``QueryGroups``);

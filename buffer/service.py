@@ -41,6 +41,7 @@ from typing import Any
 
 import zmq
 
+from buffer.admission import derive_groups_per_version
 from buffer.config import BufferConfig
 from buffer.core import BufferCore, BufferStateError
 from buffer.security import (
@@ -402,10 +403,10 @@ def main(args: argparse.Namespace) -> int:
             control_address=control_address_for(args.bind),
             bank_dir=bank_dir,
             # B = groups consumed per published version (launcher.config.RunConfig)
-            groups_per_version=_positive_int(
-                raw, "data", "train_batch_size", STANDALONE_GROUPS_PER_VERSION
-            )
-            * _positive_int(raw, "weight_sync", "sync_every", 1),
+            groups_per_version=derive_groups_per_version(
+                _positive_int(raw, "data", "train_batch_size", STANDALONE_GROUPS_PER_VERSION),
+                _positive_int(raw, "weight_sync", "sync_every", 1),
+            ),
             max_concurrent_groups=_positive_int(
                 raw, "rollout", "max_concurrent_groups", STANDALONE_MAX_CONCURRENT
             ),

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from buffer.admission import derive_groups_per_version
 from buffer.config import BufferConfig
 from fleetrl.config import ConfigError, apply_overrides, convert, load_yaml
 from fleetrl.data.config import DataConfig
@@ -133,7 +134,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def groups_per_version(self) -> int:
         """B of the admission rule: groups the learner consumes per published version."""
-        return self.data.train_batch_size * self.weight_sync.sync_every
+        return derive_groups_per_version(self.data.train_batch_size, self.weight_sync.sync_every)
 
 
 def load_run_config(

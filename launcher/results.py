@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import msgspec
 
+from rollout_fleet.membership import SyncOutcome
+
 
 class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     """One learner step, as learner rank 0 saw it."""
@@ -32,13 +34,26 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PublishResult(msgspec.Struct, frozen=True, kw_only=True):
-    """One version pushed to the engines."""
+    """One version pushed to the engines.
+
+    ``outcome`` (learner rank 0 only) says what each target got; the rollout side's
+    membership records it (``RolloutRole.weights_published``).
+    """
 
     version: int
-    failed_engines: tuple[str, ...] = ()  # dropped from weight sync; the others hold ``version``
-    needs_resend: bool = False  # a failure mid-stream: survivors hold part of ``version``
+    outcome: SyncOutcome | None = None
     seconds: float = 0.0
     metrics: dict[str, float] = {}  # for logging only: weight_sync/* as metrics.jsonl names them
+
+    @property
+    def failed_engines(self) -> tuple[str, ...]:
+        """Engines that missed ``version`` (dropped from this publish); the others hold it."""
+        return tuple(sorted(self.outcome.failed)) if self.outcome is not None else ()
+
+    @property
+    def needs_resend(self) -> bool:
+        """A failure mid-stream: some engines hold part of ``version``; send it again."""
+        return self.outcome is not None and bool(self.outcome.partial)
 
     @property
     def complete(self) -> bool:

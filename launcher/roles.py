@@ -3,10 +3,12 @@
 - ``BufferRole``   wraps ``buffer.service.BufferService`` (ZeroMQ ingest + control).
 - ``LearnerRole``  one per FSDP rank, wraps ``learner.worker.LearnerWorker``; rank 0 also
                    pulls its batches from a ``BatchSource`` (launcher/batch_source.py)
-                   and owns the ``WeightSender``.
-- ``RolloutRole``  an async actor hosting the engine fleet (engine actors of its own),
-                   the router and the asyncio ``RolloutWorker`` that streams
-                   trajectories to the buffer.
+                   and owns the ``WeightSender`` (the weight group's connections; whom to
+                   send to arrives with each ``publish`` as ``WeightTargets``).
+- ``RolloutRole``  an async actor hosting the engine ``Membership`` (the one owner of
+                   "may engine-1 take requests?", rollout_fleet/membership.py), the engine
+                   fleet (engine actors of its own), the router and the asyncio
+                   ``RolloutWorker`` that streams trajectories to the buffer.
 
 The classes are plain Python; ``remote_class(cls)`` applies ``ray.remote`` on demand so
 importing this module needs no running Ray. Every actor receives the run config as
@@ -28,6 +30,7 @@ from fleetrl.config import convert
 from fleetrl.log import get_logger, setup_logging
 from launcher.config import RunConfig
 from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
+from rollout_fleet.membership import SyncOutcome, WeightTargets
 
 log = get_logger(__name__)
 
@@ -116,6 +119,7 @@ class LearnerRole:
         self.buffer: Any = None
         self.batches: Any = None  # rank 0: launcher.batch_source.BatchSource
         self.sender: Any = None
+        self.engine_api_key: str | None = None
         self.device = _device(cfg)
 
     def pid(self) -> int:
@@ -125,8 +129,16 @@ class LearnerRole:
         host = node_ip(self.local)
         return host, free_port(host)
 
-    def setup(self, master: tuple[str, int], buffer_control: str, curve: Any = None) -> None:
+    def setup(
+        self,
+        master: tuple[str, int],
+        buffer_control: str,
+        curve: Any = None,
+        engine_api_key: str | None = None,
+    ) -> None:
         from learner.worker import LearnerWorker
+
+        self.engine_api_key = engine_api_key
 
         self.worker = LearnerWorker(
             self.cfg.learner,
@@ -210,29 +222,6 @@ class LearnerRole:
         """Wait up to ``timeout_s`` for a batch of whole groups; True once rank 0 holds one."""
         return self.batches.wait(num_groups, version, timeout_s)
 
-    def connect_engines(self, endpoints: list[tuple[str, str, str | None]], tp_size: int) -> None:
-        """Form the weight group with every engine; each takes ``tp_size`` ranks (its TP size)."""
-        from weight_sync.sender import EngineEndpoint
-
-        self.sender.connect(
-            [EngineEndpoint(name=n, url=u, api_key=k, world_size=tp_size) for n, u, k in endpoints]
-        )
-
-    def add_engine(self, name: str, url: str, api_key: str | None, tp_size: int) -> None:
-        from weight_sync.sender import EngineEndpoint
-
-        if name in self.sender.engines:
-            self.sender.remove_engine(name)
-        self.sender.add_engine(
-            EngineEndpoint(name=name, url=url, api_key=api_key, world_size=tp_size)
-        )
-
-    def take_dropped_engines(self) -> list[str]:
-        """Engines weight sync dropped (failed or timed out) since the last call."""
-        names = sorted(self.sender.dropped)
-        self.sender.dropped.clear()
-        return [n for n in names if n not in self.sender.engines]
-
     # ---- collective work --------------------------------------------------------------------
     def step(self, version: int) -> StepResult:
         """Collective: rank 0 takes its batch from the batch source and broadcasts it."""
@@ -262,21 +251,37 @@ class LearnerRole:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def publish(self, version: int, restored: bool = False) -> PublishResult:
-        """Every rank drives the full-tensor stream; rank 0 broadcasts it to the engines."""
-        from weight_sync.sender import WeightSyncError, drain_stream
+    def publish(
+        self, version: int, targets: WeightTargets, restored: bool = False
+    ) -> PublishResult:
+        """Every rank drives the full-tensor stream; rank 0 broadcasts it to ``targets``
+        (the rollout side's membership chose them) and reports what each got."""
+        from weight_sync.sender import EngineEndpoint, WeightSyncError, drain_stream
 
         stream = self.worker.named_full_tensors()
         self.worker.policy_version = version
         if self.rank != 0:
             drain_stream(stream)
             return PublishResult(version=version)
+        self.sender.set_members(
+            EngineEndpoint(
+                name=t.name,
+                url=t.url,
+                api_key=self.engine_api_key,
+                world_size=self.cfg.rollout.tp_size,
+                incarnation=t.incarnation,
+            )
+            for t in targets.engines
+        )
         try:
             send = self.sender.publish_restored if restored else self.sender.publish
             metrics = send(stream, version)
             out = metrics.as_log_dict()
             out["weight_sync/seconds"] = metrics.total_s
-            result = PublishResult(version=version, seconds=metrics.total_s, metrics=out)
+            outcome = SyncOutcome(version=version, targets=targets.engines)
+            result = PublishResult(
+                version=version, outcome=outcome, seconds=metrics.total_s, metrics=out
+            )
         except WeightSyncError as err:  # the engines named were dropped; the others hold v
             log.error("weight sync of version %d: %s", version, err)
             seconds = err.metrics.total_s if err.metrics is not None else 0.0
@@ -284,13 +289,18 @@ class LearnerRole:
             out["weight_sync/num_failed"] = float(len(err.engines))
             out["weight_sync/needs_resend"] = float(err.needs_resend)
             out["weight_sync/seconds"] = seconds
-            result = PublishResult(
+            statuses = err.metrics.engines if err.metrics is not None else {}
+            failed = {
+                n: (statuses[n].error if n in statuses and statuses[n].error else str(err))
+                for n in err.engines
+            }
+            outcome = SyncOutcome(
                 version=version,
-                failed_engines=tuple(err.engines),
-                needs_resend=err.needs_resend,
-                seconds=seconds,
-                metrics=out,
+                targets=targets.engines,
+                failed=failed,
+                partial=tuple(err.partial),
             )
+            result = PublishResult(version=version, outcome=outcome, seconds=seconds, metrics=out)
             if err.needs_resend:
                 return result  # survivors hold part of v: the driver sends v again first
         # admission's clock moves only once the engines (those still members) hold version v
@@ -323,6 +333,7 @@ class RolloutRole:
         from fleetrl.data.reader import PromptReader
         from fleetrl.models.loading import load_tokenizer
         from rollout_fleet.fleet import EngineFleet
+        from rollout_fleet.membership import Membership
         from rollout_fleet.rewards.runner import RewardRunner
         from rollout_fleet.router import Router
 
@@ -344,28 +355,29 @@ class RolloutRole:
         )
         self.val_files = cfg.data.val_files
         self._reader_args = reader_args
-        self.router = Router()
-        self.restarted: dict[str, str] = {}
+        self.membership = Membership(suspect_cooldown_s=cfg.rollout.suspect_cooldown_s)
+        self.router = Router(self.membership)
         self.fleet = EngineFleet(
             cfg.rollout,
             cfg.model.path,
-            router=self.router,
+            membership=self.membership,
             device=_device(cfg),
             dtype=cfg.model.dtype,
             api_key=api_key,
             expose_on_node_ip=not local,
             resource_name=cfg.ray.rollout_resource,
-            on_engine_restarted=self._on_restart,
+            weights_pushed=True,  # engines serve only once a publish reached them
             log_dir=str(Path(run_dir) / "logs"),
             pause_mode=cfg.weight_sync.pause_mode,
         )
-        from launcher.delivery import DeliveryTracker
+        from rollout_fleet.delivery import DeliveryLedger
 
         self.sender = TrajectorySender(ingest, curve=curve, hwm=cfg.buffer.high_water_mark)
         self.control = BufferClient(control, curve=curve, timeout_s=BUFFER_REPLY_TIMEOUT_S)
         # held until the buffer reports each group accepted: re-sent after a buffer restart,
-        # re-queued after a learner resume (launcher/delivery.py)
-        self.delivery = DeliveryTracker(self.reader, self.sender, self.control, cfg.rollout.n)
+        # re-queued after a learner resume; admission counts its sent groups as running
+        # (rollout_fleet/delivery.py)
+        self.delivery = DeliveryLedger(self.reader, self.sender, self.control, cfg.rollout.n)
         self._health_task: asyncio.Task | None = None
         self._reconcile_task: asyncio.Task | None = None
         self.rewards = RewardRunner(
@@ -373,10 +385,6 @@ class RolloutRole:
         )
         self.worker: Any = None
         self._task: asyncio.Task | None = None
-
-    async def _on_restart(self, name: str, url: str) -> bool:
-        self.restarted[name] = url
-        return False  # ready only after the driver has pushed current weights
 
     async def start_engines(self) -> dict[str, str]:
         from rollout_fleet.client import EngineClient
@@ -394,12 +402,9 @@ class RolloutRole:
             reader=self.delivery.prompts(),
             sender=self.delivery,
             admission_source=self.control.admission,
-            delivery_source=self.control.group_status,
-            on_group_dropped=self.delivery.forget,
+            ledger=self.delivery,
             reward_runner=self.rewards,
             tokenizer=self.tokenizer,
-            groups_per_version=cfg.groups_per_version,
-            max_staleness=cfg.buffer.max_staleness,
             client_factory=lambda url: EngineClient(
                 url, api_key=self.api_key, timeout_s=cfg.rollout.request_timeout_s
             ),
@@ -453,20 +458,30 @@ class RolloutRole:
             if err is not None:
                 raise RuntimeError(f"rollout loop failed: {err!r}") from err
 
-    async def pending_restarts(self) -> dict[str, str]:
-        out, self.restarted = self.restarted, {}
-        return out
+    async def weight_targets(self) -> WeightTargets:
+        """The engines the next publish goes to: every live one, but those waiting for
+        weights that do not answer now (a hung or paused engine would stall the publish
+        until its timeout; the fleet's health checks replace it if it never answers)."""
+        return (await self._answering_targets())[0]
 
-    async def mark_ready(self, names: list[str]) -> None:
-        for name in names:
-            self.fleet.mark_ready(name)
+    async def rejoin_targets(self) -> WeightTargets | None:
+        """Targets for a publish of the current version when an engine that waits for
+        weights answers now (a replacement, or one that missed a version); else None."""
+        targets, joining = await self._answering_targets()
+        return targets if joining else None
 
-    async def quarantine(self, names: list[str]) -> None:
-        """No requests to engines that missed a weight update until they hold current weights."""
-        for name in names:
-            self.router.mark_dead(name, "dropped from weight sync (missed a version)")
+    async def _answering_targets(self) -> tuple[WeightTargets, bool]:
+        behind = self.membership.behind()
+        answers = await asyncio.gather(*(self._answers(n) for n in behind))
+        silent = {n for n, ok in zip(behind, answers, strict=True) if not ok}
+        return self.membership.weight_targets(exclude=silent), len(silent) < len(behind)
 
-    async def probe_engine(self, name: str, timeout_s: float = 2.0) -> bool:
+    async def weights_published(self, result: PublishResult) -> None:
+        """A publish reached (or failed) its targets: the membership records what each holds."""
+        if result.outcome is not None:
+            self.membership.apply_sync(result.outcome)
+
+    async def _answers(self, name: str, timeout_s: float = 2.0) -> bool:
         """Whether engine ``name`` answers GET /health now (after a pause or a lost connection)."""
         from rollout_fleet.client import EngineClient
 

@@ -1,8 +1,10 @@
 """The roles of one run and their lifecycle: start, supervise, restart, checkpoint, close.
 
 ``Run`` owns the Ray actors (buffer, learner ranks, rollout fleet), starts them in
-dependency order, restarts a dead buffer on its bank, rejoins replaced engines,
-writes checkpoints and ends every role it started. Its public methods are the
+dependency order, restarts a dead buffer on its bank, sends weights to engines that
+wait for them, writes checkpoints and ends every role it started. Which engines may
+serve is the rollout role's membership (rollout_fleet/membership.py): a publish takes
+its targets from there and hands the outcome back, typed, with no names in between. Its public methods are the
 role calls of the schedule (``launcher.train.train_loop``): each carries its
 arguments, returns a typed result (launcher/results.py) and is guarded by
 ``launcher.supervision.Supervised`` (``Run.supervised()``).
@@ -19,7 +21,6 @@ from typing import Any
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig
-from launcher.delivery import group_id_for_index
 from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
 from launcher.supervision import (
     Supervised,
@@ -32,6 +33,8 @@ from launcher.supervision import (
     make_run_secrets,
     write_roster,
 )
+from rollout_fleet.delivery import group_id_for_index
+from rollout_fleet.membership import WeightTargets
 
 log = get_logger(__name__)
 
@@ -74,7 +77,6 @@ class Run:
         self.last_checkpoint_watermark: int | None = None
         # (hand-out watermark, prompts unfinished) of each checkpoint still resumable
         self.resumable: list[tuple[int, list[int]]] = []
-        self.quarantined: set[str] = set()
         self.failed = False
         self.placement_group: Any = None
         self.started = False  # every role up and serving: from here a stop checkpoints
@@ -132,7 +134,10 @@ class Run:
             self.supervisor.register(f"learner rank {rank}", w)
         master = ray.get(self.learners[0].master_address.remote())
         curve = self.secrets.learner_client
-        gather([w.setup.remote(master, control, curve) for w in self.learners], "learner setup")
+        key = self.secrets.engine_api_key
+        gather(
+            [w.setup.remote(master, control, curve, key) for w in self.learners], "learner setup"
+        )
 
         extra: dict[str, Any] = {}
         self.phase = "restoring the latest checkpoint"
@@ -152,13 +157,7 @@ class Run:
         self.phase = "placing and starting the engines"
         if not local:
             wait_for_engine_room(cfg)
-        urls = ray.get(self.rollout.start_engines.remote())
-        key = self.secrets.engine_api_key
-        ray.get(
-            self.learners[0].connect_engines.remote(
-                [(n, u, key) for n, u in sorted(urls.items())], self.cfg.rollout.tp_size
-            )
-        )
+        ray.get(self.rollout.start_engines.remote())
         self.write_roster()
         if extra.get("reader"):
             ray.get(self.rollout.load_reader_state.remote(extra["reader"]))
@@ -315,15 +314,25 @@ class Run:
         return f"rerun with the same trainer.output_dir and trainer.resume=auto to continue {where}"
 
     # ---- the role calls of a step ----------------------------------------------------------
-    def publish(self, version: int, restored: bool = False) -> PublishResult:
-        """Push ``version`` to every engine (every learner rank streams, rank 0 sends)."""
+    def publish(
+        self, version: int, restored: bool = False, targets: WeightTargets | None = None
+    ) -> PublishResult:
+        """Push ``version`` to the membership's live engines (every learner rank streams,
+        rank 0 sends); the membership records what each engine got."""
+        import ray
+
         self.version = version
         what = f"publishing version {version}"
-        out = gather([w.publish.remote(version, restored) for w in self.learners], what)[0]
-        if out.needs_resend:
+        for attempt in range(2):
+            if targets is None or attempt:
+                targets = ray.get(self.rollout.weight_targets.remote())
+            calls = [w.publish.remote(version, targets, restored) for w in self.learners]
+            out = gather(calls, what)[0]
+            ray.get(self.rollout.weights_published.remote(out))
+            if not out.needs_resend:
+                break
             # a failure mid-stream left survivors with partial weights: send the version again
             log.warning("version %d reached some engines partially; publishing it again", version)
-            out = gather([w.publish.remote(version, restored) for w in self.learners], what)[0]
         return out
 
     def wait_for_batch(self, version: int, check_stop: Any = None) -> float:
@@ -371,47 +380,24 @@ class Run:
         m.update({f"buffer/{k}": float(v) for k, v in stats.items()})
         m["buffer/size"] = m.get("buffer/size", m.get("buffer/ready_groups", 0.0))
         m["buffer/refused_stale"] = m.get("buffer/refused_stale", 0.0)
-        m["supervision/quarantined_engines"] = float(len(self.quarantined))
         return m
 
     def rejoin_engines(self) -> None:
-        """Engines that were replaced, or that missed a version, get current weights first.
+        """Engines waiting for weights that answer now get the current version first.
 
-        A replaced engine (new process, new URL) and an engine weight sync dropped (it timed
-        out or refused: paused, disconnected) take no requests until a publish of the current
-        version reaches them; one still not answering stays out until the fleet's health
-        checks replace it.
+        A replaced engine (new process) and one weight sync dropped (it timed out or
+        refused: paused, disconnected) take no requests until a publish of the current
+        version reaches them (the membership's NEEDS_WEIGHTS); one still not answering stays
+        out until the fleet's health checks replace it.
         """
         import ray
 
-        key = self.secrets.engine_api_key
-        restarted = ray.get(self.rollout.pending_restarts.remote())
-        dropped = set(ray.get(self.learners[0].take_dropped_engines.remote())) - set(restarted)
-        newly = sorted(dropped - self.quarantined)
-        if newly:
-            log.warning("engines %s missed a weight update: no requests until they catch up", newly)
-            ray.get(self.rollout.quarantine.remote(newly))
-        self.quarantined = (self.quarantined | dropped) - set(restarted)
-        joining: dict[str, str] = dict(restarted)
-        if self.quarantined:
-            urls = ray.get(self.rollout.engine_urls.remote())
-            for name in sorted(self.quarantined):
-                if name in urls and ray.get(self.rollout.probe_engine.remote(name)):
-                    joining[name] = urls[name]
-        if not joining:
+        targets = ray.get(self.rollout.rejoin_targets.remote())
+        if targets is None:
             return
-        for name, url in sorted(joining.items()):
-            log.info("engine %s at %s receives version %d before serving", name, url, self.version)
-            ray.get(self.learners[0].add_engine.remote(name, url, key, self.cfg.rollout.tp_size))
-        self.publish(self.version)
-        failed = set(ray.get(self.learners[0].take_dropped_engines.remote()))
-        ready = sorted(set(joining) - failed)
-        ray.get(self.rollout.mark_ready.remote(ready))
-        self.quarantined = (self.quarantined - set(ready)) | failed
-        if failed:
-            ray.get(self.rollout.quarantine.remote(sorted(failed)))
-        if restarted:
-            self.write_roster()
+        log.info("engines waiting for weights answer: publishing version %d again", self.version)
+        self.publish(self.version, targets=targets)
+        self.write_roster()  # a replacement is a new process
 
     def checkpoint(self, step: int) -> CheckpointRecord:
         """Write a checkpoint; commit the *previous* checkpoint's hand-outs in the buffer.

@@ -10,7 +10,7 @@ short ``pid()`` call each) and turns the answer into one of:
   same ZeroMQ addresses (``BufferRole`` binds the ports chosen at first start),
   so the learner's DEALER and the fleet's PUSH reconnect by themselves; the
   fleet then re-sends every group the buffer has not durably accepted
-  (launcher/delivery.py) and the call that failed is retried with the same
+  (rollout_fleet/delivery.py) and the call that failed is retried with the same
   arguments (at most ``MAX_BUFFER_RESTARTS`` restarts per run);
 - a dead **learner rank** or **rollout supervisor**: ``TrainingStopped`` with a
   one-line reason naming the role, its pid and the checkpoint a rerun with

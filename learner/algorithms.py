@@ -38,7 +38,8 @@ from typing import Final
 import numpy as np
 import torch
 
-from learner.corrections import IS_MODES, compute_importance_weights
+from learner.config import CORRECTION_MODES
+from learner.corrections import compute_importance_weights
 from learner.kl import (
     KL_KINDS,
     AdaptiveKLController,
@@ -51,7 +52,7 @@ from learner.logits_ops import entropy_from_logits, logprobs_from_logits
 from learner.masked_ops import LOSS_AGG_MODES, agg_loss, masked_mean, masked_var, masked_whiten
 
 __all__ = [
-    "IS_MODES",
+    "CORRECTION_MODES",
     "KL_KINDS",
     "LOSS_AGG_MODES",
     "AdaptiveKLController",

@@ -23,10 +23,10 @@ CorrectionMode = Literal[
     "seq_mis",
     "seq_mis_geo",
 ]
+# every mode, once: the config accepts these and learner.corrections computes them
+CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
 # masked importance sampling: weights outside [is_low, is_high] are masked
-MIS_MODES: tuple[str, ...] = tuple(
-    m for m in get_args(CorrectionMode) if m.endswith(("_mis", "_mis_geo"))
-)
+MIS_MODES: tuple[str, ...] = tuple(m for m in CORRECTION_MODES if m.endswith(("_mis", "_mis_geo")))
 KLKind = Literal["k1", "k2", "k3", "low_var_kl", "kl", "abs", "mse"]
 LossAggMode = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"

@@ -10,7 +10,7 @@ multiply the PPO loss of each token (decoupled PPO, AReaL arXiv 2505.24298):
 
 With Δ_t = log π_prox − log π_behav and ρ_t = exp(clamp(Δ_t, ±20)):
 
-* ``none`` / ``bypass``: w = 1 (bypass: the caller also uses π_behav as π_prox);
+* ``bypass``: w = 1 (the caller also uses π_behav as π_prox);
 * ``decoupled``: w = ρ_t; with ``decoupled_cap`` set, tokens with ρ_t > cap get
   w = 0 (AReaL's ``behav_imp_weight_cap``: such tokens are masked, not clipped);
 * ``token_tis``: w = min(ρ_t, cap) (truncated IS);
@@ -33,15 +33,12 @@ Left out: weight normalisation to batch mean 1 and rejection of whole batches.
 
 from __future__ import annotations
 
-from typing import Final, get_args
+from typing import Final
 
 import torch
 
-from learner.config import CorrectionMode
+from learner.config import CORRECTION_MODES
 from learner.masked_ops import masked_mean
-
-# the config's modes (learner.correction.mode) plus "none": no weights at all
-IS_MODES: Final[tuple[str, ...]] = ("none", *get_args(CorrectionMode))
 
 LOG_RATIO_CLAMP: Final[float] = 20.0
 
@@ -75,9 +72,9 @@ def compute_importance_weights(
     ``behavior_kl`` (mean of log π_behav − log π_prox, a k1 estimate of how far
     the engine's policy has drifted from the learner's).
     """
-    if mode not in IS_MODES:
+    if mode not in CORRECTION_MODES:
         raise ValueError(
-            f"compute_importance_weights: unknown mode {mode!r}; expected one of {IS_MODES}"
+            f"compute_importance_weights: unknown mode {mode!r}; expected one of {CORRECTION_MODES}"
         )
     for name, tensor in (
         ("proximal_logprob", proximal_logprob),
@@ -105,7 +102,7 @@ def compute_importance_weights(
         clipped = torch.zeros_like(valid)
         masked = torch.zeros_like(valid)
 
-        if mode in ("none", "bypass"):
+        if mode == "bypass":  # no weights: the behaviour policy is the proximal one
             weights = mask.clone()
         elif mode.startswith("seq"):
             seq_log_ratio = log_ratio.sum(dim=-1, keepdim=True)

@@ -1,27 +1,29 @@
 """The engine fleet: start N engine actors, watch their health, replace the dead ones.
 
-Lifecycle of one engine slot (``engine-0`` ... ``engine-{N-1}``)::
+The fleet owns the engine *processes* (actor handles, restart budgets); whether an
+engine may take requests is the ``Membership``'s (rollout_fleet/membership.py),
+which the fleet drives. Lifecycle of one engine slot (``engine-0`` ... ``engine-{N-1}``)::
 
-    create actor -> start (URL) -> router.add_engine(starting | ready)
+    create actor -> start (URL) -> membership.launch            (STARTING)
         -> health checks every health_check_interval_s:
              actor ping (Ray) and GET /health (HTTP, with a timeout)
-             one failure: router.mark_suspect      (no new groups)
-             N failures or the actor died: router.mark_dead (the worker regenerates
+             one failure of a serving engine: membership.suspect (routed to last)
+             N failures or the actor died: membership.die (the worker regenerates
                  its requests in flight elsewhere), kill the actor, start a new one
-        -> replacement: router.add_engine(name, new_url, ready=False)
-             -> on_engine_restarted(name, url): weight sync adds the engine to its
-                group and pushes the current weights, then calls fleet.mark_ready(name)
-                (or the hook returns True to mean "ready now")
+        -> replacement: membership.launch (a new incarnation), then
+             weights_pushed: membership.require_weights(latest version) - the next
+                 publish (the driver's rejoin) sends it the weights, which makes it READY
+             else: it serves the weights it loaded from disk (READY at version 0)
 
-Engines whose first weights come from disk (embedded engine; SGLang with
-``load_format=auto``) start ``ready``. SGLang with ``load_format=dummy`` starts
-``starting``: the launcher marks every engine ready after the first broadcast.
-A slot that used up ``max_engine_restarts`` stays dead; the run goes on with
-the others (``fleet/engines_alive`` says how many).
+Without weight sync (``weights_pushed=False``) engines whose first weights come
+from disk (embedded engine; SGLang with ``load_format=auto``) start READY; under
+weight sync every engine waits at STARTING for the first publish. A slot that
+used up ``max_engine_restarts`` stays DEAD; the run goes on with the others
+(``fleet/engines_alive`` says how many).
 
 All methods are coroutines on the caller's event loop (Ray object refs are
 awaitable), so the health loop runs beside the rollout worker. Left out:
-elastic scale-up/down at runtime (the router supports it; the fleet keeps N).
+elastic scale-up/down at runtime (the membership supports drain and remove; the fleet keeps N).
 """
 
 from __future__ import annotations
@@ -35,14 +37,13 @@ from typing import Any
 from fleetrl.log import get_logger
 from rollout_fleet.actors import EngineSpec, create_engine_actor, engine_spec
 from rollout_fleet.config import RolloutConfig
-from rollout_fleet.router import EngineState, Router
+from rollout_fleet.membership import SERVING, EngineStatus, Membership, UnknownEngineError
 
 log = get_logger(__name__)
 
 _STOP_TIMEOUT_S = 30.0
 
 HealthProbe = Callable[[str], Awaitable[bool]]
-RestartHook = Callable[[str, str], Any]  # (name, url) -> True if ready now; may be async
 
 
 @dataclass
@@ -50,7 +51,6 @@ class _Slot:
     name: str
     spec: EngineSpec
     actor: Any = None
-    url: str = ""
     failures: int = 0
     restarts: int = 0
     replacing: asyncio.Task[None] | None = None
@@ -65,13 +65,13 @@ class EngineFleet:
         config: RolloutConfig,
         model_path: str,
         *,
-        router: Router,
+        membership: Membership,
         device: str = "cpu",
         dtype: str = "float32",
         api_key: str | None = None,
         expose_on_node_ip: bool = False,
         resource_name: str | None = None,
-        on_engine_restarted: RestartHook | None = None,
+        weights_pushed: bool = False,
         health_probe: HealthProbe | None = None,
         actor_factory: Callable[[EngineSpec], Any] | None = None,
         name_prefix: str = "engine",
@@ -79,9 +79,9 @@ class EngineFleet:
         pause_mode: str = "in_place",
     ):
         self.config = config
-        self.router = router
+        self.membership = membership
         self.api_key = api_key
-        self.on_engine_restarted = on_engine_restarted
+        self.weights_pushed = weights_pushed  # weight sync brings new engines up to date
         self._probe = health_probe or self._http_health
         self._actor_factory = actor_factory or (
             lambda spec: create_engine_actor(
@@ -121,17 +121,23 @@ class EngineFleet:
     # ---- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> dict[str, str]:
-        """Start every engine (in parallel); register them with the router; name -> URL."""
+        """Start every engine (in parallel); launch them in the membership; name -> URL."""
         results = await asyncio.gather(
             *(self._launch(slot) for slot in self._slots.values()), return_exceptions=True
         )
-        errors = [(s.name, r) for s, r in zip(self._slots.values(), results, strict=True) if r]
+        errors = [
+            (s.name, r)
+            for s, r in zip(self._slots.values(), results, strict=True)
+            if isinstance(r, BaseException)
+        ]
         if errors:
             await self.stop()
             name, err = errors[0]
             raise RuntimeError(f"engine {name} failed to start: {err!r}") from err
-        for slot in self._slots.values():
-            self.router.add_engine(slot.name, slot.url, ready=self.weights_from_disk)
+        for slot, url in zip(self._slots.values(), results, strict=True):
+            self.membership.launch(slot.name, url)
+            if self.weights_from_disk and not self.weights_pushed:
+                self.membership.weights_loaded(slot.name, 0)
         return self.urls()
 
     async def stop(self) -> None:
@@ -147,21 +153,20 @@ class EngineFleet:
                 await close()
         self._health_clients.clear()
 
-    def mark_ready(self, name: str) -> None:
-        """Weights are loaded on ``name`` (called by weight sync after its first push)."""
-        self.router.mark_ready(name)
-
     def urls(self) -> dict[str, str]:
-        return {name: slot.url for name, slot in self._slots.items() if slot.url}
+        """URL of every engine process running now."""
+        urls = self.membership.urls()
+        return {name: urls[name] for name in self._slots if name in urls}
 
     def metrics(self) -> dict[str, float]:
         states = [self._state(name) for name in self._slots]
         return {
-            "fleet/engines_alive": float(
-                sum(s in (EngineState.READY, EngineState.SUSPECT) for s in states)
+            "fleet/engines_alive": float(sum(s in SERVING for s in states)),
+            "fleet/engines_starting": float(sum(s is EngineStatus.STARTING for s in states)),
+            "fleet/engines_needing_weights": float(
+                sum(s is EngineStatus.NEEDS_WEIGHTS for s in states)
             ),
-            "fleet/engines_starting": float(sum(s is EngineState.STARTING for s in states)),
-            "fleet/engines_dead": float(sum(s is EngineState.DEAD for s in states)),
+            "fleet/engines_dead": float(sum(s is EngineStatus.DEAD for s in states)),
             "fleet/engine_restarts": float(self.engine_restarts),
             "fleet/health_failures": float(self.health_failures),
         }
@@ -201,7 +206,8 @@ class EngineFleet:
             log.warning(
                 "engine %s failed a health check (%d): %s", slot.name, slot.failures, reason
             )
-            self.router.mark_suspect(slot.name, reason)
+            if self._state(slot.name) in SERVING:
+                self.membership.suspect(slot.name, reason)
 
     async def _failure_reason(self, slot: _Slot) -> tuple[str | None, bool]:
         """(why the engine looks unhealthy, whether that is certainly fatal); (None, False) if fine."""
@@ -215,7 +221,7 @@ class EngineFleet:
         if not info.get("alive", True):
             return "the actor reports its engine process exited", True
         try:
-            healthy = await asyncio.wait_for(self._probe(slot.url), timeout)
+            healthy = await asyncio.wait_for(self._probe(self.membership.url(slot.name)), timeout)
         except TimeoutError:
             return f"GET /health timed out after {timeout} s", False
         return (None, False) if healthy else ("GET /health failed", False)
@@ -235,8 +241,8 @@ class EngineFleet:
     def _replace(self, slot: _Slot, reason: str) -> None:
         if self._stopping or slot.replacing is not None:
             return
-        if self._state(slot.name) not in (EngineState.DEAD, None):
-            self.router.mark_dead(slot.name, reason)
+        if self._state(slot.name) not in (EngineStatus.DEAD, None):
+            self.membership.die(slot.name, reason)
         slot.replacing = asyncio.ensure_future(self._replace_now(slot, reason))
 
     async def _replace_now(self, slot: _Slot, reason: str) -> None:
@@ -255,45 +261,30 @@ class EngineFleet:
             self.engine_restarts += 1
             log.warning("replacing engine %s (restart %d): %s", slot.name, slot.restarts, reason)
             try:
-                await self._launch(slot)
+                url = await self._launch(slot)
             except Exception as err:  # noqa: BLE001 - any start failure: count it, retry next round
                 log.error("engine %s failed to restart: %r", slot.name, err)
                 await self._kill(slot)
                 return
             slot.failures = 0
-            self.router.add_engine(slot.name, slot.url, ready=False)
-            await self._announce(slot)
+            self.membership.launch(slot.name, url)
+            if self.weights_pushed:  # the next publish (the driver's rejoin) makes it READY
+                version = self.membership.latest_version
+                self.membership.require_weights(slot.name, version, "replacement")
+            else:  # nobody pushes weights: it serves those it loaded from disk
+                self.membership.weights_loaded(slot.name, 0)
         finally:
             slot.replacing = None
 
-    async def _announce(self, slot: _Slot) -> None:
-        """Tell the hook about the new engine; mark it ready when weights are in place."""
-        if self.on_engine_restarted is None:
-            # nobody pushes weights: it serves the disk weights, tagged with the version it reports
-            self.router.mark_ready(slot.name)
-            return
-        try:
-            if inspect.iscoroutinefunction(self.on_engine_restarted):
-                ready = await self.on_engine_restarted(slot.name, slot.url)
-            else:
-                ready = await asyncio.to_thread(self.on_engine_restarted, slot.name, slot.url)
-        except Exception as err:  # noqa: BLE001 - a failed weight push: replace the engine again
-            log.error("on_engine_restarted(%s) failed: %r", slot.name, err)
-            self.router.mark_dead(slot.name, f"restart hook failed: {err!r}")
-            await self._kill(slot)
-            return
-        if ready is True:
-            self.router.mark_ready(slot.name)
-
-    async def _launch(self, slot: _Slot) -> None:
+    async def _launch(self, slot: _Slot) -> str:
+        """Create and start the slot's actor; the engine's URL."""
         slot.actor = self._actor_factory(slot.spec)
-        slot.url = await asyncio.wait_for(
+        return await asyncio.wait_for(
             _awaitable(slot.actor.start.remote()), self.config.engine_startup_timeout_s
         )
 
     async def _kill(self, slot: _Slot) -> None:
         actor, slot.actor = slot.actor, None
-        slot.url = ""
         if actor is None:
             return
         try:
@@ -308,10 +299,10 @@ class EngineFleet:
 
             ray.kill(actor, no_restart=True)
 
-    def _state(self, name: str) -> EngineState | None:
+    def _state(self, name: str) -> EngineStatus | None:
         try:
-            return self.router.state(name)
-        except KeyError:
+            return self.membership.status(name)
+        except UnknownEngineError:
             return None
 
 

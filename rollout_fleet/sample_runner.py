@@ -34,7 +34,8 @@ from typing import Any, Protocol
 
 from fleetrl.log import get_logger
 from rollout_fleet.client import EngineError, parse_generate_response
-from rollout_fleet.router import EngineEvent, EngineState, Lease, Router
+from rollout_fleet.membership import EngineStatus, MembershipError, MembershipEvent
+from rollout_fleet.router import Lease, Router
 from rollout_fleet.trajectory import ABORT, SampleProgress
 
 log = get_logger(__name__)
@@ -100,7 +101,7 @@ class SampleRunner:
     # ---- lifecycle ------------------------------------------------------------------------
 
     def attach(self) -> None:
-        """Bind to the running event loop and listen to the router (idempotent)."""
+        """Bind to the running event loop and listen to the membership (idempotent)."""
         loop = asyncio.get_running_loop()
         if self._loop is loop:
             return
@@ -110,12 +111,12 @@ class SampleRunner:
         self._loop_thread = threading.get_ident()
         self._engines_changed = asyncio.Event()
         self._started_at = self._idle_since = self._clock()
-        self.router.subscribe(self._on_engine_event)
+        self.router.membership.subscribe(self._on_engine_event)
 
     def detach(self) -> None:
         if self._loop is not None:
             with contextlib.suppress(ValueError):
-                self.router.unsubscribe(self._on_engine_event)
+                self.router.membership.unsubscribe(self._on_engine_event)
             self._loop = None
 
     async def aclose(self) -> None:
@@ -175,7 +176,7 @@ class SampleRunner:
                     continue
                 failures += 1
                 self.engine_errors += 1
-                self.router.mark_suspect(lease.engine, error)
+                self._suspect(lease, error)
                 log.warning("request %s on %s failed: %s", rid, lease.engine, error)
                 if failures < self.max_attempts:
                     await asyncio.sleep(self.retry_backoff_s)
@@ -256,7 +257,15 @@ class SampleRunner:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._engines_changed.wait(), _NO_ENGINE_RECHECK_S)
 
-    def _on_engine_event(self, event: EngineEvent) -> None:
+    def _suspect(self, lease: Lease, error: str) -> None:
+        """Report a failed request; the engine may have stopped serving or been replaced
+        meanwhile (health checks, weight sync), which makes the report moot."""
+        try:
+            self.router.membership.suspect(lease.engine, error, incarnation=lease.incarnation)
+        except MembershipError as err:
+            log.debug("failed request on %s not reported: %s", lease.engine, err)
+
+    def _on_engine_event(self, event: MembershipEvent) -> None:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
@@ -265,8 +274,10 @@ class SampleRunner:
         else:
             loop.call_soon_threadsafe(self._handle_engine_event, event)
 
-    def _handle_engine_event(self, event: EngineEvent) -> None:
-        if event.state in (EngineState.DEAD, EngineState.REMOVED):
+    def _handle_engine_event(self, event: MembershipEvent) -> None:
+        # requests on an engine that must reload weights or is gone are regenerated
+        # elsewhere; a draining engine finishes its own
+        if event.removed or event.status in (EngineStatus.DEAD, EngineStatus.NEEDS_WEIGHTS):
             lost = list(self._inflight.get(event.name, {}))
             for request in lost:
                 request.cancel()
@@ -274,10 +285,10 @@ class SampleRunner:
                 log.warning(
                     "engine %s %s: %d requests in flight go to other engines",
                     event.name,
-                    event.state,
+                    "removed" if event.removed else event.status,
                     len(lost),
                 )
-            if event.state is EngineState.REMOVED:
+            if event.removed:
                 self.clients.pop(event.name, None)
         elif event.url and self.client_factory is not None:
             old = self.clients.get(event.name)

@@ -4,8 +4,9 @@ One asyncio loop drives the whole fleet (engines are HTTP servers; the worker
 only waits on sockets)::
 
     while not stopping:
-        state    = buffer admission counters          (policy_version, accepted_groups)
-        capacity = StalenessAdmission.capacity(v, accepted, running_groups)
+        state    = the buffer's admission state       (policy_version, accepted_groups,
+                                                        and the rule's B, η, concurrency)
+        capacity = StalenessAdmission.from_state(state).capacity(v, accepted, running_groups)
         start `capacity` groups with prompts from the reader
         sleep until a group finishes or admission_poll_interval_s passes
     drain: let groups in flight finish (stop deadline), abort the rest
@@ -23,17 +24,19 @@ attempts the group is dropped and counted (``groups_failed``).
 ``validate(prompts)`` runs a validation set through the same machinery (one
 greedy sample per prompt by default) and returns mean scores per data source.
 
-Staleness: ``running_groups`` counts groups from start until fully sent. A group
-sent but not yet counted by the buffer is briefly in neither count (ZeroMQ
-delivery lag), so admission may run ahead by the groups in transit; the buffer's
-hand-out check is the safety net for that window. The reader's cursor advances
-when a group starts: a reader checkpoint taken now skips the groups in flight.
+Staleness: ``running_groups`` counts groups from start until fully sent, plus
+(with a ``ledger``, rollout_fleet/delivery.py) those sent whole that the buffer
+has not yet been seen to hold: without the ledger a group in ZeroMQ transit is
+briefly in neither count and admission may run ahead by those groups (the
+buffer's hand-out check is the safety net). The reader's cursor advances when a
+group starts; the ledger re-queues the groups in flight at a checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import statistics
 import time
@@ -48,6 +51,7 @@ from buffer.wire import Trajectory
 from fleetrl.data.reader import PromptItem
 from fleetrl.log import get_logger
 from rollout_fleet.config import RolloutConfig
+from rollout_fleet.delivery import group_id_for
 from rollout_fleet.router import Router
 from rollout_fleet.sample_runner import GenerateClient, SampleFailed, SampleRunner
 from rollout_fleet.trajectory import SampleProgress, build_trajectory
@@ -62,10 +66,24 @@ class TrajectorySink(Protocol):
 
 
 class AdmissionCounters(Protocol):
-    """The admission inputs the buffer reports (``buffer.wire.AdmissionState``)."""
+    """The admission inputs the buffer reports (``buffer.wire.AdmissionState``): the
+    counters and the rule's parameters, so B and η have one source of truth."""
 
     policy_version: int
     accepted_groups: int
+    max_staleness: int
+    groups_per_version: int
+    max_concurrent: int
+
+
+class SentLedger(Protocol):
+    """What the worker needs of ``rollout_fleet.delivery.DeliveryLedger``."""
+
+    def sent_unconfirmed(self) -> int: ...
+
+    def reconcile(self, *, sent_only: bool = False) -> int: ...
+
+    def forget(self, group_id: str) -> None: ...
 
 
 class Scorer(Protocol):
@@ -112,12 +130,9 @@ class RolloutWorker:
         admission_source: Callable[[], Any],
         reward_runner: Scorer,
         tokenizer: Detokenizer,
-        groups_per_version: int,
-        max_staleness: int,
         stop_token_ids: list[int] | None = None,
         client_factory: Callable[[str], GenerateClient] | None = None,
-        delivery_source: Callable[[list[str]], list[int]] | None = None,
-        on_group_dropped: Callable[[str], None] | None = None,
+        ledger: SentLedger | None = None,
     ):
         self.config = config
         self.router = router
@@ -131,19 +146,10 @@ class RolloutWorker:
         self._prompts = iter(reader)
         self._sender = sender
         self._admission_source = admission_source
-        # groups sent but not yet seen durably accepted by the buffer: still "running" for
-        # admission, or a group in ZeroMQ transit would be in neither count and admission
-        # would run ahead of the staleness bound (``BufferClient.group_status``)
-        self._delivery_source = delivery_source
-        self._on_group_dropped = on_group_dropped
-        self._in_transit: dict[str, int] = {}
+        # sent, not yet acknowledged: the delivery ledger's (see the module docstring)
+        self._ledger = ledger
         self._reward = reward_runner
         self._tokenizer = tokenizer
-        self.admission = StalenessAdmission(
-            max_staleness=max_staleness,
-            groups_per_version=groups_per_version,
-            max_concurrent=config.max_concurrent_groups,
-        )
         if stop_token_ids is None:
             eos = getattr(tokenizer, "eos_token_id", None)
             stop_token_ids = [] if eos is None else [int(eos)]
@@ -174,8 +180,9 @@ class RolloutWorker:
     @property
     def running_groups(self) -> int:
         """Groups started and not yet fully sent (or dropped), plus those sent but not yet
-        acknowledged by the buffer (when a ``delivery_source`` is given)."""
-        return len(self._groups) + len(self._in_transit)
+        acknowledged by the buffer (when a ``ledger`` is given)."""
+        in_transit = self._ledger.sent_unconfirmed() if self._ledger is not None else 0
+        return len(self._groups) + in_transit
 
     def add_engine(self, name: str, client: GenerateClient) -> None:
         """Use ``client`` for engine ``name`` (register the engine with the router too)."""
@@ -257,7 +264,7 @@ class RolloutWorker:
 
         async def one(position: int, prompt: PromptItem) -> None:
             async with limit:
-                group_id = f"val-{position}-p{prompt.index}"
+                group_id = f"val-{position}-{group_id_for(prompt)}"
                 try:
                     scored = await self._run_sample(group_id, 0, prompt, sampling)
                     results.append((prompt.data_source, scored))
@@ -325,7 +332,7 @@ class RolloutWorker:
         if state is None:
             return 0
         self.last_admission = state
-        return self.admission.capacity(
+        return StalenessAdmission.from_state(state).capacity(
             state.policy_version, state.accepted_groups, self.running_groups
         )
 
@@ -342,20 +349,18 @@ class RolloutWorker:
             return None
 
     async def _settle_in_transit(self) -> None:
-        """Forget sent groups that the buffer now holds in full (asked before admission)."""
-        if self._delivery_source is None or not self._in_transit:
+        """Let the ledger forget sent groups the buffer now holds whole (before admission)."""
+        ledger = self._ledger
+        if ledger is None or not ledger.sent_unconfirmed():
             return
-        ids = list(self._in_transit)
         loop = asyncio.get_running_loop()
         try:
-            counts = await loop.run_in_executor(self._admission_thread, self._delivery_source, ids)
+            await loop.run_in_executor(
+                self._admission_thread, functools.partial(ledger.reconcile, sent_only=True)
+            )
         except (OSError, TimeoutError, RuntimeError, ValueError) as err:
             self.admission_errors += 1
             log.warning("delivery check failed (%d so far): %s", self.admission_errors, err)
-            return
-        for group_id, count in zip(ids, counts, strict=True):
-            if count >= self._in_transit[group_id]:
-                del self._in_transit[group_id]
 
     async def _sleep_until_woken(self, timeout_s: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -374,7 +379,7 @@ class RolloutWorker:
         return True
 
     def _start_group(self, prompt: PromptItem, sampling: dict[str, Any]) -> None:
-        group_id = f"p{prompt.index}"
+        group_id = group_id_for(prompt)
         if group_id in self._groups:  # the same prompt position again (reader seek): keep apart
             group_id = f"{group_id}-{self.groups_started}"
         group = _Group(group_id, prompt)
@@ -407,13 +412,11 @@ class RolloutWorker:
             self.send_s += time.monotonic() - t0
             self.groups_finished += 1
             self.samples_sent += len(trajectories)
-            if self._delivery_source is not None:
-                self._in_transit[group.group_id] = len(trajectories)
         except* SampleFailed as failures:
             self.groups_failed += 1
             log.error("group %s dropped: %s", group.group_id, failures.exceptions[0])
-            if self._on_group_dropped is not None:
-                self._on_group_dropped(group.group_id)
+            if self._ledger is not None:  # nothing of it will be sent: neither awaited nor redone
+                self._ledger.forget(group.group_id)
         finally:
             self._groups.pop(group.group_id, None)
             self.router.finish_group(group.group_id)

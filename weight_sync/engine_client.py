@@ -28,12 +28,17 @@ import requests
 
 @dataclass(frozen=True)
 class EngineEndpoint:
-    """Where one rollout engine listens; ``world_size`` is its number of ranks in the group (TP size)."""
+    """Where one rollout engine listens; ``world_size`` is its number of ranks in the group (TP size).
+
+    ``incarnation`` tells a replacement at the same URL from the process it replaced
+    (``rollout_fleet.membership``): a different endpoint, so the group is formed again.
+    """
 
     name: str
     url: str
     api_key: str | None = None
     world_size: int = 1
+    incarnation: int = 0
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -19,8 +19,9 @@ from weight_sync.metrics import SyncMetrics
 class WeightSyncError(RuntimeError):
     """Weight sync failed for the named engines (they were dropped unless only verification failed).
 
-    ``needs_resend``: surviving engines hold partial weights and stay paused
-    until the next ``publish``. ``metrics``: what was measured before failing.
+    ``partial``: surviving engines that hold part of the version and stay paused
+    until the next ``publish`` (``needs_resend``). ``metrics``: what was measured
+    before failing.
     """
 
     def __init__(
@@ -30,13 +31,18 @@ class WeightSyncError(RuntimeError):
         engines: list[str],
         version: int | None = None,
         metrics: SyncMetrics | None = None,
-        needs_resend: bool = False,
+        partial: list[str] | None = None,
     ) -> None:
         self.engines = engines
         self.version = version
         self.metrics = metrics
-        self.needs_resend = needs_resend
+        self.partial = list(partial or [])
         super().__init__(message)
+
+    @property
+    def needs_resend(self) -> bool:
+        """Some engines hold part of the version: publish again (the same version is fine)."""
+        return bool(self.partial)
 
 
 def drain_stream(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

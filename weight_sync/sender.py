@@ -36,10 +36,16 @@ block), and the surviving engines, which now hold partial weights, stay paused
 with ``needs_resend`` set: the caller must publish again (the same version is
 fine) - the next ``publish`` rebuilds the group without the dead engine.
 
-Membership: ``add_engine`` / ``remove_engine`` take effect at the next
-``publish`` (the group is destroyed and rebuilt), which sends the new engine
-the full weights like everyone else: every publish sends everything, so
-"resend the latest" is simply another ``publish`` of the current weights.
+Membership: who receives weights is not the sender's to decide. In a run the
+rollout side's ``rollout_fleet.membership.Membership`` owns it and hands the
+targets of each publish over; ``set_members`` makes the sender's connections
+exactly those (``add_engine`` / ``remove_engine`` / ``connect`` do the same one
+engine at a time, for ``fleetrl weights push`` and tests). A change takes effect
+at the next ``publish`` (the group is destroyed and rebuilt), which sends the new
+engine the full weights like everyone else: every publish sends everything, so
+"resend the latest" is simply another ``publish`` of the current weights. What
+a publish did to each engine (dropped, holding part of the version) is reported
+in its ``WeightSyncError``, not kept here: the membership records it.
 
 Resume: after restoring a checkpoint at version v, the launcher calls
 ``publish_restored(worker.named_full_tensors(), v)`` (all ranks driving the
@@ -118,9 +124,10 @@ class WeightSender:
         self._generation = 0
         self._instance = uuid.uuid4().hex[:8]  # torch allows one group per name per process
         self._pool = ThreadPoolExecutor(_MAX_HTTP_THREADS, thread_name_prefix="weight-sync-http")
-        self._stale: set[str] = set()
         self._unchecked = UncheckedEngines()
-        self.dropped: dict[str, str] = {}
+        # removed (not dropped) engines still in the current group: told to leave it when it
+        # is torn down, then closed
+        self._leaving: list[EngineClient] = []
         self.latest_version: int | None = None
 
     # ------------------------------------------------------------------ membership
@@ -129,11 +136,6 @@ class WeightSender:
     def engines(self) -> list[str]:
         with self._lock:
             return list(self._clients)
-
-    @property
-    def needs_resend(self) -> bool:
-        """True while some engine holds partial weights (a mid-stream failure); publish again."""
-        return bool(self._stale)
 
     @property
     def flushes_cache(self) -> bool:
@@ -152,7 +154,6 @@ class WeightSender:
             if endpoint.name in self._clients:
                 raise ValueError(f"engine {endpoint.name!r} is already a weight-sync member")
             self._clients[endpoint.name] = EngineClient(endpoint, self.config.timeout_s)
-        self.dropped.pop(endpoint.name, None)
         log.info("engine %s (%s) will join at the next version", endpoint.name, endpoint.url)
 
     def remove_engine(self, name: str) -> None:
@@ -162,9 +163,22 @@ class WeightSender:
                 raise ValueError(
                     f"engine {name!r} is not a weight-sync member; members: {list(self._clients)}"
                 )
-            del self._clients[name]
-        self._stale.discard(name)
+            client = self._clients.pop(name)
+            self._leaving.append(client)
         log.info("engine %s leaves weight sync at the next version", name)
+
+    def set_members(self, endpoints: Iterable[EngineEndpoint]) -> None:
+        """Send to exactly these engines from the next ``publish`` on (a run's membership
+        decides who); an endpoint that changed (URL, or a new process) is a new member."""
+        wanted = {e.name: e for e in endpoints}
+        with self._lock:
+            current = {n: c.endpoint for n, c in self._clients.items()}
+        for name, endpoint in current.items():
+            if wanted.get(name) != endpoint:
+                self.remove_engine(name)
+        for name, endpoint in wanted.items():
+            if current.get(name) != endpoint:
+                self.add_engine(endpoint)
 
     def connect(self, engines: Iterable[EngineEndpoint]) -> None:
         """Add engines and form the group now. Engines that cannot join are dropped and named in a WeightSyncError."""
@@ -220,31 +234,31 @@ class WeightSender:
             try:
                 self._stream_buckets(stream, version, metrics)
             except BucketFailure as failure:
-                errors.update(self._after_bucket_failure(failure))
+                blamed, partial = self._after_bucket_failure(failure)
+                errors.update(blamed)
                 drain_stream(stream)
                 metrics.total_s = time.perf_counter() - started
                 self._record(metrics, errors)
                 raise WeightSyncError(
                     describe(errors, f"version {version} broadcast failed ({failure.reason})")
                     + (
-                        f"; engines {sorted(self._stale)} hold partial weights, paused until the next publish"
-                        if self._stale
+                        f"; engines {partial} hold partial weights, paused until the next publish"
+                        if partial
                         else ""
                     ),
                     engines=sorted(errors),
                     version=version,
                     metrics=metrics,
-                    needs_resend=bool(self._stale),
+                    partial=partial,
                 ) from None
             except BaseException:
                 # The learner's own stream failed mid-version: abort whatever is in flight;
-                # every member got part of this version and must get all of the next one.
-                self._stale.update(c.name for c in self._group_clients)
+                # every member got part of this version and must get all of the next one
+                # (every publish sends everything, so the next one does).
                 for client in self._group_clients:
                     self._best_effort_end(client)
                 self._teardown_group(notify=True, abort=True)
                 raise
-        self._stale.clear()
         errors.update(self._call_group(lambda c: c.end_update(), "end_weight_update"))
         if self.flushes_cache:
             errors.update(self._call_group(lambda c: c.flush_cache(), "flush_cache"))
@@ -386,8 +400,9 @@ class WeightSender:
                 )
         return errors
 
-    def _after_bucket_failure(self, failure: BucketFailure) -> dict[str, str]:
-        """Abort the group, decide which engines are to blame, drop them; the rest become stale."""
+    def _after_bucket_failure(self, failure: BucketFailure) -> tuple[dict[str, str], list[str]]:
+        """Abort the group, decide which engines are to blame, drop them; returns them and
+        the survivors, which now hold part of the version."""
         members = list(self._group_clients)
         group_name = self._group.group_name if self._group else ""
         self._teardown_group(notify=False, abort=True)
@@ -395,12 +410,12 @@ class WeightSender:
         blamed = set(errors)
         for name in blamed:
             self._drop(name, errors[name])
-        self._stale = {c.name for c in members if c.name not in blamed}
+        partial = sorted(c.name for c in members if c.name not in blamed)
         for client in members:
             if client.name not in blamed:
                 self._best_effort_end(client)
                 self._best_effort_destroy(client, group_name)
-        return errors
+        return errors, partial
 
     def _verify(self, sent: SentRows, version: int, metrics: SyncMetrics) -> dict[str, str]:
         """Ask every engine what it serves (``verify``); ``{engine: why}`` for those that differ."""
@@ -429,9 +444,7 @@ class WeightSender:
         """Form the group with the current members if it is missing or stale; return dropped engines."""
         with self._lock:
             wanted = list(self._clients.values())
-        if self._group is not None and [c.name for c in self._group_clients] == [
-            c.name for c in wanted
-        ]:
+        if self._group is not None and self._group_clients == wanted:  # the same clients
             return {}
         self._teardown_group(notify=True, abort=False)
         errors: dict[str, str] = {}
@@ -524,13 +537,18 @@ class WeightSender:
     def _teardown_group(self, *, notify: bool, abort: bool) -> None:
         group, store, clients = self._group, self._store, self._group_clients
         self._group, self._store, self._group_clients = None, None, []
-        if group is None:
-            return
-        if notify:
+        with self._lock:
+            leaving, self._leaving = self._leaving, []
+        if group is not None and notify:
+            # members and removed engines leave the group; engines dropped (failed) are not asked
             with self._lock:
-                alive = [c for c in clients if c.name not in self.dropped]
+                alive = [c for c in clients if self._clients.get(c.name) is c or c in leaving]
             for client in alive:
                 self._best_effort_destroy(client, group.group_name)
+        for client in leaving:
+            client.close()
+        if group is None:
+            return
         group.close(abort=abort)
         if store is not None:
             store.close()
@@ -570,8 +588,6 @@ class WeightSender:
     def _drop(self, name: str, reason: str) -> None:
         with self._lock:
             client = self._clients.pop(name, None)
-        self._stale.discard(name)
-        self.dropped[name] = reason
         if client is not None:
             log.error("dropping engine %s from weight sync: %s", name, reason)
 

@@ -16,7 +16,7 @@ import ray
 from rollout_fleet.client import EngineClient
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.fleet import EngineFleet
-from rollout_fleet.router import EngineState, Router
+from rollout_fleet.membership import EngineStatus, Membership, SyncOutcome
 
 
 @pytest.fixture(scope="module")
@@ -41,41 +41,37 @@ def test_killed_engine_actor_is_replaced_and_gated_until_ready(local_ray, tiny_m
         health_failures_before_dead=2,
         engine_startup_timeout_s=120,
     )
-    router = Router()
-    hook_calls = []
+    members = Membership()
 
-    async def on_restarted(name, url):
-        hook_calls.append((name, url, router.state(name)))
-        return None  # weight sync would push weights here, then call fleet.mark_ready
+    def publish_to_all() -> None:  # as a weight-sync publish reporting success would
+        members.apply_sync(SyncOutcome(version=0, targets=members.weight_targets().engines))
 
     async def scenario():
-        fleet = EngineFleet(
-            config, str(tiny_model_dir), router=router, on_engine_restarted=on_restarted
-        )
+        fleet = EngineFleet(config, str(tiny_model_dir), membership=members, weights_pushed=True)
         try:
             urls = await fleet.start()
             assert sorted(urls) == ["engine-0", "engine-1"]
             assert all(u.startswith("http://127.0.0.1:") for u in urls.values())
+            publish_to_all()
             await fleet.check_once()
             assert fleet.metrics()["fleet/engines_alive"] == 2
 
             ray.kill(fleet._slots["engine-0"].actor, no_restart=True)
             for _ in range(50):
                 await fleet.check_once()
-                if router.state("engine-0") is not EngineState.READY:
+                if members.status("engine-0") is not EngineStatus.READY:
                     break
                 await asyncio.sleep(0.1)
             await fleet.wait_replacements()
 
-            assert len(hook_calls) == 1
-            name, new_url, state_during_hook = hook_calls[0]
-            assert name == "engine-0" and state_during_hook is EngineState.STARTING
+            assert members.status("engine-0") is EngineStatus.NEEDS_WEIGHTS
+            new_url = members.url("engine-0")
             assert new_url != urls["engine-0"]
-            assert router.routable() == ["engine-1"]
+            assert [n for n, _, _ in members.routable()] == ["engine-1"]
             async with EngineClient(new_url, timeout_s=10) as client:
                 assert await client.health()
-            fleet.mark_ready("engine-0")
-            assert router.routable() == ["engine-0", "engine-1"]
+            publish_to_all()
+            assert [n for n, _, _ in members.routable()] == ["engine-0", "engine-1"]
             metrics = fleet.metrics()
             assert metrics["fleet/engines_alive"] == 2
             assert metrics["fleet/engine_restarts"] == 1

@@ -18,6 +18,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from buffer.wire import AdmissionState
 from fleetrl.data.reader import PromptItem
 from rollout_fleet.client import EngineClient
 from rollout_fleet.config import RolloutConfig
@@ -41,11 +42,6 @@ class Sink:
     def send(self, traj):
         with self._lock:
             self.trajectories.append(traj)
-
-
-class Counters:
-    policy_version = 0
-    accepted_groups = 0
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +81,8 @@ def prompts(tokenizer, count):
 def make_worker(engines, tokenizer, *, n, count, **config):
     router = Router()
     for engine in engines:
-        router.add_engine(engine.engine_id, engine.base_url)
+        router.membership.launch(engine.engine_id, engine.base_url)
+        router.membership.weights_loaded(engine.engine_id, 0)
     sink = Sink()
     cfg = RolloutConfig(
         n=n,
@@ -101,11 +98,15 @@ def make_worker(engines, tokenizer, *, n, count, **config):
         router=router,
         reader=iter(prompts(tokenizer, count)),
         sender=sink,
-        admission_source=Counters,
+        admission_source=lambda: AdmissionState(  # as the buffer reports it: nothing accepted
+            policy_version=0,
+            accepted_groups=0,
+            max_staleness=0,
+            groups_per_version=1000,
+            max_concurrent=cfg.max_concurrent_groups,
+        ),
         reward_runner=RewardRunner(timeout_s=5, max_workers=2, custom_fn=parity_reward),
         tokenizer=tokenizer,
-        groups_per_version=1000,
-        max_staleness=0,
     )
     return worker, router, sink
 
@@ -233,7 +234,7 @@ def test_dead_engine_groups_regenerate_on_the_other_without_loss_or_duplicates(e
         async with EngineClient(first.base_url, timeout_s=5) as probe:
             while await probe.health():  # the fleet's health check: 503 once the engine died
                 await asyncio.sleep(0.01)
-        router.mark_dead("e0", "health check failed")  # ... and its verdict
+        router.membership.die("e0", "health check failed")  # ... and its verdict
         await task
 
     run_then_close(worker, scenario())

@@ -67,3 +67,14 @@ def test_bad_arguments_are_refused_with_names():
     adm = StalenessAdmission(1, 1, 1)
     with pytest.raises(ValueError, match="running=-1"):
         adm.capacity(0, 0, -1)
+
+
+def test_a_producer_applies_the_rule_the_buffer_reports():
+    from buffer.wire import AdmissionState
+
+    state = AdmissionState(
+        policy_version=2, accepted_groups=9, max_staleness=1, groups_per_version=4, max_concurrent=3
+    )
+    rule = StalenessAdmission.from_state(state)
+    assert rule == StalenessAdmission(max_staleness=1, groups_per_version=4, max_concurrent=3)
+    assert rule.capacity(state.policy_version, state.accepted_groups, running_groups=1) == 2

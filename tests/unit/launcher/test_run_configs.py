@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import load_run_config
+from launcher.config import RunConfig, load_run_config
 from launcher.config_cmd import render_docs
 
 REPO = Path(__file__).resolve().parents[3]
@@ -40,3 +40,12 @@ def test_gpu_configs_follow_the_documented_recipes():
 def test_configuration_reference_is_generated_from_the_code():
     committed = (REPO / "docs" / "configuration.md").read_text()
     assert committed == render_docs(), "docs/configuration.md is stale: run `make docs`"
+
+
+def test_run_groups_per_version_is_the_buffers_rule_a_batch_per_step_times_steps_per_version():
+    from buffer.admission import derive_groups_per_version
+
+    assert derive_groups_per_version(16, 2) == 32
+    cfg = RunConfig()
+    expected = derive_groups_per_version(cfg.data.train_batch_size, cfg.weight_sync.sync_every)
+    assert cfg.groups_per_version == expected

@@ -265,7 +265,6 @@ IS_MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
 @pytest.mark.parametrize(
     ("mode", "kwargs", "expected", "masked", "clipped"),
     [
-        ("none", {}, [1.0, 1.0, 1.0, 0.0], 0.0, 0.0),
         ("bypass", {}, [1.0, 1.0, 1.0, 0.0], 0.0, 0.0),
         ("decoupled", {}, [3.0, 0.25, 1.5, 0.0], 0.0, 0.0),
         ("decoupled", {"decoupled_cap": 2.0}, [0.0, 0.25, 1.5, 0.0], 1 / 3, 0.0),

@@ -153,6 +153,9 @@ class CollectingSender:
 class Admission:
     policy_version: int = 0
     accepted_groups: int = 0
+    max_staleness: int = 0
+    groups_per_version: int = 1000
+    max_concurrent: int = 64
 
 
 class FakeAdmission:
@@ -164,6 +167,7 @@ class FakeAdmission:
         self.group_size = group_size
         self.polls = 0
         self.fail_next = 0
+        self.max_staleness, self.groups_per_version, self.max_concurrent = 0, 1000, 64
 
     def __call__(self) -> Admission:
         self.polls += 1
@@ -171,4 +175,10 @@ class FakeAdmission:
             self.fail_next -= 1
             raise TimeoutError("buffer did not answer")
         accepted = len(self.sender.trajectories) // self.group_size if self.sender else 0
-        return Admission(self.policy_version, accepted)
+        return Admission(
+            self.policy_version,
+            accepted,
+            self.max_staleness,
+            self.groups_per_version,
+            self.max_concurrent,
+        )

@@ -1,4 +1,5 @@
-"""Fleet manager logic with fake actors: health verdicts, replacement, the ready gate, bounds."""
+"""Fleet manager logic with fake actors: health verdicts, replacement, the weights gate, bounds;
+the states are the membership's, driven by the fleet."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.fleet import EngineFleet
-from rollout_fleet.router import EngineState, Router
+from rollout_fleet.membership import EngineStatus as EngineState
+from rollout_fleet.membership import Membership, SyncOutcome
+from rollout_fleet.router import Router
 
 
 class FakeMethod:
@@ -56,10 +59,10 @@ class Harness:
     def __init__(self, **overrides):
         settings = {"num_engines": 2, "health_failures_before_dead": 2, "max_engine_restarts": 1}
         self.config = RolloutConfig(**{**settings, **overrides})
-        self.router = Router()
+        self.members = Membership()
+        self.router = Router(self.members)
         self.actors: list[FakeActor] = []
         self.unhealthy: set[str] = set()
-        self.hook_calls: list[tuple[str, str]] = []
         self.fail_next_start = False
 
     def factory(self, spec):
@@ -70,14 +73,14 @@ class Harness:
     async def probe(self, url):
         return url not in self.unhealthy
 
-    def fleet(self, hook=None):
+    def fleet(self, weights_pushed=False):
         return EngineFleet(
             self.config,
             "/model",
-            router=self.router,
+            membership=self.members,
             actor_factory=self.factory,
             health_probe=self.probe,
-            on_engine_restarted=hook,
+            weights_pushed=weights_pushed,
         )
 
 
@@ -95,22 +98,25 @@ def test_sglang_with_dummy_weights_starts_engines_unroutable():
     fleet = h.fleet()
     asyncio.run(fleet.start())
     assert h.router.routable() == []
-    fleet.mark_ready("engine-0")
+    h.members.weights_loaded("engine-0", 0)
     assert h.router.routable() == ["engine-0"]
 
 
-def test_dead_actor_is_replaced_and_routed_to_only_after_the_hook_marks_it_ready():
+def test_under_weight_sync_every_engine_waits_for_the_first_publish():
+    h = Harness()
+    fleet = h.fleet(weights_pushed=True)
+    asyncio.run(fleet.start())
+    assert h.members.behind() == ["engine-0", "engine-1"]
+    assert h.router.routable() == []
+
+
+def test_dead_actor_is_replaced_and_routed_to_only_once_it_holds_the_latest_weights():
     h = Harness()
 
     async def scenario():
-        calls = []
-
-        async def hook(name, url):
-            calls.append((name, url, h.router.state(name)))
-            return None  # weights still being pushed: the hook's owner marks ready later
-
-        fleet = h.fleet(hook)
+        fleet = h.fleet(weights_pushed=True)
         await fleet.start()
+        h.members.apply_sync(SyncOutcome(version=4, targets=h.members.weight_targets().engines))
         victim = h.actors[0]
         victim.dead = True
         await fleet.check_once()
@@ -119,22 +125,26 @@ def test_dead_actor_is_replaced_and_routed_to_only_after_the_hook_marks_it_ready
         assert victim.killed
         new_url = f"http://engine-0/{h.actors[-1].number}"
         assert len(h.actors) == 3
-        assert calls == [("engine-0", new_url, EngineState.STARTING)]
-        assert h.router.url("engine-0") == new_url
+        assert h.router.state("engine-0") is EngineState.NEEDS_WEIGHTS
+        assert h.members.url("engine-0") == new_url
         assert h.router.routable() == ["engine-1"]
         assert fleet.metrics()["fleet/engines_alive"] == 1
-        fleet.mark_ready("engine-0")
+        assert fleet.metrics()["fleet/engines_needing_weights"] == 1
+        # the driver's rejoin publishes the latest version to the live engines
+        targets = h.members.weight_targets().engines
+        assert [(t.name, t.url) for t in targets][0] == ("engine-0", new_url)
+        h.members.apply_sync(SyncOutcome(version=4, targets=targets))
         assert h.router.routable() == ["engine-0", "engine-1"]
         assert fleet.metrics()["fleet/engine_restarts"] == 1
 
     asyncio.run(scenario())
 
 
-def test_hook_returning_true_makes_the_replacement_ready_at_once():
+def test_without_weight_sync_a_replacement_serves_its_disk_weights_at_once():
     h = Harness()
 
     async def scenario():
-        fleet = h.fleet(lambda name, url: True)  # a sync hook runs in a thread
+        fleet = h.fleet()
         await fleet.start()
         h.actors[1].dead = True
         await fleet.check_once()
@@ -155,7 +165,7 @@ def test_failed_http_health_makes_an_engine_suspect_then_dead_after_n_failures()
         assert h.router.state("engine-1") is EngineState.SUSPECT
         await fleet.check_once()  # second failure = health_failures_before_dead
         await fleet.wait_replacements()
-        assert h.router.state("engine-1") is EngineState.READY  # no hook: ready at once
+        assert h.router.state("engine-1") is EngineState.READY  # no weight sync: ready at once
         assert len(h.actors) == 3
         assert fleet.urls()["engine-1"] == f"http://engine-1/{h.actors[-1].number}"
         assert fleet.metrics()["fleet/health_failures"] == 2

@@ -1,10 +1,12 @@
-"""Router policy: least outstanding requests, group affinity, engine states, leases, events."""
+"""Router policy over the membership's engines: least outstanding requests, group affinity,
+leases across restarts; which engines are routable is the membership's answer."""
 
 from __future__ import annotations
 
 import pytest
 
-from rollout_fleet.router import EngineState, Router, UnknownEngineError
+from rollout_fleet.membership import EngineStatus, Membership, UnknownEngineError
+from rollout_fleet.router import Router
 
 
 class FakeClock:
@@ -15,16 +17,18 @@ class FakeClock:
         return self.now
 
 
-def make_router(*names: str, cooldown: float = 30.0) -> tuple[Router, FakeClock]:
+def make_router(*names: str, cooldown: float = 30.0) -> tuple[Router, Membership, FakeClock]:
     clock = FakeClock()
-    router = Router(suspect_cooldown_s=cooldown, clock=clock)
+    members = Membership(suspect_cooldown_s=cooldown, clock=clock)
+    router = Router(members)
     for name in names:
-        router.add_engine(name, f"http://{name}")
-    return router, clock
+        members.launch(name, f"http://{name}")
+        members.weights_loaded(name, 0)
+    return router, members, clock
 
 
 def test_new_groups_go_to_the_engine_with_fewest_outstanding_requests():
-    router, _ = make_router("a", "b", "c")
+    router, _, _ = make_router("a", "b", "c")
     first = router.acquire("g1")
     router.acquire("g1")  # same group: same engine, now 2 outstanding there
     second = router.acquire("g2")
@@ -36,7 +40,7 @@ def test_new_groups_go_to_the_engine_with_fewest_outstanding_requests():
 
 
 def test_all_samples_of_a_group_stay_on_one_engine_even_when_it_is_busier():
-    router, _ = make_router("a", "b")
+    router, _, _ = make_router("a", "b")
     leases = [router.acquire("g") for _ in range(4)]
     assert {lease.engine for lease in leases} == {leases[0].engine}
     assert router.outstanding(leases[0].engine) == 4
@@ -44,7 +48,7 @@ def test_all_samples_of_a_group_stay_on_one_engine_even_when_it_is_busier():
 
 
 def test_finishing_a_group_unpins_it():
-    router, _ = make_router("a", "b")
+    router, _, _ = make_router("a", "b")
     lease = router.acquire("g")
     router.release(lease)
     router.finish_group("g")
@@ -52,9 +56,10 @@ def test_finishing_a_group_unpins_it():
 
 
 def test_dead_engine_is_never_routed_to_and_its_groups_move():
-    router, _ = make_router("a", "b")
+    router, members, _ = make_router("a", "b")
     lease = router.acquire("g")
-    router.mark_dead(lease.engine, "test")
+    members.die(lease.engine, "test")
+    assert router.engine_of("g") is None  # unpinned when it died
     other = router.acquire("g")
     assert other.engine != lease.engine
     assert router.engine_of("g") == other.engine
@@ -62,52 +67,61 @@ def test_dead_engine_is_never_routed_to_and_its_groups_move():
         assert router.acquire(f"x{i}").engine == other.engine
 
 
+def test_engine_that_needs_weights_gets_no_requests_until_it_holds_them():
+    router, members, _ = make_router("a", "b")
+    members.require_weights("a", 3, "missed version 3")
+    assert all(router.acquire(f"g{i}").engine == "b" for i in range(4))
+    members.weights_loaded("a", 3)
+    assert router.acquire("new").engine == "a"
+
+
 def test_suspect_engine_is_used_only_when_no_ready_engine_exists():
-    router, _ = make_router("a", "b")
-    router.mark_suspect("a", "timeout")
+    router, members, _ = make_router("a", "b")
+    members.suspect("a", "timeout")
     assert router.routable() == ["b"]
     assert all(router.acquire(f"g{i}").engine == "b" for i in range(5))
-    router.mark_dead("b")
+    members.die("b", "gone")
     assert router.acquire("g9").engine == "a"
 
 
 def test_suspect_engine_returns_after_cooldown():
-    router, clock = make_router("a", "b", cooldown=10.0)
-    router.mark_suspect("a")
-    assert router.state("a") is EngineState.SUSPECT
+    router, members, clock = make_router("a", "b", cooldown=10.0)
+    members.suspect("a", "timeout")
+    assert router.state("a") is EngineStatus.SUSPECT
     clock.now = 10.5
     assert router.routable() == ["a", "b"]
-    assert router.state("a") is EngineState.READY
+    assert router.state("a") is EngineStatus.READY
 
 
 def test_group_pinned_to_an_engine_that_turned_suspect_moves_to_a_ready_one():
-    router, _ = make_router("a", "b")
+    router, members, _ = make_router("a", "b")
     lease = router.acquire("g")
-    router.mark_suspect(lease.engine)
+    members.suspect(lease.engine, "timeout")
     assert router.acquire("g").engine != lease.engine
 
 
-def test_starting_engine_gets_no_requests_until_marked_ready():
-    router, _ = make_router("a")
-    router.add_engine("b", "http://b", ready=False)
+def test_starting_engine_gets_no_requests_until_it_holds_weights():
+    router, members, _ = make_router("a")
+    members.launch("b", "http://b")
     assert all(router.acquire(f"g{i}").engine == "a" for i in range(3))
-    router.mark_ready("b")
+    members.weights_loaded("b", 0)
     assert router.acquire("new").engine == "b"
 
 
 def test_no_routable_engine_returns_none():
-    router, _ = make_router("a")
-    router.mark_dead("a")
+    router, members, _ = make_router("a")
+    members.die("a", "gone")
     assert router.acquire("g") is None
-    empty, _ = make_router()
+    empty, _, _ = make_router()
     assert empty.acquire("g") is None
 
 
 def test_release_from_before_a_restart_does_not_change_the_new_engines_count():
-    router, _ = make_router("a")
+    router, members, _ = make_router("a")
     old = router.acquire("g")
-    router.mark_dead("a")
-    router.add_engine("a", "http://a2", ready=True)
+    members.die("a", "gone")
+    members.launch("a", "http://a2")
+    members.weights_loaded("a", 0)
     new = router.acquire("h")
     router.release(old)
     assert router.outstanding("a") == 1
@@ -115,62 +129,24 @@ def test_release_from_before_a_restart_does_not_change_the_new_engines_count():
     assert router.outstanding("a") == 0
 
 
-def test_dead_engine_must_be_re_added_not_marked_ready():
-    router, _ = make_router("a")
-    router.mark_dead("a")
-    with pytest.raises(ValueError, match="dead"):
-        router.mark_ready("a")
-
-
-def test_adding_a_live_engine_twice_is_an_error():
-    router, _ = make_router("a")
-    with pytest.raises(ValueError, match="already registered"):
-        router.add_engine("a", "http://x")
-
-
 def test_unknown_engine_names_the_engine():
-    router, _ = make_router("a")
+    router, _, _ = make_router("a")
     with pytest.raises(UnknownEngineError, match="'zz'"):
-        router.mark_dead("zz")
+        router.outstanding("zz")
 
 
 def test_removed_engine_disappears_and_its_groups_move():
-    router, _ = make_router("a", "b")
+    router, members, _ = make_router("a", "b")
     lease = router.acquire("g")
-    router.remove_engine(lease.engine)
-    assert lease.engine not in router.names()
-    assert router.acquire("g").engine != lease.engine
+    members.drain(lease.engine)
+    assert router.acquire("g").engine != lease.engine  # draining: no new requests
+    members.remove(lease.engine)
+    assert lease.engine not in router.snapshot()
     router.release(lease)  # a late release for a removed engine is harmless
 
 
-def test_listeners_hear_every_state_change_with_url():
-    router, _ = make_router("a")
-    events = []
-    router.subscribe(events.append)
-    router.add_engine("b", "http://b", ready=False)
-    router.mark_ready("b", url="http://b:2")
-    router.mark_suspect("a", "boom")
-    router.mark_suspect("a", "again")  # no change: no event
-    router.mark_dead("a", "gone")
-    assert [(e.name, e.state, e.url) for e in events] == [
-        ("b", EngineState.STARTING, "http://b"),
-        ("b", EngineState.READY, "http://b:2"),
-        ("a", EngineState.SUSPECT, "http://a"),
-        ("a", EngineState.DEAD, "http://a"),
-    ]
-    assert events[-1].reason == "gone"
-
-
-def test_mark_suspect_on_a_dead_or_removed_engine_is_ignored():
-    router, _ = make_router("a")
-    router.mark_dead("a")
-    router.mark_suspect("a")
-    assert router.state("a") is EngineState.DEAD
-    router.mark_suspect("never-existed")
-
-
-def test_snapshot_reports_per_engine_load():
-    router, _ = make_router("a", "b")
+def test_snapshot_reports_per_engine_load_beside_the_membership_state():
+    router, _, _ = make_router("a", "b")
     router.acquire("g")
     snap = router.snapshot()
     assert sum(v["outstanding"] for v in snap.values()) == 1

@@ -8,8 +8,12 @@ from collections import Counter
 
 import pytest
 
+from buffer.wire import decode_trajectory
 from rollout_fleet.config import RolloutConfig
-from rollout_fleet.router import EngineState, Router
+from rollout_fleet.delivery import DeliveryLedger
+from rollout_fleet.membership import EngineStatus as EngineState
+from rollout_fleet.membership import Membership
+from rollout_fleet.router import Router
 from rollout_fleet.worker import RolloutWorker
 from tests.unit.rollout_fleet.fakes import (
     CollectingSender,
@@ -31,13 +35,13 @@ def make_worker(
     prompts=None,
     groups_per_version=1000,
     max_staleness=0,
-    delivery_source=None,
-    on_group_dropped=None,
+    ledger=None,
     **config,
 ):
-    router = Router()
+    router = Router(Membership(suspect_cooldown_s=config.get("suspect_cooldown_s", 30.0)))
     for engine in engines:
-        router.add_engine(engine.name, engine.base_url)
+        router.membership.launch(engine.name, engine.base_url)
+        router.membership.weights_loaded(engine.name, 0)
     sender = sender or CollectingSender()
     cfg = RolloutConfig(
         n=n,
@@ -46,21 +50,47 @@ def make_worker(
         admission_poll_interval_s=0.01,
         **config,
     )
+    admission = admission or FakeAdmission()
+    # the rule's parameters come from the buffer's admission state, as in a run
+    admission.max_staleness, admission.groups_per_version = max_staleness, groups_per_version
+    admission.max_concurrent = cfg.max_concurrent_groups
     worker = RolloutWorker(
         cfg,
         engines={e.name: e for e in engines},
         router=router,
         reader=iter(prompts if prompts is not None else [prompt(i) for i in range(1000)]),
-        sender=sender,
-        admission_source=admission or FakeAdmission(),
+        sender=ledger if ledger is not None else sender,
+        admission_source=admission,
         reward_runner=FakeScorer(),
         tokenizer=FakeTokenizer(),
-        groups_per_version=groups_per_version,
-        max_staleness=max_staleness,
-        delivery_source=delivery_source,
-        on_group_dropped=on_group_dropped,
+        ledger=ledger,
     )
     return worker, router, sender
+
+
+class PayloadSink:
+    """The ledger's socket: decoded into a CollectingSender."""
+
+    def __init__(self, sender: CollectingSender) -> None:
+        self.sender = sender
+
+    def send_payload(self, payload: bytes, timeout_s: float | None = None) -> None:
+        self.sender.send(decode_trajectory(payload))
+
+
+class GroupCounts:
+    """The buffer's ``group_status``: samples it holds per group id."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, int] = {}
+
+    def group_status(self, group_ids: list[str]) -> list[int]:
+        return [self.held.get(g, 0) for g in group_ids]
+
+
+def make_ledger(sender: CollectingSender, prompts, n: int) -> tuple[DeliveryLedger, GroupCounts]:
+    counts = GroupCounts()
+    return DeliveryLedger(iter(prompts), PayloadSink(sender), counts, n), counts
 
 
 def check_groups_whole(trajectories, n):
@@ -157,22 +187,23 @@ def test_a_sent_group_counts_as_running_until_the_buffer_holds_it():
         engine = FakeEngine("a")
         sender = CollectingSender()
         admission = FakeAdmission()  # the buffer has accepted nothing yet (groups in transit)
-        delivered: dict[str, int] = {}
+        ledger, buffer_holds = make_ledger(sender, [], n=2)
         # eta = 0, B = 2: two groups, and no more while they are in neither count
         worker, _, _ = make_worker(
-            [engine], n=2, sender=sender, admission=admission, groups_per_version=2,
-            delivery_source=lambda ids: [delivered.get(g, 0) for g in ids],
-        )  # fmt: skip
+            [engine], n=2, ledger=ledger, admission=admission, groups_per_version=2
+        )
         task = asyncio.create_task(worker.run())
         await wait_for(lambda: len(sender.trajectories) == 4)
         polls = admission.polls
         await wait_for(lambda: admission.polls >= polls + 5)
         assert worker.groups_started == 2 and worker.running_groups == 2
+        assert ledger.sent_unconfirmed() == 2  # the one record of sent, not acknowledged
         # the buffer now holds both groups and counts them accepted at version 1
         for traj in sender.trajectories:
-            delivered[traj.group_id] = delivered.get(traj.group_id, 0) + 1
+            buffer_holds.held[traj.group_id] = buffer_holds.held.get(traj.group_id, 0) + 1
         admission.sender, admission.group_size, admission.policy_version = sender, 2, 1
         await wait_for(lambda: worker.groups_started == 4)
+        assert ledger.confirmed_groups >= 2
         await worker.stop()
         await task
 
@@ -237,7 +268,7 @@ def test_engine_declared_dead_mid_request_loses_nothing_and_duplicates_nothing()
         worker, router, sender = make_worker([a, b], n=2)
         task = asyncio.create_task(worker.run(num_groups=4))
         await wait_for(lambda: a.inflight == 4 and b.inflight == 4)
-        router.mark_dead("a", "test")  # as the fleet would on a failed health check
+        router.membership.die("a", "test")  # as the fleet would on a failed health check
         b.release()
         await task
         trajs = sender.trajectories
@@ -249,17 +280,64 @@ def test_engine_declared_dead_mid_request_loses_nothing_and_duplicates_nothing()
     asyncio.run(scenario())
 
 
+def test_engine_that_must_reload_weights_mid_request_loses_and_duplicates_nothing():
+    async def scenario():
+        a, b = FakeEngine("a"), FakeEngine("b")
+        a.hold = True
+        b.hold = True
+        worker, router, sender = make_worker([a, b], n=2)
+        task = asyncio.create_task(worker.run(num_groups=4))
+        await wait_for(lambda: a.inflight == 4 and b.inflight == 4)
+        # as a publish that dropped it would: it holds stale weights until the next one
+        router.membership.require_weights("a", 1, "missed version 1")
+        b.release()
+        await task
+        trajs = sender.trajectories
+        assert len(trajs) == 8
+        check_groups_whole(trajs, 2)
+        assert {t.engine_id for t in trajs} == {"b"}
+        assert worker.metrics()["rollout/requests_lost_to_dead_engines"] == 4
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_request_on_an_engine_replaced_meanwhile_does_not_touch_the_new_one():
+    async def scenario():
+        a = FakeEngine("a")
+        a.hold = True
+        worker, router, _ = make_worker([a], n=1)
+        task = asyncio.create_task(worker.run(num_groups=1))
+        await wait_for(lambda: a.inflight == 1)
+        lease = router.acquire("probe")
+        router.release(lease)
+        router.membership.die("a", "killed")
+        router.membership.launch("a", "http://a/2")
+        router.membership.weights_loaded("a", 0)
+        worker.runner._suspect(lease, "late failure of the old process")
+        assert router.state("a") is EngineState.READY  # not suspect: another process
+        worker.runner._suspect(router.acquire("probe"), "a failure of the new process")
+        assert router.state("a") is EngineState.SUSPECT
+        router.membership.clear_suspect("a")
+        a.release()
+        await task
+
+    asyncio.run(scenario())
+
+
 def test_sample_out_of_attempts_drops_its_group_whole_and_counts_it():
     bad = FakeEngine("a")
     bad.fail = True
-    dropped: list[str] = []
-    worker, _, sender = make_worker(
-        [bad], n=2, max_sample_attempts=2, suspect_cooldown_s=0.0, on_group_dropped=dropped.append
-    )
+    sender = CollectingSender()
+    ledger, _ = make_ledger(sender, [prompt(i) for i in range(2)], n=2)
+    worker, _, _ = make_worker(
+        [bad], n=2, max_sample_attempts=2, suspect_cooldown_s=0.0, ledger=ledger,
+        prompts=ledger.prompts(),
+    )  # fmt: skip
     asyncio.run(worker.run(num_groups=2))
     assert sender.trajectories == []
     assert worker.metrics()["rollout/groups_failed"] == 2
-    assert len(dropped) == 2  # the delivery ledger is told, so it neither waits nor regenerates
+    # the delivery ledger is told, so it neither waits for them nor regenerates them
+    assert ledger.unfinished_prompts() == []
 
 
 def test_admission_errors_are_counted_and_retried():

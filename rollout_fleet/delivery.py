@@ -4,15 +4,21 @@ ZeroMQ PUSH has no acknowledgement: trajectories in a socket buffer or in the
 buffer's receive queue when the buffer dies are gone. The buffer defines the
 acknowledgement instead (bank.py: a sample is accepted once it is flushed to
 its rollout bank, and ``QueryGroups`` reports per group how many samples it
-accepted). ``DeliveryTracker`` sits between the prompt reader, the rollout
-worker and the trajectory sender and keeps, per group (``p<prompt index>``):
+accepted). ``DeliveryLedger`` is the one record of "sent, not yet acknowledged"
+on the rollout side. It sits between the prompt reader, the rollout worker and
+the trajectory sender and keeps, per group (``group_id_for``: ``p<prompt index>``):
 
 - the prompt, from the moment the worker takes it (``prompts()``);
 - the encoded trajectories sent for it (``send``, called on the worker's
   sender thread);
 
-until ``reconcile()`` sees the buffer report the whole group accepted. Then:
+until ``reconcile()`` sees the buffer report the whole group accepted. Its readers:
 
+- the worker's admission: a group sent whole but not yet counted by the buffer is
+  in neither the buffer's ``accepted`` nor the worker's own running groups, so
+  ``sent_unconfirmed()`` counts it as running (else admission would run ahead of
+  the staleness bound by the groups in ZeroMQ transit); the worker settles those
+  with ``reconcile(sent_only=True)`` before each admission decision;
 - ``resend_unconfirmed()`` (after a buffer restart) sends every held
   trajectory again; the buffer drops the uids it already holds (bank reload +
   uid dedupe), so re-sending is idempotent: nothing lost, nothing twice;
@@ -23,9 +29,10 @@ until ``reconcile()`` sees the buffer report the whole group accepted. Then:
   group ids are the same, so samples the buffer already holds are dropped as
   duplicates and partial groups are completed.
 
-Thread safety: one lock guards the ledger; the sender and the control client
-are only used from one thread each by their callers (ZeroMQ sockets are not
-thread-safe; ``BufferClient`` serialises its own calls).
+Thread safety: one lock guards the ledger; the sender is used from the worker's
+sender thread (and after a buffer restart, when the worker waits), the control
+client from the admission thread and the periodic reconcile (``BufferClient``
+serialises its own calls; ZeroMQ sockets are not thread-safe).
 
 Left out: bounding the memory of held trajectories (they are held from send
 until the next reconcile, a few seconds in a healthy run).
@@ -57,12 +64,13 @@ class GroupStatusSource(Protocol):
 
 
 def group_id_for(prompt: PromptItem) -> str:
-    """The rollout worker's id for the group of ``prompt`` (``RolloutWorker._start_group``)."""
+    """The id of the group of ``prompt`` (the rollout worker's, the buffer's, the ledger's)."""
     return group_id_for_index(prompt.index)
 
 
 def group_id_for_index(index: int) -> str:
-    """The group id of the prompt at global reader position ``index``."""
+    """The group id of the prompt at global reader position ``index``: the one place it is
+    written (checkpoints list unfinished prompts by position; the buffer retains by id)."""
     return f"p{index}"
 
 
@@ -72,8 +80,12 @@ class _Held:
     payloads: dict[str, bytes] = field(default_factory=dict)  # uid -> encoded trajectory
     group_size: int = 0
 
+    @property
+    def sent_whole(self) -> bool:
+        return bool(self.group_size) and len(self.payloads) >= self.group_size
 
-class DeliveryTracker:
+
+class DeliveryLedger:
     """See the module docstring. ``prompts()`` feeds the worker; ``send`` is its sink."""
 
     def __init__(
@@ -133,10 +145,16 @@ class DeliveryTracker:
             self._held.pop(group_id, None)
 
     # ---- acknowledgement --------------------------------------------------------------
-    def reconcile(self) -> int:
-        """Forget groups the buffer holds whole; returns how many are still unconfirmed."""
+    def sent_unconfirmed(self) -> int:
+        """Groups sent whole that the buffer has not yet been seen to hold."""
         with self._lock:
-            ids = list(self._held)
+            return sum(held.sent_whole for held in self._held.values())
+
+    def reconcile(self, *, sent_only: bool = False) -> int:
+        """Forget groups the buffer holds whole (``sent_only``: ask about groups sent whole
+        only, the cheap check before each admission); returns how many are still held."""
+        with self._lock:
+            ids = [g for g, held in self._held.items() if held.sent_whole or not sent_only]
         for start in range(0, len(ids), RECONCILE_CHUNK):
             chunk = ids[start : start + RECONCILE_CHUNK]
             counts = self.control.group_status(chunk)

@@ -1,4 +1,4 @@
-"""DeliveryTracker: groups are held until the buffer reports them whole; re-sent or re-queued.
+"""DeliveryLedger: groups are held until the buffer reports them whole; re-sent or re-queued.
 
 Proves, against a real BufferCore (bank on disk) and a real PromptReader:
 - trajectories lost in transit (a buffer crash) are re-sent and accepted exactly once;
@@ -19,7 +19,7 @@ from buffer.wire import decode_trajectory
 from fleetrl.data.reader import PromptReader
 from fleetrl.data.schema import write_rows
 from fleetrl.models.loading import load_tokenizer
-from launcher.delivery import DeliveryTracker, group_id_for
+from rollout_fleet.delivery import DeliveryLedger, group_id_for
 
 GROUP = 2
 
@@ -75,7 +75,7 @@ def _group_for(prompt):
 def test_samples_lost_in_a_buffer_crash_are_resent_and_accepted_once(tmp_path, reader_factory):
     core = _core(tmp_path / "bank")
     sender = LossySender(core)
-    tracker = DeliveryTracker(reader_factory(), sender, InProcessBufferClient(core), GROUP)
+    tracker = DeliveryLedger(reader_factory(), sender, InProcessBufferClient(core), GROUP)
     prompts = tracker.prompts()
     first, second = next(prompts), next(prompts)
     for traj in _group_for(first):
@@ -98,7 +98,7 @@ def test_samples_lost_in_a_buffer_crash_are_resent_and_accepted_once(tmp_path, r
 
 def test_prompts_in_flight_at_a_checkpoint_are_generated_again_first(tmp_path, reader_factory):
     core = _core(tmp_path / "bank")
-    tracker = DeliveryTracker(
+    tracker = DeliveryLedger(
         reader_factory(), LossySender(core), InProcessBufferClient(core), GROUP
     )
     prompts = tracker.prompts()
@@ -110,7 +110,7 @@ def test_prompts_in_flight_at_a_checkpoint_are_generated_again_first(tmp_path, r
     state = msgspec.json.decode(msgspec.json.encode(tracker.state_dict()))  # through meta.json
     assert state["unfinished_prompts"] == [1, 2]
 
-    resumed = DeliveryTracker(
+    resumed = DeliveryLedger(
         reader_factory(), LossySender(core), InProcessBufferClient(core), GROUP
     )
     resumed.load_state_dict(state)
@@ -127,7 +127,7 @@ def test_a_plain_reader_state_from_an_older_checkpoint_still_loads(tmp_path, rea
     old = reader_factory()
     next(old), next(old)
     core = _core(tmp_path / "bank")
-    tracker = DeliveryTracker(
+    tracker = DeliveryLedger(
         reader_factory(), LossySender(core), InProcessBufferClient(core), GROUP
     )
     tracker.load_state_dict(old.state_dict())
@@ -136,7 +136,7 @@ def test_a_plain_reader_state_from_an_older_checkpoint_still_loads(tmp_path, rea
 
 def test_a_delivery_state_of_an_unknown_version_is_refused(tmp_path, reader_factory):
     core = _core(tmp_path / "bank")
-    tracker = DeliveryTracker(
+    tracker = DeliveryLedger(
         reader_factory(), LossySender(core), InProcessBufferClient(core), GROUP
     )
     state = {**tracker.state_dict(), "version": 99}
