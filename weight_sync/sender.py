@@ -56,7 +56,6 @@ Left out: sending only changed tensors, and CUDA-IPC for co-located engines.
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -73,6 +72,7 @@ from weight_sync.engine_client import EngineCallError, EngineClient, EngineEndpo
 from weight_sync.errors import BucketFailure, WeightSyncError, describe, drain_stream
 from weight_sync.group import GroupError, MasterStore, WeightGroup, resolve_backend
 from weight_sync.metrics import EngineSyncStatus, SyncMetrics
+from weight_sync.publisher import Publisher
 from weight_sync.verify import SentRows, UncheckedEngines, check_engine
 
 __all__ = [
@@ -90,7 +90,7 @@ HEALTH_PROBE_S = 5.0
 _MAX_HTTP_THREADS = 64
 
 
-class WeightSender:
+class WeightSender(Publisher):
     """Owns the weight-update group on learner rank 0 and the HTTP clients of every engine."""
 
     def __init__(
@@ -100,13 +100,12 @@ class WeightSender:
         master_address: str = "127.0.0.1",
         device: str | torch.device = "cpu",
     ) -> None:
+        super().__init__()
         self.config = config
         self.master_address = master_address
         self.device = torch.device(device)
         self.backend = resolve_backend(config.backend, self.device)
         self.bucket_bytes = max(1, int(config.bucket_mb * 2**20))
-        self._lock = threading.Lock()  # guards _clients (membership may change from other threads)
-        self._clients: dict[str, EngineClient] = {}
         self._group: WeightGroup | None = None
         self._store: MasterStore | None = None
         self._group_clients: list[EngineClient] = []
@@ -115,15 +114,8 @@ class WeightSender:
         self._pool = ThreadPoolExecutor(_MAX_HTTP_THREADS, thread_name_prefix="weight-sync-http")
         self._stale: set[str] = set()
         self._unchecked = UncheckedEngines()
-        self.dropped: dict[str, str] = {}
-        self.latest_version: int | None = None
 
     # ------------------------------------------------------------------ membership
-
-    @property
-    def engines(self) -> list[str]:
-        with self._lock:
-            return list(self._clients)
 
     @property
     def needs_resend(self) -> bool:
@@ -172,13 +164,6 @@ class WeightSender:
             )
 
     # ------------------------------------------------------------------ publish
-
-    def publish_restored(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> SyncMetrics:
-        """The call after resuming from a checkpoint at ``version``: publish (verified) before any generation."""
-        log.info("publishing restored weights as version %d before generation resumes", version)
-        return self.publish(named_tensors, version, verify=True)
 
     def publish(
         self,
@@ -581,9 +566,3 @@ class WeightSender:
         with self._lock:
             for client in self._clients.values():
                 client.close()
-
-    def __enter__(self) -> WeightSender:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
