@@ -47,6 +47,7 @@ from buffer.admission import StalenessAdmission
 from buffer.wire import Trajectory
 from fleetrl.data.reader import PromptItem
 from fleetrl.log import get_logger
+from rollout_fleet.adapters import AdapterNames
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.router import Router
 from rollout_fleet.sample_runner import GenerateClient, SampleFailed, SampleRunner
@@ -118,15 +119,18 @@ class RolloutWorker:
         client_factory: Callable[[str], GenerateClient] | None = None,
         delivery_source: Callable[[list[str]], list[int]] | None = None,
         on_group_dropped: Callable[[str], None] | None = None,
+        lora: bool = False,
     ):
         self.config = config
         self.router = router
+        # lora: requests name the engines' current LoRA adapter (rollout_fleet.adapters)
         self.runner = SampleRunner(
             router,
             engines,
             max_attempts=config.max_sample_attempts,
             retry_backoff_s=config.retry_backoff_s,
             client_factory=client_factory,
+            adapters=AdapterNames() if lora else None,
         )
         self._prompts = iter(reader)
         self._sender = sender
