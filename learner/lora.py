@@ -116,14 +116,14 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def named_adapter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective: (peft saved name, full adapter tensor on CPU), in state-dict order."""
+    """Collective: (peft saved name, full adapter tensor copied to the CPU), in state-dict order."""
     from peft import get_peft_model_state_dict
 
     saved = get_peft_model_state_dict(
         model, state_dict=model.state_dict(), adapter_name=ADAPTER_NAME
     )
     for name, tensor in saved.items():
-        yield name, _full(tensor).cpu()
+        yield name, _full(tensor).to("cpu", copy=True)  # a copy: never a view of the live weights
 
 
 def merged_weight(model: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:

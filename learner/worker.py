@@ -61,8 +61,7 @@ from fleetrl.models.loading import check_model_dir
 from learner import algorithms as alg
 from learner import checkpoint as ckpt
 from learner import dist as ldist
-from learner import lora
-from learner import ulysses
+from learner import lora, ulysses
 from learner.batching import GlobalBatch, global_counts, mini_batches, plan_ranks
 from learner.config import LearnerConfig
 from learner.fsdp import build_optimizer, build_scheduler, clip_grad_norm, shard_model
