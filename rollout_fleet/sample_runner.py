@@ -170,7 +170,13 @@ class SampleRunner:
                 except (EngineError, TimeoutError) as err:
                     self.router.release(lease)
                     failures += 1
+                    self.engine_errors += 1
                     self.router.mark_suspect(lease.engine, f"no weight version: {err}")
+                    if failures >= self.max_attempts:
+                        raise SampleFailed(
+                            f"sample {uid}: {failures} engine failures (max_sample_attempts="
+                            f"{self.max_attempts}); last engine {lease.engine}: {err}"
+                        ) from None
                     await asyncio.sleep(self.retry_backoff_s)
                     continue
             request = asyncio.ensure_future(
