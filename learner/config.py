@@ -174,6 +174,16 @@ class LoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = msgspec.field(default_factory=lambda: ["all-linear"])
     dropout: Annotated[float, Meta(ge=0, lt=1, description="LoRA dropout.")] = 0.0
 
+    def __post_init__(self) -> None:
+        if not self.target_modules or any(not name for name in self.target_modules):
+            raise ValueError(
+                f"target_modules must name at least one module, got {self.target_modules}"
+            )
+        if "all-linear" in self.target_modules and self.target_modules != ["all-linear"]:
+            raise ValueError(
+                f'target_modules: "all-linear" stands alone, got {self.target_modules}'
+            )
+
 
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_ranks: Annotated[

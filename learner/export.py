@@ -67,7 +67,13 @@ def _empty_policy(step_dir: Path, adapter_config: dict[str, Any] | None) -> Any:
         if adapter_config is not None:
             import peft
 
+            from learner.lora import ADAPTER_NAME
+
             model = peft.get_peft_model(model, peft.get_peft_config(dict(adapter_config)))
+            # peft records the folder the architecture came from (the checkpoint's hf/, which
+            # has no weights); the adapter's base is the model the learner trained from
+            base = adapter_config.get("base_model_name_or_path")
+            model.peft_config[ADAPTER_NAME].base_model_name_or_path = base
     return model.to_empty(device="cpu")
 
 

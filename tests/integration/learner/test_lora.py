@@ -160,3 +160,138 @@ def test_adapter_methods_need_lora(tiny_model_dir):
             worker.adapter_config()
     finally:
         worker.close()
+
+
+def test_export_writes_a_peft_adapter_and_on_request_the_merged_model(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from launcher.cli import build_parser
+    from learner.export import MERGED_DIR
+    from learner.export import main as export_main
+
+    torch.set_num_threads(1)
+    overrides = {**lora_procs.LORA, "algorithm": {"adv_estimator": "grpo"}}
+    worker = procs.make_worker(str(tiny_model_dir), 0, 1, procs.free_port(), overrides)
+    ids = torch.tensor([[7, 12, 9, 30, 41, 8, 15, 22, 3, 19]])
+    try:
+        for step in range(2):
+            worker.step(procs.make_batch(step), policy_version=step)
+        worker.save_checkpoint(tmp_path / "ckpt", {"next_step": 2})
+        worker.policy.eval()
+        with torch.no_grad():
+            learner_logits = worker.policy(input_ids=ids).logits
+            with worker.policy.disable_adapter():
+                base_logits = worker.policy(input_ids=ids).logits
+        adapter_config = worker.adapter_config()
+    finally:
+        worker.close()
+    assert (learner_logits - base_logits).abs().max().item() > 1e-4  # the adapters were trained
+
+    out = tmp_path / "export"
+    args = build_parser().parse_args(
+        ["export", "--ckpt", str(tmp_path / "ckpt"), "--out", str(out), "--merged"]
+    )
+    assert export_main(args) == 0
+    assert (out / "adapter_model.safetensors").is_file()
+    written = json.loads((out / "adapter_config.json").read_text())
+    assert set(written.pop("target_modules")) == set(adapter_config.pop("target_modules"))
+    assert written == adapter_config
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    adapted = PeftModel.from_pretrained(base, out).eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / MERGED_DIR, local_files_only=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, learner_logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(merged(input_ids=ids).logits, learner_logits, atol=ATOL, rtol=0)
+
+
+def _demo_task_batch(model_dir):
+    """GRPO groups of the demo task (add2): per prompt the right sum (score 1) and three wrong ones.
+
+    Behaviour logprobs are the base model's own (the batch is on-policy at step 0).
+    """
+    from buffer.arrow_batch import trajectories_to_arrow
+    from buffer.wire import Array, Trajectory
+    from fleetrl.data.synth import get_task
+    from fleetrl.models.loading import load_causal_lm, load_tokenizer
+    from learner.batching import GlobalBatch
+    from learner.packing import build_inputs, policy_forward
+
+    tok = load_tokenizer(model_dir)
+    instances = get_task("add2").instances()[::250][:4]
+    trajectories = []
+    for g, (question, answer) in enumerate(instances):
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
+        prompt_ids = tok(prompt, add_special_tokens=False).input_ids
+        for k, text in enumerate([answer, str(int(answer) + 1), str(int(answer) + 2), "0"]):
+            response = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
+            trajectories.append(
+                Trajectory(
+                    uid=f"g{g}/{k}",
+                    group_id=f"g{g}",
+                    group_size=4,
+                    prompt_ids=Array.of(prompt_ids, "int32"),
+                    response_ids=Array.of(response, "int32"),
+                    behavior_logprobs=Array.of([0.0] * len(response), "float32"),
+                    token_versions=Array.of([0] * len(response), "int32"),
+                    score=1.0 if k == 0 else 0.0,
+                    finish_reason="stop",
+                    prompt_index=g,
+                )  # fmt: skip
+            )
+    batch = trajectories_to_arrow(trajectories)
+    gb = GlobalBatch.from_arrow(batch)
+    mb = build_inputs(gb, torch.arange(gb.size).numpy(), packing=True, device=torch.device("cpu"))
+    with torch.no_grad():
+        behaviour = policy_forward(load_causal_lm(model_dir).eval(), mb).logprobs
+    for i, trajectory in enumerate(trajectories):
+        span = behaviour[gb.response_offsets[i] : gb.response_offsets[i + 1]]
+        trajectory.behavior_logprobs = Array.of(span.numpy(), "float32")
+    return trajectories_to_arrow(trajectories)
+
+
+def test_lora_training_lowers_the_loss_on_a_demo_task_batch(tiny_model_dir):
+    from learner.batching import GlobalBatch
+
+    torch.set_num_threads(1)
+    batch = _demo_task_batch(tiny_model_dir)
+    gb = GlobalBatch.from_arrow(batch)
+    rewarded = torch.from_numpy(gb.scores == 1.0)[:, None]
+    overrides = {
+        "lora": {"rank": 8},
+        "optim": {"lr": 3e-3, "weight_decay": 0.0},
+        "algorithm": {"adv_estimator": "grpo"},
+        "kl": {"use_kl_loss": False},
+        "policy_loss": {"entropy_coeff": 0.0},
+        "ppo_mini_batch_size": 0,
+    }
+    worker = procs.make_worker(str(tiny_model_dir), 0, 1, procs.free_port(), overrides)
+
+    def nll() -> tuple[float, float]:
+        """Mean negative logprob of the right answers' tokens (the loss RL should lower), wrong ones'."""
+        plan = worker._plan(gb, torch.arange(gb.size).numpy())
+        logprobs = worker._infer(worker.policy, gb, plan, values=False)
+        tokens = (
+            torch.arange(logprobs.shape[1])[None, :] < torch.from_numpy(gb.response_lens)[:, None]
+        )
+        right, wrong = tokens & rewarded, tokens & ~rewarded
+        return (
+            float(-(logprobs * right).sum() / right.sum()),
+            float(-(logprobs * wrong).sum() / wrong.sum()),
+        )
+
+    try:
+        right_before, wrong_before = nll()
+        for step in range(12):
+            worker.step(batch, policy_version=step)
+        right_after, wrong_after = nll()
+    finally:
+        worker.close()
+    print(
+        f"NLL of the right answers {right_before:.3f} -> {right_after:.3f}, "
+        f"of the wrong ones {wrong_before:.3f} -> {wrong_after:.3f}"
+    )
+    assert right_after < right_before - 0.5
+    assert wrong_after - right_after > wrong_before - right_before + 0.5  # it learnt which is right
