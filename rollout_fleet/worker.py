@@ -316,6 +316,8 @@ class RolloutWorker:
             "rollout/admission_errors": self.admission_errors,
             "rollout/send_s": self.send_s,
         }
+        if self.runner.adapters is not None:  # LoRA: times an engine was asked for its adapter
+            out["rollout/adapter_refreshes"] = self.runner.adapters.refreshes
         reward_stats = getattr(self._reward, "stats", None)
         if callable(reward_stats):
             out.update(reward_stats())
