@@ -15,12 +15,14 @@ learner loads on each engine as ``fleetrl-policy-v<version>``
   engine's version tag moved, which a request pinned to its adapter does not
   follow.
 - Gone: an engine answers 400 with SGLang's message when a request names an
-  adapter it no longer holds (``is_adapter_gone``); the sample runner refreshes
-  the name and resubmits the piece.
+  adapter it no longer holds (``is_adapter_gone``); the sample runner follows
+  the engine to its current name (``follow``: one ``/model_info`` per switch,
+  however many requests meet it) and resubmits the piece.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Protocol
 
 from fleetrl.log import get_logger
@@ -54,6 +56,7 @@ class AdapterNames:
 
     def __init__(self) -> None:
         self._versions: dict[str, int] = {}
+        self._asking: dict[str, asyncio.Lock] = {}  # one /model_info per engine at a time
         self.refreshes = 0
 
     def observe(self, engine: str, weight_version: str) -> None:
@@ -67,6 +70,15 @@ class AdapterNames:
         if engine not in self._versions:
             await self.refresh(engine, client)
         return adapter_name(self._versions[engine])
+
+    async def follow(self, engine: str, client: VersionSource, gone: str) -> bool:
+        """After ``engine`` said adapter ``gone`` is not loaded: True once another name is
+        known for it. The requests that meet a switch together ask the engine once."""
+        async with self._asking.setdefault(engine, asyncio.Lock()):
+            known = self._versions.get(engine)
+            if known is not None and adapter_name(known) != gone:
+                return True  # another request already learned the new name
+            return await self.refresh(engine, client)
 
     async def refresh(self, engine: str, client: VersionSource) -> bool:
         """Ask ``engine`` which version it serves; True if that changed the name."""

@@ -200,7 +200,7 @@ class SampleRunner:
                 log.info("request %s lost with engine %s; resubmitting", rid, lease.engine)
             elif self.adapters is not None and is_adapter_gone(request.exception()):
                 # the engine moved to a newer adapter: ask which, resubmit under its name
-                if await self._refresh_adapter(lease.engine, client):
+                if await self._follow_adapter(lease.engine, client, extra["lora_path"]):
                     continue
                 failures += 1
                 await asyncio.sleep(self.retry_backoff_s)
@@ -220,11 +220,11 @@ class SampleRunner:
                     f"{self.max_attempts}); last engine {lease.engine}"
                 )
 
-    async def _refresh_adapter(self, engine: str, client: Any) -> bool:
-        """Ask ``engine`` for its adapter after it said ours is gone; True if the name changed."""
+    async def _follow_adapter(self, engine: str, client: Any, gone: str) -> bool:
+        """After ``engine`` said adapter ``gone`` is not loaded: True once a newer name is known."""
         assert self.adapters is not None
         try:
-            return await self.adapters.refresh(engine, client)
+            return await self.adapters.follow(engine, client, gone)
         except (EngineError, TimeoutError, ValueError) as err:
             log.warning("engine %s: cannot read its weight version: %s", engine, err)
             return False

@@ -125,9 +125,10 @@ def radix_cache_disabled_for(pause_mode: str) -> bool:
     return pause_mode == "in_place"
 
 
-# Adapters an engine holds at once under LoRA weight sync: the current and the previous
-# version (requests still running on it), plus one slot for base-model requests
-# (SGLang counts them in --max-loras-per-batch).
+# Adapters an engine holds at once under LoRA weight sync: the current version, the
+# previous one (requests still running on it) and the one before while its unload waits
+# for its last requests (weight_sync.adapter_sender); as many in one batch (SGLang counts
+# a base-model request as one more in --max-loras-per-batch; fleetrl sends none).
 LORA_SLOTS = 3
 
 

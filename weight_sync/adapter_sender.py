@@ -9,11 +9,12 @@ to ``publish``, the other ranks drain theirs (``drain_stream``).
 ``publish(stream, v)`` in order:
   1. collect the adapter tensors (megabytes, not gigabytes) and write the PEFT
      folder ``<adapter_dir>/fleetrl-policy-v<v>`` atomically (``adapters``);
-  2. on every engine, concurrently: unload the adapters it holds other than the
-     previous version (SGLang's ``/unload_lora_adapter`` waits for the requests
-     that use one), ``/load_lora_adapter`` the new folder by path, then
-     ``/update_weight_version`` v (without aborting requests), so ``/model_info``
-     reports v;
+  2. on every engine, concurrently: ``/load_lora_adapter`` the new folder by
+     path, then ``/update_weight_version`` v (without aborting requests), so
+     ``/model_info`` reports v; then, without waiting, ``/unload_lora_adapter`` of
+     what it holds besides v and the previous version (SGLang answers once no
+     running request uses the adapter; an engine so holds at most three, which
+     ``--max-loaded-loras`` allows, so SGLang never evicts one itself);
   3. delete folders older than the previous version: an engine may reload an
      unloaded adapter by its path (SGLang does so for a request naming it), so a
      deleted folder makes a stale name fail loudly instead of serving old weights.
@@ -198,14 +199,13 @@ class AdapterSender(Publisher):
     def _push(
         self, client: EngineClient, name: str, path: str, version: int, verify: bool
     ) -> tuple[float, bool | None]:
-        """One engine: unload all but the previous adapter, load ``name``, set the version."""
+        """One engine: load ``name``, set the version, then unload (in the background) what
+        it holds besides ``name`` and the previous adapter."""
         started = time.perf_counter()
         with self._lock:
             held = list(self._held.get(client.name, []))
-        previous = held[-1] if held and held[-1] != name else None
-        for old in held:
-            if old not in (previous, name):
-                self._unload(client, old)
+        others = [n for n in held if n != name]
+        previous = others[-1] if others else None
         if name in held:
             # the same version again (a retry, an engine rejoining): the engine has it already
             loaded: dict[str, Any] | None = None
@@ -222,6 +222,10 @@ class AdapterSender(Publisher):
         with self._lock:
             if client.name in self._held:
                 self._held[client.name] = [n for n in (previous, name) if n]
+        stale = [n for n in others if n != previous]
+        if stale:
+            # SGLang answers an unload once no request uses the adapter: do not wait for that
+            self._pool.submit(self._unload_quietly, client, stale)
         client.set_weight_version(str(version))
         verified = None
         if verify:
@@ -235,6 +239,16 @@ class AdapterSender(Publisher):
                 raise EngineCallError(client.name, "/load_lora_adapter", problem, unreachable=False)
             verified = True
         return time.perf_counter() - started, verified
+
+    def _unload_quietly(self, client: EngineClient, names: list[str]) -> None:
+        for name in names:
+            try:
+                self._unload(client, name)
+            except EngineCallError as err:  # it only holds memory; the next version tries again
+                log.warning("could not unload adapter %s: %s", name, err)
+                with self._lock:
+                    if client.name in self._held and name not in self._held[client.name]:
+                        self._held[client.name].insert(0, name)
 
     @staticmethod
     def _unload(client: EngineClient, name: str) -> None:

@@ -88,3 +88,22 @@ def test_an_engine_stuck_on_a_gone_adapter_fails_the_sample_after_max_attempts()
         _run(engine, adapters, attempts=3)
     with pytest.raises(SampleFailed, match="connection refused"):
         _run(AdapterEngine(held=1, version_fails=True), AdapterNames(), attempts=2)
+
+
+def test_requests_that_meet_a_switch_together_ask_the_engine_once():
+    adapters = AdapterNames()
+    adapters.observe("e", "2")
+    engine = AdapterEngine(held=3)
+    router = Router()
+    router.add_engine("e")
+    runner = SampleRunner(router, {"e": engine}, retry_backoff_s=0.0, adapters=adapters)
+    samples = [SampleProgress(prompt_ids=[1, 2, 3], max_new_tokens=3) for _ in range(8)]
+
+    async def go():
+        await asyncio.gather(
+            *(runner.generate(f"g{i}", f"u{i}", s, {}) for i, s in enumerate(samples))
+        )
+
+    asyncio.run(go())
+    assert adapters.refreshes == 1
+    assert all(s.token_versions == [3, 3, 3] for s in samples)
