@@ -48,7 +48,12 @@ from typing import Any
 import torch
 
 from fleetrl.log import get_logger
-from weight_sync.adapters import adapter_name, remove_adapter_folder, write_adapter_folder
+from weight_sync.adapters import (
+    adapter_name,
+    existing_adapter_folders,
+    remove_adapter_folder,
+    write_adapter_folder,
+)
 from weight_sync.config import WeightSyncConfig
 from weight_sync.engine_client import EngineCallError, EngineClient, EngineEndpoint
 from weight_sync.errors import WeightSyncError, describe
@@ -76,7 +81,8 @@ class AdapterSender(Publisher):
         self.adapter_dir = Path(adapter_dir).resolve()
         self.adapter_config = dict(adapter_config)
         self._held: dict[str, list[str]] = {}  # engine -> adapter names it holds, oldest first
-        self._folders: list[str] = []  # adapter folders written, oldest first
+        # adapter folders on disk, oldest first: those of an earlier run (a resume) included
+        self._folders: list[str] = existing_adapter_folders(self.adapter_dir)
         self._pool = ThreadPoolExecutor(_MAX_HTTP_THREADS, thread_name_prefix="adapter-sync-http")
 
     # ------------------------------------------------------------------ membership

@@ -91,6 +91,24 @@ def write_adapter_folder(
     return final, nbytes
 
 
+def existing_adapter_folders(root: str | Path) -> list[str]:
+    """The adapter folders under ``root``, oldest version first; half-written ones (a
+    writer that died before its rename) are deleted."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found: list[tuple[int, str]] = []
+    for path in root.iterdir():
+        if path.name.startswith(f".{ADAPTER_PREFIX}-v") and ".tmp-" in path.name:
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        try:
+            found.append((adapter_version(path.name), path.name))
+        except ValueError:
+            continue  # not ours
+    return [name for _, name in sorted(found)]
+
+
 def remove_adapter_folder(root: str | Path, name: str) -> None:
     """Delete ``<root>/<name>`` if present (an adapter no engine may load any more)."""
     shutil.rmtree(Path(root) / name, ignore_errors=True)

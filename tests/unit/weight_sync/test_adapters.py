@@ -54,3 +54,19 @@ def test_folders_peft_features_we_do_not_apply_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         write_adapter_folder(tmp_path, "none", [], CONFIG)
     assert not (tmp_path / "none").exists()
+
+
+def test_folders_left_by_an_earlier_run_are_found_oldest_first(tmp_path):
+    from weight_sync.adapters import existing_adapter_folders
+
+    for version in (10, 9):
+        (tmp_path / adapter_name(version)).mkdir()
+    (tmp_path / f".{adapter_name(11)}.tmp-abcd1234").mkdir()  # a writer died mid-write
+    (tmp_path / "someone-else").mkdir()
+    assert existing_adapter_folders(tmp_path) == [adapter_name(9), adapter_name(10)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        adapter_name(10),
+        adapter_name(9),
+        "someone-else",
+    ]
+    assert existing_adapter_folders(tmp_path / "missing") == []
