@@ -12,34 +12,20 @@ resumes from the checkpoint and loads the restored adapter before generating
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_demo_loop import ENV, REPO
+from tests.e2e.test_demo_loop import _command as demo_command
 from weight_sync.adapters import adapter_name
 
-ENV_DROP = "RAY_ADDRESS"
-REPO = Path(__file__).resolve().parents[2]
 DEMO_FULL_SYNC_BYTES = 579_328  # fp32 demo model (bench weight-sync, full sync)
 
 
 def _command(tmp_path: Path, run_dir: Path, steps: int) -> list[str]:
-    return [
-        sys.executable, "-m", "launcher.cli", "train", "--config", "configs/demo_cpu.yaml",
-        f"trainer.output_dir={run_dir}",
-        f"trainer.total_steps={steps}",
-        "trainer.test_freq=3",
-        "trainer.save_freq=3",
-        "learner.lora.rank=8",
-        f"model.path={tmp_path / 'model'}",
-        "model.warmstart.steps=30",
-        f"data.train_files=[{tmp_path / 'data' / 'train.parquet'}]",
-        f"data.val_files=[{tmp_path / 'data' / 'test.parquet'}]",
-        "data.val_max_samples=32",
-    ]  # fmt: skip
+    return demo_command(tmp_path, run_dir, steps) + ["learner.lora.rank=8"]
 
 
 def _train_records(run_dir: Path) -> list[dict]:
@@ -49,7 +35,7 @@ def _train_records(run_dir: Path) -> list[dict]:
 
 @pytest.mark.timeout(900)
 def test_demo_with_lora_syncs_adapters_only_and_resumes(tmp_path: Path):
-    env = {k: v for k, v in os.environ.items() if k != ENV_DROP}
+    env = ENV
     run_dir = tmp_path / "run"
     first = subprocess.run(
         _command(tmp_path, run_dir, 6), cwd=REPO, env=env, capture_output=True, text=True,
