@@ -510,12 +510,16 @@ class LearnerWorker:
             if name not in wanted or name in seen:
                 continue
             seen.add(name)
+            if self.uses_lora and lora.is_adapter(name):
+                continue  # folded into its base weight below
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            if not self.uses_lora:
+            if self.uses_lora:
+                yield (
+                    lora.checkpoint_name(name),
+                    lora.merged_weight(self.policy, name, full.detach()),
+                )
+            else:
                 yield name, full.detach()
-            elif not lora.is_adapter(name):
-                merged = lora.merged_weight(self.policy, name, full.detach())
-                yield lora.checkpoint_name(name), merged
 
     def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective (LoRA only): every rank iterates; yields (peft saved name, full CPU tensor).

@@ -167,7 +167,7 @@ def test_export_writes_a_peft_adapter_and_on_request_the_merged_model(tiny_model
     from transformers import AutoModelForCausalLM
 
     from launcher.cli import build_parser
-    from learner.export import MERGED_DIR
+    from learner.export import MERGED_DIR, load_policy
     from learner.export import main as export_main
 
     torch.set_num_threads(1)
@@ -203,6 +203,10 @@ def test_export_writes_a_peft_adapter_and_on_request_the_merged_model(tiny_model
     with torch.no_grad():
         torch.testing.assert_close(adapted(input_ids=ids).logits, learner_logits, atol=ATOL, rtol=0)
         torch.testing.assert_close(merged(input_ids=ids).logits, learner_logits, atol=ATOL, rtol=0)
+    # what `fleetrl weights push` reads from a LoRA checkpoint: the merged plain model
+    pushed, _ = load_policy(tmp_path / "ckpt")
+    assert not hasattr(pushed, "peft_config")
+    _close(dict(pushed.named_parameters()), dict(merged.named_parameters()), atol=0.0)
 
 
 def _demo_task_batch(model_dir):
