@@ -136,6 +136,14 @@ def test_adapter_config_is_json_and_loads_as_a_peft_config(two_rank_lora, tiny_m
 
 
 def test_lora_resume_in_fresh_processes_matches_uninterrupted_run(two_rank_lora, tiny_model_dir):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from learner import lora
+
+    # the checkpoint holds the adapters (and their AdamW state), not the frozen base
+    stored = FileSystemReader(str(two_rank_lora / "ckpt" / "step_2")).read_metadata()
+    policy = [k for k in stored.state_dict_metadata if k.startswith("policy.")]
+    assert policy and all(lora.is_adapter(k) for k in policy)
     procs.spawn(lora_procs.run_lora_rank, 2, str(tiny_model_dir), str(two_rank_lora), "resume", {})
     train = torch.load(two_rank_lora / "train.pt")
     resume = torch.load(two_rank_lora / "resume.pt")
