@@ -157,6 +157,15 @@ def test_lora_resume_in_fresh_processes_matches_uninterrupted_run(two_rank_lora,
     assert m_resume[0]["actor/pg_loss"] == pytest.approx(m_train[2]["actor/pg_loss"], abs=1e-6)
 
 
+def test_lora_with_sequence_parallel_2_equals_1(tiny_model_dir, tmp_path):
+    procs.spawn(lora_procs.run_sp_lora, 2, str(tiny_model_dir), str(tmp_path))
+    lora_procs.run_sp_lora(0, 1, procs.free_port(), str(tiny_model_dir), str(tmp_path))
+    one, two = torch.load(tmp_path / "sp1.pt"), torch.load(tmp_path / "sp2.pt")
+    for key in ("policy", "reference"):
+        torch.testing.assert_close(two[key], one[key], atol=ATOL, rtol=0)
+    _close(two["adapters"], one["adapters"], atol=WEIGHTS_ATOL)
+
+
 def test_adapter_methods_need_lora(tiny_model_dir):
     worker = procs.make_worker(
         str(tiny_model_dir), 0, 1, procs.free_port(), {"algorithm": {"adv_estimator": "grpo"}}
