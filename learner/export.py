@@ -10,11 +10,14 @@ at save time, so the export does not depend on that path still existing).
 ``--ckpt`` may be one ``step_<N>`` folder or a checkpoint root, in which case
 the latest complete checkpoint is used.
 
-A LoRA run's checkpoint (its meta.json holds the adapter config) exports as a
+A LoRA run's checkpoint (its meta.json holds the adapter config) holds the
+adapters and their optimizer state only, not the frozen base. It exports as a
 peft adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``,
 loadable with ``peft.PeftModel.from_pretrained`` on the base model), plus with
-``--merged`` the merged Hugging Face model in ``<out>/merged``. ``load_policy``
-(also used by ``fleetrl weights push``) always gives a plain model: merged for LoRA.
+``--merged`` the merged Hugging Face model in ``<out>/merged``, for which the
+base weights are read from the run's model folder (meta.json's ``model_path``:
+it must still exist). ``load_policy`` (also used by ``fleetrl weights push``)
+always gives a plain model: merged for LoRA.
 
 Left out: exporting the critic.
 """
@@ -77,8 +80,9 @@ def _empty_policy(step_dir: Path, adapter_config: dict[str, Any] | None) -> Any:
     return model.to_empty(device="cpu")
 
 
-def _read_policy(model: Any, step_dir: Path) -> None:
-    """Fill ``model`` (named as the learner's policy) from the checkpoint's DCP files."""
+def _read_policy(model: Any, step_dir: Path, required: set[str]) -> None:
+    """Fill ``model``'s tensors (named as the learner's policy) that the checkpoint's DCP files
+    hold; every name in ``required`` must be there."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -88,7 +92,7 @@ def _read_policy(model: Any, step_dir: Path) -> None:
         for name, tensor in model.state_dict().items()
         if _POLICY_PREFIX + name in stored
     }
-    missing = {n for n, _ in model.named_parameters()} - set(target)
+    missing = required - set(target)
     if missing:
         raise CheckpointError(
             f"checkpoint {step_dir} lacks policy weights {sorted(missing)[:5]}"
@@ -104,6 +108,24 @@ def _read_policy(model: Any, step_dir: Path) -> None:
     # not write them, and from_pretrained recomputes them.
 
 
+def _read_lora_base(model: Any, step_dir: Path) -> None:
+    """The frozen base weights of a LoRA checkpoint's policy, from the run's model folder."""
+    import torch
+
+    from learner import lora
+    from learner.sharded_load import load_local_slices, reinit_nonpersistent_buffers
+
+    base = Path(read_meta(step_dir)["model_path"])
+    if not base.is_dir():
+        raise CheckpointError(
+            f"checkpoint {step_dir} is a LoRA run: its base model {base} (meta.json model_path) "
+            "is needed for the merged model and does not exist"
+        )
+    load_local_slices(model, base, skip_missing=lora.is_adapter, file_name=lora.checkpoint_name)
+    reinit_nonpersistent_buffers(model, torch.device("cpu"))
+    model.tie_weights()
+
+
 def _config_dtype(model: Any) -> Any:
     import torch
 
@@ -111,17 +133,23 @@ def _config_dtype(model: Any) -> Any:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def load_lora_policy(ckpt: str | Path) -> tuple[Any, Path]:
+def load_lora_policy(ckpt: str | Path, *, with_base: bool) -> tuple[Any, Path]:
     """The peft-wrapped (fp32) policy of a LoRA checkpoint, and its step folder.
 
-    A checkpoint of full training raises CheckpointError.
+    ``with_base``: also read the frozen base weights (from the run's model folder);
+    without, they are left uninitialised (enough to save the adapter). A checkpoint
+    of full training raises CheckpointError.
     """
+    from learner import lora
+
     step_dir = resolve_checkpoint(ckpt)
     adapter_config = read_meta(step_dir).get("adapter_config")
     if adapter_config is None:
         raise CheckpointError(f"checkpoint {step_dir} is not a LoRA run (learner.lora.rank was 0)")
     model = _empty_policy(step_dir, adapter_config)
-    _read_policy(model, step_dir)
+    _read_policy(model, step_dir, {n for n, _ in model.named_parameters() if lora.is_adapter(n)})
+    if with_base:
+        _read_lora_base(model, step_dir)
     return model, step_dir
 
 
@@ -131,11 +159,11 @@ def load_policy(ckpt: str | Path) -> tuple[Any, Path]:
     checkpoint raises CheckpointError)."""
     step_dir = resolve_checkpoint(ckpt)
     if read_meta(step_dir).get("adapter_config") is not None:
-        peft_model, _ = load_lora_policy(step_dir)
+        peft_model, _ = load_lora_policy(step_dir, with_base=True)
         model = peft_model.merge_and_unload()
     else:
         model = _empty_policy(step_dir, None)
-        _read_policy(model, step_dir)
+        _read_policy(model, step_dir, {n for n, _ in model.named_parameters()})
     return model.to(_config_dtype(model)), step_dir
 
 
@@ -164,7 +192,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, merged: bool = False
         _copy_tokenizer(step_dir, out)
         log.info("exported %s to %s (%s)", step_dir, out, model.dtype)
         return out
-    peft_model, _ = load_lora_policy(step_dir)
+    peft_model, _ = load_lora_policy(step_dir, with_base=merged)
     peft_model.save_pretrained(str(out), safe_serialization=True)
     _copy_tokenizer(step_dir, out)
     log.info("exported the LoRA adapter of %s to %s", step_dir, out)

@@ -15,12 +15,14 @@ Weights out (collectives: every rank iterates, ``full_tensor`` all-gathers):
 - ``named_adapter_tensors``: the adapters in peft's *saved* naming, the keys of
   ``get_peft_model_state_dict`` (what ``save_pretrained`` writes to
   ``adapter_model.safetensors``), on the CPU — the LoRA weight sync.
-- ``named_merged_tensors``: every base weight under its Hugging Face name with
-  the adapter folded in (W + scaling·B·A), so a full sync still gives an engine
-  the trained policy.
+- ``merged_weight`` (used by ``LearnerWorker.named_full_tensors``): a base
+  weight with its adapter folded in (W + scaling·B·A), under its Hugging Face
+  name, so a full sync still gives an engine the trained policy.
 
 ``adapter_config`` is the ``adapter_config.json`` an engine needs to load the
-adapters (``target_modules`` as peft resolved them).
+adapters (``target_modules`` as peft resolved them: "all-linear" becomes the
+full module paths). A checkpoint holds the adapters and their optimizer state,
+not the frozen base (``LearnerWorker`` re-reads it from the model folder).
 
 Left out: DoRA, rsLoRA, adapters on embeddings or the LM head, several adapters.
 """

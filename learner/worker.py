@@ -510,12 +510,16 @@ class LearnerWorker:
             if name not in wanted or name in seen:
                 continue
             seen.add(name)
+            if self.uses_lora and lora.is_adapter(name):
+                continue  # folded into its base weight below
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            if not self.uses_lora:
+            if self.uses_lora:
+                yield (
+                    lora.checkpoint_name(name),
+                    lora.merged_weight(self.policy, name, full.detach()),
+                )
+            else:
                 yield name, full.detach()
-            elif not lora.is_adapter(name):
-                merged = lora.merged_weight(self.policy, name, full.detach())
-                yield lora.checkpoint_name(name), merged
 
     def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective (LoRA only): every rank iterates; yields (peft saved name, full CPU tensor).
@@ -544,10 +548,18 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _policy_state_options(self):
+        """LoRA: the frozen base is not checkpointed (it is re-read from the model folder)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.uses_lora, strict=not self.uses_lora)
+
     def _dcp_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        policy_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
+        policy_sd, optim_sd = get_state_dict(
+            self.policy, self.optimizer, options=self._policy_state_options()
+        )
         state = {"policy": policy_sd, "policy_optim": optim_sd}
         if self.critic is not None:
             critic_sd, critic_optim_sd = get_state_dict(self.critic, self.critic_optimizer)
@@ -578,6 +590,7 @@ class LearnerWorker:
         set_state_dict(
             self.policy, self.optimizer,
             model_state_dict=state["policy"], optim_state_dict=state["policy_optim"],
+            options=self._policy_state_options(),
         )  # fmt: skip
         if self.critic is not None:
             set_state_dict(

@@ -97,3 +97,24 @@ def run_lora_rank(
             (out / f"{scenario}_metrics.json").write_text(json.dumps(metrics))
     finally:
         worker.close()
+
+
+def run_sp_lora(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+    """One LoRA step with ``sequence_parallel = world_size``, then logprobs and adapters."""
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    overrides = {**LORA, "sequence_parallel": world_size, "num_ranks": world_size}
+    worker = procs.make_worker(model_dir, rank, world_size, port, overrides)
+    try:
+        worker.step(procs.make_batch(0) if rank == 0 else None, policy_version=0)
+        gb = GlobalBatch.from_arrow(procs.make_batch(1))
+        plan = worker._plan(gb, np.arange(gb.size))
+        saved = {
+            "policy": worker._infer(worker.policy, gb, plan, values=False),
+            "reference": worker._reference_logprobs(gb, plan),
+            "adapters": dict(worker.named_adapter_tensors()),
+        }
+        if rank == 0:
+            torch.save(saved, Path(out_dir) / f"sp{world_size}.pt")
+    finally:
+        worker.close()

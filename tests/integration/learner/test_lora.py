@@ -136,6 +136,14 @@ def test_adapter_config_is_json_and_loads_as_a_peft_config(two_rank_lora, tiny_m
 
 
 def test_lora_resume_in_fresh_processes_matches_uninterrupted_run(two_rank_lora, tiny_model_dir):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from learner import lora
+
+    # the checkpoint holds the adapters (and their AdamW state), not the frozen base
+    stored = FileSystemReader(str(two_rank_lora / "ckpt" / "step_2")).read_metadata()
+    policy = [k for k in stored.state_dict_metadata if k.startswith("policy.")]
+    assert policy and all(lora.is_adapter(k) for k in policy)
     procs.spawn(lora_procs.run_lora_rank, 2, str(tiny_model_dir), str(two_rank_lora), "resume", {})
     train = torch.load(two_rank_lora / "train.pt")
     resume = torch.load(two_rank_lora / "resume.pt")
@@ -147,6 +155,15 @@ def test_lora_resume_in_fresh_processes_matches_uninterrupted_run(two_rank_lora,
     m_resume = json.loads((two_rank_lora / "resume_metrics.json").read_text())
     assert m_resume[0]["actor/lr"] == m_train[2]["actor/lr"]
     assert m_resume[0]["actor/pg_loss"] == pytest.approx(m_train[2]["actor/pg_loss"], abs=1e-6)
+
+
+def test_lora_with_sequence_parallel_2_equals_1(tiny_model_dir, tmp_path):
+    procs.spawn(lora_procs.run_sp_lora, 2, str(tiny_model_dir), str(tmp_path))
+    lora_procs.run_sp_lora(0, 1, procs.free_port(), str(tiny_model_dir), str(tmp_path))
+    one, two = torch.load(tmp_path / "sp1.pt"), torch.load(tmp_path / "sp2.pt")
+    for key in ("policy", "reference"):
+        torch.testing.assert_close(two[key], one[key], atol=ATOL, rtol=0)
+    _close(two["adapters"], one["adapters"], atol=WEIGHTS_ATOL)
 
 
 def test_adapter_methods_need_lora(tiny_model_dir):
@@ -167,7 +184,7 @@ def test_export_writes_a_peft_adapter_and_on_request_the_merged_model(tiny_model
     from transformers import AutoModelForCausalLM
 
     from launcher.cli import build_parser
-    from learner.export import MERGED_DIR
+    from learner.export import MERGED_DIR, load_policy
     from learner.export import main as export_main
 
     torch.set_num_threads(1)
@@ -203,6 +220,10 @@ def test_export_writes_a_peft_adapter_and_on_request_the_merged_model(tiny_model
     with torch.no_grad():
         torch.testing.assert_close(adapted(input_ids=ids).logits, learner_logits, atol=ATOL, rtol=0)
         torch.testing.assert_close(merged(input_ids=ids).logits, learner_logits, atol=ATOL, rtol=0)
+    # what `fleetrl weights push` reads from a LoRA checkpoint: the merged plain model
+    pushed, _ = load_policy(tmp_path / "ckpt")
+    assert not hasattr(pushed, "peft_config")
+    _close(dict(pushed.named_parameters()), dict(merged.named_parameters()), atol=0.0)
 
 
 def _demo_task_batch(model_dir):
