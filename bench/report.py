@@ -61,6 +61,11 @@ HEADLINES: dict[str, list[tuple[str, str, str]]] = {
             "bucketed GB/s ÷ one broadcast per parameter",
             "OpenRLHF, PipelineRL",
         ),
+        (
+            "full_vs_lora_bytes",
+            "full-sync bytes ÷ LoRA adapter-sync bytes (demo model, rank 8, all-linear)",
+            "a full sync when only adapters train",
+        ),
     ],
     "rollout": [
         (

@@ -16,7 +16,9 @@ alternation (A B C, C B A, ...):
 
 Each figure is GB/s (1e9 bytes) over the whole publish (pause, group traffic,
 engine loads, continue); the summary gives ``vs_raw_broadcast`` and
-``vs_per_param`` as ratios of medians. ``device="cuda"`` uses NCCL with bf16
+``vs_per_param`` as ratios of medians. Beside them, ``bench.weight_sync_lora``
+measures a LoRA adapter sync against the full sync of the demo model (bytes,
+seconds, ``full_vs_lora_bytes``, ``full_vs_lora_seconds``). ``device="cuda"`` uses NCCL with bf16
 parameters, ``cpu`` gloo with fp32. Writes ``out_dir/weight_sync.json``.
 
 Run:  python -m bench.weight_sync --out DIR [--quick] [--device cuda]
@@ -41,6 +43,7 @@ from typing import Any
 import torch
 
 from bench.common import Progress, alternate, ratio, suite_record, write_json
+from bench.weight_sync_lora import LORA_RANK, measure_lora_sync
 from fleetrl.log import get_logger, setup_logging
 
 log = get_logger(__name__)
@@ -71,12 +74,10 @@ def transformer_param_shapes(hidden: int, layers: int, vocab: int) -> list[tuple
     return shapes
 
 
-class _Receiver:
-    """A reference engine subprocess holding the model's tensors and the raw buffer."""
+class Receiver:
+    """A reference engine subprocess; ``source`` is its ``--spec FILE`` or ``--model DIR``."""
 
-    def __init__(self, spec: list[list[Any]], workdir: Path, device: str) -> None:
-        spec_path = workdir / "spec.json"
-        spec_path.write_text(json.dumps(spec))
+    def __init__(self, source: list[str], workdir: Path, device: str) -> None:
         self.port_file = workdir / "receiver.port"
         self.log_path = workdir / "receiver.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
@@ -86,8 +87,7 @@ class _Receiver:
                 sys.executable,
                 "-m",
                 "weight_sync.reference_engine",
-                "--spec",
-                str(spec_path),
+                *source,
                 "--device",
                 device,
                 "--port-file",
@@ -138,7 +138,9 @@ def _measure_size(
     dtype_name = str(dtype).removeprefix("torch.")
     spec = [[n, dtype_name, s] for n, s in shapes] + [[RAW_NAME, "uint8", [total_bytes]]]
     with tempfile.TemporaryDirectory(prefix="bench-ws-") as tmp:
-        receiver = _Receiver(spec, Path(tmp), device)
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        receiver = Receiver(["--spec", str(spec_path)], Path(tmp), device)
         senders: dict[str, WeightSender] = {}
         try:
             url = receiver.url()
@@ -211,6 +213,8 @@ def run(
         rows.append(
             _measure_size(hidden, layers, preset["vocab"], reps, device, bucket_mb, progress)
         )
+    progress.note(f"LoRA rank {LORA_RANK} adapter sync vs full sync, demo model, on {device}")
+    lora = measure_lora_sync(reps, device, progress)
     vs_raw = [
         ratio(r["gbps"]["bucketed"]["median"], r["gbps"]["raw_broadcast"]["median"]) for r in rows
     ]
@@ -226,6 +230,13 @@ def run(
         "raw_broadcast_gbps": largest["gbps"]["raw_broadcast"]["median"],
         "per_param_gbps": largest["gbps"]["per_param"]["median"],
         "largest_bytes": largest["bytes"],
+        # LoRA: adapter-only sync of the demo model beside its full sync
+        "full_vs_lora_bytes": lora["full_vs_lora_bytes"],
+        "full_vs_lora_seconds": lora["full_vs_lora_seconds"],
+        "demo_full_bytes": lora["bytes"]["full"],
+        "demo_lora_bytes": lora["bytes"]["lora"],
+        "demo_full_s": lora["seconds"]["full"]["median"],
+        "demo_lora_s": lora["seconds"]["lora"]["median"],
     }
     record = suite_record(
         "weight-sync",
@@ -237,9 +248,11 @@ def run(
             "device": device,
             "bucket_mb": bucket_mb,
             "backend": "nccl" if device.startswith("cuda") else "gloo",
+            "lora_rank": LORA_RANK,
         },
         results={
             "sizes": rows,
+            "lora": lora,
             "vs_raw_broadcast_by_size": vs_raw,
             "vs_per_param_by_size": vs_per_param,
         },

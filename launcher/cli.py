@@ -146,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a Hugging Face folder from a learner checkpoint")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument(
+        "--merged",
+        action="store_true",
+        help="LoRA checkpoints: also write the merged Hugging Face model to OUT/merged",
+    )
 
     p = sub.add_parser("weights", help="weights of running engines")
     wsub = p.add_subparsers(dest="weights_command", required=True)

@@ -16,7 +16,11 @@ parallelism, a smaller token budget) moves it. The learner logs
 ``plan/learner_gb`` (this estimate for its device) next to its measured
 ``perf/peak_memory_gb`` so a run shows how close the plan came.
 
-Left out: LoRA (not implemented in fleetrl yet), SGLang's CUDA-graph and
+With ``learner.lora.rank`` > 0 only the adapters get gradients and optimizer
+state and no reference copy is counted; the what-if table shows LoRA rank 64
+for a full-training config.
+
+Left out: SGLang's CUDA-graph and
 activation memory beyond its static pool, pipeline/tensor parallel learners.
 """
 
@@ -128,6 +132,9 @@ def what_ifs(cfg: RunConfig, shape: ModelShape) -> list[tuple[str, float]]:
                 _with(cfg, sequence_parallel=sp, max_tokens_per_micro_batch=budget), None,
             ))  # fmt: skip
     out = []
+    if lc.lora.rank == 0:
+        lora = msgspec.structs.replace(lc.lora, rank=64)
+        options.append(("learner.lora.rank=64 (all-linear; adapters train, no reference copy)", _with(cfg, lora=lora), None))  # fmt: skip
     for label, learner, _ in options:
         out.append((label, sum(r.total for r in learner_roles(cfg, shape, learner)) / GB))
     return out
@@ -195,7 +202,6 @@ def render(cfg: RunConfig, gpu_mem_gb: float, model_config: str | None = None) -
     lines += ["", "| change (one at a time) | learner GiB per device |", "|---|---|"]
     lines.append(f"| as configured | {total_learner:.3f} |")
     lines += [f"| {label} | {gb:.3f} |" for label, gb in what_ifs(cfg, shape)]
-    lines.append("| LoRA | not implemented in fleetrl yet |")
     return "\n".join(lines) + "\n", fits
 
 

@@ -3,8 +3,9 @@
 - ``BufferRole``   wraps ``buffer.service.BufferService`` (ZeroMQ ingest + control).
 - ``LearnerRole``  one per FSDP rank, wraps ``learner.worker.LearnerWorker``; rank 0 also
                    pulls its batches from a ``BatchSource`` (launcher/batch_source.py)
-                   and owns the ``WeightSender`` (the weight group's connections; whom to
-                   send to arrives with each ``publish`` as ``WeightTargets``).
+                   and owns the weight publisher: ``WeightSender`` (full weights), or
+                   ``AdapterSender`` (LoRA adapters only) when ``learner.lora.rank > 0``;
+                   whom to send to arrives with each ``publish`` as ``WeightTargets``.
 - ``RolloutRole``  an async actor hosting the engine ``Membership`` (the one owner of
                    "may engine-1 take requests?", rollout_fleet/membership.py), the engine
                    fleet (engine actors of its own), the router and the asyncio
@@ -118,9 +119,10 @@ class LearnerRole:
         self.worker: Any = None
         self.buffer: Any = None
         self.batches: Any = None  # rank 0: launcher.batch_source.BatchSource
-        self.sender: Any = None
+        self.sender: Any = None  # rank 0: WeightSender or AdapterSender (weight_sync.publisher)
         self.engine_api_key: str | None = None
         self.device = _device(cfg)
+        self.lora = cfg.learner.lora.rank > 0  # publish adapter weights only
 
     def pid(self) -> int:
         return os.getpid()
@@ -168,9 +170,18 @@ class LearnerRole:
                 buffer_control, curve=curve, timeout_s=BUFFER_REPLY_TIMEOUT_S
             )
             self.batches = BatchSource(self.buffer)
-            self.sender = WeightSender(
-                self.cfg.weight_sync, master_address=node_ip(self.local), device=self.device
-            )
+            if self.lora:
+                from weight_sync.adapter_sender import AdapterSender
+
+                self.sender = AdapterSender(
+                    self.cfg.weight_sync,
+                    adapter_dir=adapter_dir(self.cfg),
+                    adapter_config=self.worker.adapter_config(),
+                )
+            else:
+                self.sender = WeightSender(
+                    self.cfg.weight_sync, master_address=node_ip(self.local), device=self.device
+                )
 
     # ---- checkpoints (collective) ---------------------------------------------------------
     def load_checkpoint(self, step_dir: str) -> dict[str, Any]:
@@ -254,11 +265,15 @@ class LearnerRole:
     def publish(
         self, version: int, targets: WeightTargets, restored: bool = False
     ) -> PublishResult:
-        """Every rank drives the full-tensor stream; rank 0 broadcasts it to ``targets``
+        """Every rank drives the tensor stream (the adapter's with LoRA on, else the
+        full weights); rank 0 broadcasts it to ``targets``
         (the rollout side's membership chose them) and reports what each got."""
         from weight_sync.sender import EngineEndpoint, WeightSyncError, drain_stream
 
-        stream = self.worker.named_full_tensors()
+        if self.lora:
+            stream = self.worker.named_adapter_tensors()
+        else:
+            stream = self.worker.named_full_tensors()
         self.worker.policy_version = version
         if self.rank != 0:
             drain_stream(stream)
@@ -369,6 +384,8 @@ class RolloutRole:
             weights_pushed=True,  # engines serve only once a publish reached them
             log_dir=str(Path(run_dir) / "logs"),
             pause_mode=cfg.weight_sync.pause_mode,
+            lora_rank=cfg.learner.lora.rank,
+            lora_target_modules=list(cfg.learner.lora.target_modules),
         )
         from rollout_fleet.delivery import DeliveryLedger
 
@@ -408,6 +425,7 @@ class RolloutRole:
             client_factory=lambda url: EngineClient(
                 url, api_key=self.api_key, timeout_s=cfg.rollout.request_timeout_s
             ),
+            lora=cfg.learner.lora.rank > 0,
         )
         return urls
 
@@ -535,6 +553,11 @@ class RolloutRole:
         await self.fleet.stop()
         self.sender.close()
         self.control.close()
+
+
+def adapter_dir(cfg: RunConfig) -> str:
+    """Where LoRA adapter versions are written for the engines (``weight_sync.adapter_dir``)."""
+    return cfg.weight_sync.adapter_dir or str(Path(cfg.trainer.output_dir).resolve() / "adapters")
 
 
 def _device(cfg: RunConfig) -> str:

@@ -3,6 +3,8 @@
 Layout of one checkpoint (``<root>/step_<N>/``)::
 
     .metadata, __<rank>_*.distcp   DCP: sharded model(s) + optimizer(s), any world size can load
+                                   (a LoRA policy: its adapters only; the frozen base is
+                                   re-read from the model folder)
     rng_rank<R>.pt                 torch (CPU, CUDA) RNG state of rank R
     rng_rank<R>.json               numpy and Python RNG state of rank R
     meta.json                      step, policy version, world size, scheduler and KL-controller

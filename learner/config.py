@@ -161,6 +161,36 @@ class ReferenceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = False
 
 
+class LoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    rank: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="LoRA rank on the policy (peft); 0 = off, the whole model trains. With LoRA on, only adapter weights train and sync, and the reference policy is the base model with adapters off (no second copy).",
+        ),
+    ] = 0
+    alpha: Annotated[
+        float, Meta(gt=0, description="LoRA alpha (the update is scaled by alpha / rank).")
+    ] = 16.0
+    target_modules: Annotated[
+        list[str],
+        Meta(
+            description='Module names that get adapters, as peft matches them (e.g. [q_proj, v_proj]); ["all-linear"] = every linear layer but the output head.'
+        ),
+    ] = msgspec.field(default_factory=lambda: ["all-linear"])
+    dropout: Annotated[float, Meta(ge=0, lt=1, description="LoRA dropout.")] = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.target_modules or any(not name for name in self.target_modules):
+            raise ValueError(
+                f"target_modules must name at least one module, got {self.target_modules}"
+            )
+        if "all-linear" in self.target_modules and self.target_modules != ["all-linear"]:
+            raise ValueError(
+                f'target_modules: "all-linear" stands alone, got {self.target_modules}'
+            )
+
+
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_ranks: Annotated[
         int,
@@ -178,6 +208,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kl: KLConfig = msgspec.field(default_factory=KLConfig)
     critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
     reference: ReferenceConfig = msgspec.field(default_factory=ReferenceConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     ppo_epochs: Annotated[int, Meta(ge=1, description="Passes over each batch.")] = 1
     ppo_mini_batch_size: Annotated[
         int,

@@ -30,7 +30,12 @@ from learner.config import OptimConfig
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated decoder blocks of a HF causal LM / token classifier (``model.model.layers``)."""
+    """The repeated decoder blocks of a HF causal LM / token classifier (``model.model.layers``).
+
+    A peft wrapper (LoRA) is looked through: its blocks are the wrapped model's.
+    """
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if layers is None:

@@ -18,8 +18,13 @@ The activation model is an estimate (per token and block: 8·h + 4·kv + 4·I
 values of the compute dtype with flash/sdpa attention, no s² scores); it
 counts what autograd keeps, not allocator fragmentation or the CUDA context.
 
-Left out: LoRA (not implemented), tensor parallelism, optimizer kinds other
-than AdamW.
+LoRA (``learner.lora.rank`` > 0): the policy's base weights stay (sharded,
+fp32, frozen: no gradient, no optimizer state); gradients and AdamW moments are
+those of the adapters only (``ModelShape.adapter_params``), and no reference
+copy is built (the reference is the policy with its adapters off).
+
+Left out: tensor parallelism, optimizer kinds other than AdamW, LoRA targets
+other than the seven linear layers of a Qwen2/Llama block (counted as none).
 """
 
 from __future__ import annotations
@@ -110,6 +115,29 @@ class ModelShape:
     def params(self, *, lm_head: bool = True) -> int:
         return self.layers * self.block_params + self.root_params(lm_head=lm_head)
 
+    def block_linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of one decoder block, by module name."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_dim, self.intermediate
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }  # fmt: skip
+
+    def adapter_params(self, rank: int, target_modules: list[str]) -> int:
+        """LoRA parameters (A: rank × in, B: out × rank per targeted layer) over all blocks.
+
+        ``["all-linear"]`` targets every block linear layer (peft leaves the LM head
+        out); other names match a layer by their last dotted part, as peft's suffix match does.
+        """
+        names = {t.rsplit(".", 1)[-1] for t in target_modules}
+        every = target_modules == ["all-linear"]
+        per_block = sum(
+            rank * (fan_in + fan_out)
+            for name, (fan_in, fan_out) in self.block_linears().items()
+            if every or name in names
+        )
+        return self.layers * per_block
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token over all layers (an engine's KV cache)."""
         return 2 * self.layers * self.kv_dim * dtype_bytes
@@ -182,10 +210,13 @@ def learner_estimate(
         activations = shape.layers * tokens * per_token_block
     gathered_blocks = (1 if n == 1 else 2) * shape.block_params * cb  # current + prefetched
 
-    def trained(role: str, lm_head: bool, logits: float) -> RoleMemory:
+    def trained(role: str, lm_head: bool, logits: float, adapters: int = 0) -> RoleMemory:
+        """A trained model; with ``adapters`` (LoRA) only they get gradients and moments."""
         p = shape.params(lm_head=lm_head)
+        trainable = adapters or p
         m = RoleMemory(role)
-        sharded_w, sharded_g, adam = 4 * p / n, 4 * p / n, 8 * p / n
+        sharded_w = 4 * (p + adapters) / n
+        sharded_g, adam = 4 * trainable / n, 8 * trainable / n
         m.weights = 0.0 if offload else sharded_w
         m.grads = 0.0 if offload else sharded_g
         m.optimizer = 0.0 if opt_offload else adam
@@ -198,8 +229,10 @@ def learner_estimate(
 
     # logits of the response tokens: compute dtype, an fp32 copy, log-softmax / its gradient
     logits = response_tokens * shape.vocab * (cb + 4 + 4)
-    roles = [trained("policy", True, logits)]
-    if with_reference:
+    lora = cfg.lora
+    adapters = shape.adapter_params(lora.rank, lora.target_modules) if lora.rank > 0 else 0
+    roles = [trained("policy", True, logits, adapters)]
+    if with_reference and not lora.rank:  # LoRA: the reference is the policy, adapters off
         ref = RoleMemory("reference")
         p = shape.params()
         ref_offload = cfg.reference.param_offload and on_gpu

@@ -139,13 +139,18 @@ def _read_rows(entry: SafetensorsEntry, fh, first_row: int, rows: int, out: torc
 
 
 def load_local_slices(
-    model: nn.Module, folder: str | Path, *, skip_missing: Callable[[str], bool] = lambda _: False
+    model: nn.Module,
+    folder: str | Path,
+    *,
+    skip_missing: Callable[[str], bool] = lambda _: False,
+    file_name: Callable[[str], str] = lambda name: name,
 ) -> int:
     """Fill every parameter and persistent buffer's local shard from the folder; returns bytes read.
 
-    A name absent from the files is an error unless ``skip_missing(name)`` (a head
-    the caller initialises); a tensor whose slice is not a dim-0 row range of
-    the file is an error (FSDP2 shards dim 0).
+    ``file_name`` maps a state-dict name to its name in the files (a wrapper's
+    renaming, e.g. peft's). A name absent from the files is an error unless
+    ``skip_missing(name)`` (a head or adapter the caller initialises); a tensor
+    whose slice is not a dim-0 row range of the file is an error (FSDP2 shards dim 0).
     """
     entries = index_safetensors(folder)
     state = model.state_dict(keep_vars=True)
@@ -156,7 +161,7 @@ def load_local_slices(
         for name, tensor in state.items():
             if id(tensor) in seen:  # a tied alias, already filled
                 continue
-            entry = entries.get(name)
+            entry = entries.get(file_name(name))
             if entry is None:
                 if skip_missing(name):
                     continue
@@ -228,18 +233,22 @@ def build_sharded(
     device: torch.device,
     shard: Callable[[nn.Module], nn.Module],
     prepare: Callable[[nn.Module], None] = lambda _: None,
+    wrap: Callable[[nn.Module], nn.Module] = lambda model: model,
     skip_missing: Callable[[str], bool] = lambda _: False,
+    file_name: Callable[[str], str] = lambda name: name,
 ) -> nn.Module:
-    """Meta init -> ``prepare`` -> ``shard`` -> allocate local shards on ``device`` -> read them.
+    """Meta init -> ``prepare`` -> ``wrap`` -> ``shard`` -> allocate local shards -> read them.
 
-    ``device`` is where the shards live (the CPU under FSDP2 CPU offload). Heads
-    that ``skip_missing`` names are left uninitialised for the caller to fill.
+    ``device`` is where the shards live (the CPU under FSDP2 CPU offload).
+    ``wrap`` may put the model inside another module (peft's LoRA wrapper), whose
+    state-dict names ``file_name`` maps back to the files'. Tensors that
+    ``skip_missing`` names (heads, adapters) are left uninitialised for the caller to fill.
     """
     model = meta_model(path, kind)
     prepare(model)
-    model = shard(model)
+    model = shard(wrap(model))
     model.to_empty(device=device)
-    nbytes = load_local_slices(model, path, skip_missing=skip_missing)
+    nbytes = load_local_slices(model, path, skip_missing=skip_missing, file_name=file_name)
     reinit_nonpersistent_buffers(model, device)
     if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
         model.tie_weights()

@@ -9,6 +9,7 @@ iterable of Arrow batches (the "iterator seam": no buffer needed).
     worker.setup()                                  # group, models, optimizers
     metrics = worker.step(batch_or_None, policy_version)   # every rank, collectively
     for name, tensor in worker.named_full_tensors(): ...   # every rank; rank 0 uses them
+    for name, tensor in worker.named_adapter_tensors(): ...  # LoRA: adapters only, peft names
     worker.save_checkpoint(root, extra_state) / worker.load_checkpoint(step_dir)
     worker.close()
 
@@ -31,7 +32,12 @@ mini-batches whose update was skipped (the driver stops after too many in a row)
 Models are built on the meta device and each rank reads only its shards
 (``learner.sharded_load``). With ``sequence_parallel`` k, groups of k ranks
 split each packed micro-batch along the sequence (``learner.ulysses``); data
-parallelism is over the groups. Left out: LoRA.
+parallelism is over the groups.
+
+With ``learner.lora.rank`` > 0 the policy is wrapped by peft (``learner.lora``):
+only its adapters train, the reference logprobs come from the same model with
+its adapters off (no reference copy is built), and ``named_adapter_tensors`` /
+``adapter_config`` give what an engine needs to load the adapters.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from fleetrl.models.loading import check_model_dir
 from learner import algorithms as alg
 from learner import checkpoint as ckpt
 from learner import dist as ldist
-from learner import ulysses
+from learner import lora, ulysses
 from learner.batching import GlobalBatch, global_counts, mini_batches, plan_ranks
 from learner.config import LearnerConfig
 from learner.fsdp import build_optimizer, build_scheduler, clip_grad_norm, shard_model
@@ -152,6 +158,10 @@ class LearnerWorker:
     def uses_reference(self) -> bool:
         return self.cfg.kl.use_kl_in_reward or self.cfg.kl.use_kl_loss
 
+    @property
+    def uses_lora(self) -> bool:
+        return self.cfg.lora.rank > 0
+
     def setup(self) -> None:
         """Join the group, then load, shard and build optimizers for every model."""
         if self.cfg.algorithm.adv_estimator == "gae" and not self.uses_critic:
@@ -179,10 +189,10 @@ class LearnerWorker:
         offload = self.cfg.param_offload and on_gpu
         if self.sp_size > 1:
             self.sp = ulysses.new_groups(self.world_size, self.rank, self.sp_size)
-        self.policy = self._build(path, "causal_lm", offload, train=True)
+        self.policy = self._build(path, "causal_lm", offload, train=True, lora_on=self.uses_lora)
         self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.total_steps)
-        if self.uses_reference:
+        if self.uses_reference and not self.uses_lora:  # LoRA: the base is the reference
             self.reference = self._build(
                 path, "causal_lm", self.cfg.reference.param_offload and on_gpu, train=False
             ).requires_grad_(False)
@@ -194,8 +204,14 @@ class LearnerWorker:
                 self.critic_optimizer, self.cfg.critic.optim, self.total_steps
             )
 
-    def _build(self, path: Path, kind: ModelKind, offload: bool, *, train: bool) -> nn.Module:
-        """Meta init, FSDP2 sharding, then only this rank's shards read from the files."""
+    def _build(
+        self, path: Path, kind: ModelKind, offload: bool, *, train: bool, lora_on: bool = False
+    ) -> nn.Module:
+        """Meta init, FSDP2 sharding, then only this rank's shards read from the files.
+
+        ``lora_on``: the model is wrapped by peft before sharding; base weights come
+        from the files, adapters from the seed.
+        """
 
         def prepare(model: nn.Module) -> None:
             if train and (self.cfg.grad_checkpointing or self.model_cfg.gradient_checkpointing):
@@ -211,14 +227,23 @@ class LearnerWorker:
                 reshard_after_forward=self.cfg.reshard_after_forward,
             )
 
+        def skip_missing(name: str) -> bool:
+            if lora_on:
+                return lora.is_adapter(name)
+            return kind == "token_classification" and name.startswith("score.")
+
         model = build_sharded(
             path,
             kind=kind,
             device=torch.device("cpu") if offload else self.device,
             shard=shard,
             prepare=prepare,
-            skip_missing=lambda name: kind == "token_classification" and name.startswith("score."),
+            wrap=(lambda m: lora.wrap(m, self.cfg.lora, path)) if lora_on else (lambda m: m),
+            skip_missing=skip_missing,
+            file_name=lora.checkpoint_name if lora_on else (lambda name: name),
         )
+        if lora_on:
+            lora.init_adapters(model, self.seed)
         if self.sp is not None:
             heads = model.config.num_attention_heads
             kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
@@ -281,6 +306,15 @@ class LearnerWorker:
         model.train(model is not self.reference)
         return ragged_to_padded(ldist.all_reduce_sum(flat), batch)
 
+    def _reference_logprobs(self, batch: GlobalBatch, plan: list[np.ndarray]):
+        """π_ref per token: the reference model, or (LoRA) the policy with its adapters off."""
+        if self.reference is not None:
+            return self._infer(self.reference, batch, plan, values=False)
+        if self.uses_reference and self.uses_lora:
+            with lora.reference_mode(self.policy):
+                return self._infer(self.policy, batch, plan, values=False)
+        return None
+
     def _broadcast(self, batch: pa.RecordBatch | None) -> pa.RecordBatch:
         if self.world_size == 1:
             if batch is None:
@@ -305,7 +339,7 @@ class LearnerWorker:
         prox = None
         if self.cfg.correction.mode != "bypass":
             prox = self._infer(self.policy, gb, infer_plan, values=False)
-        ref = self._infer(self.reference, gb, infer_plan, False) if self.reference else None
+        ref = self._reference_logprobs(gb, infer_plan)
         values = self._infer(self.critic, gb, infer_plan, True) if self.critic else None
         metrics["timing_s/forward_no_grad"] = time.perf_counter() - tick
         targets, target_metrics = prepare_targets(
@@ -468,6 +502,8 @@ class LearnerWorker:
 
         Order is ``policy.state_dict()`` order; tied parameters appear once (under
         the name ``named_parameters()`` gives them); persistent buffers are included.
+        With LoRA: the base model's Hugging Face names, each weight with its adapter
+        merged in (what the trained policy computes), and no adapter tensors.
         """
         wanted = {name for name, _ in self.policy.named_parameters()}
         wanted |= {name for name, _ in self.policy.named_buffers()}
@@ -476,15 +512,56 @@ class LearnerWorker:
             if name not in wanted or name in seen:
                 continue
             seen.add(name)
+            if self.uses_lora and lora.is_adapter(name):
+                continue  # folded into its base weight below
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            yield name, full.detach()
+            if self.uses_lora:
+                yield (
+                    lora.checkpoint_name(name),
+                    lora.merged_weight(self.policy, name, full.detach()),
+                )
+            else:
+                yield name, full.detach()
+
+    def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective (LoRA only): every rank iterates; yields (peft saved name, full CPU tensor).
+
+        The names are the keys of ``peft.get_peft_model_state_dict`` (those
+        ``save_pretrained`` writes to ``adapter_model.safetensors``, e.g.
+        ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``); every
+        rank gets the values.
+        """
+        self._require_lora("named_adapter_tensors")
+        return lora.named_adapter_tensors(self.policy)
+
+    def adapter_config(self) -> dict[str, Any]:
+        """The adapter's ``adapter_config.json`` contents (LoRA only; JSON types)."""
+        self._require_lora("adapter_config")
+        return lora.adapter_config(self.policy)
+
+    def _require_lora(self, what: str) -> None:
+        if not self.uses_lora:
+            raise RuntimeError(
+                f"LearnerWorker.{what} needs LoRA: learner.lora.rank is 0 (full training); "
+                "use named_full_tensors for the whole model"
+            )
+        if self.policy is None:
+            raise RuntimeError(f"LearnerWorker.{what} called before setup()")
 
     # ------------------------------------------------------------------ checkpoints
+
+    def _policy_state_options(self):
+        """LoRA: the frozen base is not checkpointed (it is re-read from the model folder)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.uses_lora, strict=not self.uses_lora)
 
     def _dcp_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        policy_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
+        policy_sd, optim_sd = get_state_dict(
+            self.policy, self.optimizer, options=self._policy_state_options()
+        )
         state = {"policy": policy_sd, "policy_optim": optim_sd}
         if self.critic is not None:
             critic_sd, critic_optim_sd = get_state_dict(self.critic, self.critic_optimizer)
@@ -499,6 +576,8 @@ class LearnerWorker:
             "critic_scheduler": _scheduler_state(self.critic_scheduler) if self.critic else None,
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "extra_state": extra_state,
+            # LoRA: the policy in the checkpoint is a peft model; export rebuilds it from this
+            "adapter_config": self.adapter_config() if self.uses_lora else None,
         }
         return ckpt.write_checkpoint(
             root, self.global_step, self._dcp_state(), meta, self.model_cfg.path
@@ -513,6 +592,7 @@ class LearnerWorker:
         set_state_dict(
             self.policy, self.optimizer,
             model_state_dict=state["policy"], optim_state_dict=state["policy_optim"],
+            options=self._policy_state_options(),
         )  # fmt: skip
         if self.critic is not None:
             set_state_dict(

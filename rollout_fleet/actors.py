@@ -47,6 +47,8 @@ class EngineSpec:
     mem_fraction_static: float = 0.85
     load_format: Literal["dummy", "auto"] = "dummy"
     disable_radix_cache: bool = False
+    lora_rank: int = 0  # learner.lora.rank: > 0 launches SGLang with LoRA on
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     extra_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 600.0
     log_dir: str | None = None
@@ -73,8 +75,11 @@ def engine_spec(
     expose_on_node_ip: bool = False,
     log_dir: str | None = None,
     pause_mode: str = "in_place",
+    lora_rank: int = 0,
+    lora_target_modules: list[str] | None = None,
 ) -> EngineSpec:
-    """The spec of engine ``name`` from the rollout config (``pause_mode``: weight_sync.pause_mode)."""
+    """The spec of engine ``name`` from the rollout config (``pause_mode``: weight_sync.pause_mode;
+    ``lora_rank`` / ``lora_target_modules``: learner.lora)."""
     from rollout_fleet.sglang_launcher import radix_cache_disabled_for
 
     return EngineSpec(
@@ -91,6 +96,8 @@ def engine_spec(
         mem_fraction_static=config.mem_fraction_static,
         load_format=config.sglang_load_format,
         disable_radix_cache=radix_cache_disabled_for(pause_mode),
+        lora_rank=lora_rank,
+        lora_target_modules=list(lora_target_modules or ["all-linear"]),
         extra_args=list(config.sglang_extra_args),
         startup_timeout_s=config.engine_startup_timeout_s,
         log_dir=log_dir,
@@ -195,6 +202,8 @@ def sglang_server_spec(spec: EngineSpec, host: str = LOOPBACK) -> Any:
         dtype=dtype,
         max_running_requests=spec.max_running_requests,
         disable_radix_cache=spec.disable_radix_cache,
+        lora_rank=spec.lora_rank,
+        lora_target_modules=list(spec.lora_target_modules),
         extra_args=list(spec.extra_args),
     )
 

@@ -77,6 +77,8 @@ class EngineFleet:
         name_prefix: str = "engine",
         log_dir: str | None = None,
         pause_mode: str = "in_place",
+        lora_rank: int = 0,
+        lora_target_modules: list[str] | None = None,
     ):
         self.config = config
         self.membership = membership
@@ -104,6 +106,8 @@ class EngineFleet:
                     expose_on_node_ip=expose_on_node_ip,
                     log_dir=log_dir,
                     pause_mode=pause_mode,
+                    lora_rank=lora_rank,
+                    lora_target_modules=lora_target_modules,
                 ),
             )
             for name in (f"{name_prefix}-{i}" for i in range(config.num_engines))

@@ -35,7 +35,12 @@ SGLang's message); ``GET /model_info`` holds ``weight_version``;
 ``/get_weights_by_name`` ``{name, truncate_size}`` returns the leading rows.
 There are no fleetrl-only routes: a real SGLang server has every route used.
 
-Left out: multimodal inputs, LoRA, sessions, top-logprobs, input (prompt) logprobs.
+LoRA (SGLang 0.5.23): ``/load_lora_adapter`` ``{lora_name, lora_path, pinned}``
+loads a PEFT folder by path, ``/unload_lora_adapter`` ``{lora_name}`` unloads
+it; both answer ``{success, error_message, loaded_adapters}``. A ``/generate``
+request names its adapter in ``lora_path``.
+
+Left out: multimodal inputs, sessions, top-logprobs, input (prompt) logprobs.
 """
 
 from __future__ import annotations
@@ -122,9 +127,10 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     return_text_in_logprobs: bool = False
     stream: bool = False
     log_metrics: bool = True
-    # SGLang fields accepted when null (multimodal, LoRA, sessions are not supported).
+    # The LoRA adapter by its loaded name (SGLang: one name, or one per prompt).
+    lora_path: str | list[str | None] | None = None
+    # SGLang fields accepted when null (multimodal and sessions are not supported).
     image_data: None = None
-    lora_path: None = None
     custom_logit_processor: None = None
     session_params: None = None
 
@@ -192,6 +198,22 @@ def policy_version_of(weight_version: str) -> int:
         return int(weight_version)
     except (TypeError, ValueError):
         return -1
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Body of ``POST /load_lora_adapter`` (SGLang ``LoadLoRAAdapterReqInput``)."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Body of ``POST /unload_lora_adapter`` (SGLang ``UnloadLoRAAdapterReqInput``)."""
+
+    lora_name: str
+    lora_id: str | None = None
 
 
 class GetWeightsByNameRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -16,6 +16,12 @@ the sample is finished (stop or length):
 5. when the router declares the engine dead, the request is cancelled at once
    (the listener below) and the sample continues elsewhere.
 
+With LoRA on (``adapters`` given), each request names the engine's current
+adapter in ``lora_path`` and its tokens carry that adapter's version
+(``rollout_fleet.adapters``); an engine that says the adapter is gone gets the
+piece again under the name it reports now (not an engine failure, unless the
+name did not change).
+
 It also owns the engine clients (one per engine name; a restarted engine with a
 new URL gets a new client from ``client_factory``), the count of requests in
 flight, and the rollout idle time (wall time with no request in flight).
@@ -32,7 +38,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+import msgspec
+
 from fleetrl.log import get_logger
+from rollout_fleet.adapters import AdapterNames, is_adapter_gone
 from rollout_fleet.client import EngineError, parse_generate_response
 from rollout_fleet.membership import EngineStatus, MembershipError, MembershipEvent
 from rollout_fleet.router import Lease, Router
@@ -74,8 +83,10 @@ class SampleRunner:
         retry_backoff_s: float = 0.5,
         client_factory: Callable[[str], GenerateClient] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        adapters: AdapterNames | None = None,
     ):
         self.router = router
+        self.adapters = adapters
         self.clients: dict[str, GenerateClient] = dict(engines)
         self._client_urls: dict[str, str] = {}
         self.max_attempts = max_attempts
@@ -153,8 +164,26 @@ class SampleRunner:
                 continue
             params = {**sampling_params, "max_new_tokens": sample.remaining_tokens}
             rid = f"{uid}.{sample.pieces}.{failures}"
+            extra: dict[str, Any] = {}
+            if self.adapters is not None:
+                try:
+                    extra["lora_path"] = await self.adapters.name_for(lease.engine, client)
+                except (EngineError, TimeoutError) as err:
+                    self.router.release(lease)
+                    failures += 1
+                    self.engine_errors += 1
+                    self.router.mark_suspect(lease.engine, f"no weight version: {err}")
+                    if failures >= self.max_attempts:
+                        raise SampleFailed(
+                            f"sample {uid}: {failures} engine failures (max_sample_attempts="
+                            f"{self.max_attempts}); last engine {lease.engine}: {err}"
+                        ) from None
+                    await asyncio.sleep(self.retry_backoff_s)
+                    continue
             request = asyncio.ensure_future(
-                client.generate(sample.resume_input_ids(), params, return_logprob=True, rid=rid)
+                client.generate(
+                    sample.resume_input_ids(), params, return_logprob=True, rid=rid, **extra
+                )
             )
             self._track(lease, request, rid)
             try:
@@ -170,8 +199,14 @@ class SampleRunner:
                 self.requests_lost_to_dead_engines += 1
                 failures += 1
                 log.info("request %s lost with engine %s; resubmitting", rid, lease.engine)
+            elif self.adapters is not None and is_adapter_gone(request.exception()):
+                # the engine moved to a newer adapter: ask which, resubmit under its name
+                if await self._follow_adapter(lease.engine, client, extra["lora_path"]):
+                    continue
+                failures += 1
+                await asyncio.sleep(self.retry_backoff_s)
             else:
-                error = self._take_piece(request, sample, lease.engine)
+                error = self._take_piece(request, sample, lease.engine, extra.get("lora_path"))
                 if error is None:
                     continue
                 failures += 1
@@ -186,10 +221,24 @@ class SampleRunner:
                     f"{self.max_attempts}); last engine {lease.engine}"
                 )
 
+    async def _follow_adapter(self, engine: str, client: Any, gone: str) -> bool:
+        """After ``engine`` said adapter ``gone`` is not loaded: True once a newer name is known."""
+        assert self.adapters is not None
+        try:
+            return await self.adapters.follow(engine, client, gone)
+        except (EngineError, TimeoutError, ValueError) as err:
+            log.warning("engine %s: cannot read its weight version: %s", engine, err)
+            return False
+
     def _take_piece(
-        self, request: asyncio.Future[Any], sample: SampleProgress, engine: str
+        self,
+        request: asyncio.Future[Any],
+        sample: SampleProgress,
+        engine: str,
+        adapter: str | None = None,
     ) -> str | None:
-        """Append the response to ``sample``; return an error text if the engine failed."""
+        """Append the response to ``sample``; return an error text if the engine failed.
+        With ``adapter`` (LoRA), every token carries that adapter's version."""
         exc = request.exception()
         if exc is not None:
             if isinstance(exc, EngineError | TimeoutError):
@@ -197,6 +246,12 @@ class SampleRunner:
             raise exc
         try:
             output = parse_generate_response(request.result())
+            if adapter is not None and self.adapters is not None:
+                self.adapters.observe(engine, output.weight_version)
+                tag = self.adapters.version_of(adapter)
+                output = msgspec.structs.replace(
+                    output, token_versions=[tag] * len(output.output_ids)
+                )
             taken = sample.add(output, engine)
         except ValueError as err:  # malformed response (InconsistentPieceError included)
             return f"bad response: {err}"

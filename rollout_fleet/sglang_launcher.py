@@ -81,6 +81,8 @@ class SGLangServerSpec:
     weight_version: str | None = "0"
     disable_radix_cache: bool = False  # see radix_cache_disabled_for
     base_gpu_id: int | None = None
+    lora_rank: int = 0  # > 0: serve LoRA adapters (see lora_args)
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     log_level: str = "warning"
     extra_args: list[str] = field(default_factory=list)
     python: str = sys.executable
@@ -100,6 +102,10 @@ class SGLangServerSpec:
             )
         if not 0 <= self.port < 65536:
             raise ValueError(f"SGLangServerSpec.port {self.port} is not a TCP port")
+        if self.lora_rank < 0:
+            raise ValueError(f"SGLangServerSpec.lora_rank must be >= 0, got {self.lora_rank}")
+        if self.lora_rank and not self.lora_target_modules:
+            raise ValueError("SGLangServerSpec.lora_target_modules is empty with lora_rank > 0")
         if self.host not in ("127.0.0.1", "localhost", "::1") and not self.api_key:
             raise ValueError(
                 f"SGLang server on non-loopback host {self.host!r} needs an api_key "
@@ -117,6 +123,31 @@ def radix_cache_disabled_for(pause_mode: str) -> bool:
     can stay on.
     """
     return pause_mode == "in_place"
+
+
+# Adapters an engine holds at once under LoRA weight sync: the current version, the
+# previous one (requests still running on it) and the one before while its unload waits
+# for its last requests (weight_sync.adapter_sender); as many in one batch (SGLang counts
+# a base-model request as one more in --max-loras-per-batch; fleetrl sends none).
+LORA_SLOTS = 3
+
+
+def lora_args(rank: int, target_modules: list[str]) -> list[str]:
+    """SGLang's LoRA flags for adapters of ``rank`` on ``target_modules`` (peft's names;
+    peft's ``all-linear`` is SGLang's ``all``). Adapters arrive by ``/load_lora_adapter``
+    (``weight_sync.adapter_sender``), so none is named at launch."""
+    modules = ["all" if m == "all-linear" else m for m in target_modules]
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(rank),
+        "--lora-target-modules",
+        *modules,
+        "--max-loras-per-batch",
+        str(LORA_SLOTS),
+        "--max-loaded-loras",
+        str(LORA_SLOTS),
+    ]
 
 
 def build_command(spec: SGLangServerSpec) -> list[str]:
@@ -157,6 +188,8 @@ def build_command(spec: SGLangServerSpec) -> list[str]:
         cmd += ["--random-seed", str(spec.random_seed)]
     if spec.base_gpu_id is not None:
         cmd += ["--base-gpu-id", str(spec.base_gpu_id)]
+    if spec.lora_rank:
+        cmd += lora_args(spec.lora_rank, spec.lora_target_modules)
     cmd += list(spec.extra_args)
     return cmd
 

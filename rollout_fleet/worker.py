@@ -50,6 +50,7 @@ from buffer.admission import StalenessAdmission
 from buffer.wire import Trajectory
 from fleetrl.data.reader import PromptItem
 from fleetrl.log import get_logger
+from rollout_fleet.adapters import AdapterNames
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.delivery import group_id_for
 from rollout_fleet.router import Router
@@ -133,15 +134,18 @@ class RolloutWorker:
         stop_token_ids: list[int] | None = None,
         client_factory: Callable[[str], GenerateClient] | None = None,
         ledger: SentLedger | None = None,
+        lora: bool = False,
     ):
         self.config = config
         self.router = router
+        # lora: requests name the engines' current LoRA adapter (rollout_fleet.adapters)
         self.runner = SampleRunner(
             router,
             engines,
             max_attempts=config.max_sample_attempts,
             retry_backoff_s=config.retry_backoff_s,
             client_factory=client_factory,
+            adapters=AdapterNames() if lora else None,
         )
         self._prompts = iter(reader)
         self._sender = sender
@@ -319,6 +323,8 @@ class RolloutWorker:
             "rollout/admission_errors": self.admission_errors,
             "rollout/send_s": self.send_s,
         }
+        if self.runner.adapters is not None:  # LoRA: times an engine was asked for its adapter
+            out["rollout/adapter_refreshes"] = self.runner.adapters.refreshes
         reward_stats = getattr(self._reward, "stats", None)
         if callable(reward_stats):
             out.update(reward_stats())

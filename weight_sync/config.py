@@ -64,6 +64,12 @@ class WeightSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     group_name: Annotated[str, Meta(description="Name of the weight-update process group.")] = (
         "fleetrl_weights"
     )
+    adapter_dir: Annotated[
+        str,
+        Meta(
+            description="With learner.lora.rank > 0: the folder learner rank 0 writes each version's LoRA adapter to and every engine loads it from by path (SGLang's /load_lora_adapter); empty = <trainer.output_dir>/adapters. On a cluster it must be storage the engines' nodes read at the same path."
+        ),
+    ] = ""
 
 
 # Bucket size when ``bucket_mb`` is unset, per collective backend. gloo (CPU): every bucket

@@ -6,8 +6,10 @@ this client against SGLang's own app): ``/init_weights_update_group``,
 between them), ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``, ``/pause_generation``,
 ``/continue_generation``, ``/flush_cache``, ``GET /model_info`` (which holds
-``weight_version``) and ``/get_weights_by_name`` (the first rows of one tensor,
-for verification; SGLang answers it for some architectures only).
+``weight_version``), ``/update_weight_version``, ``/get_weights_by_name`` (the
+first rows of one tensor, for verification; SGLang answers it for some
+architectures only), and for LoRA ``/load_lora_adapter`` and
+``/unload_lora_adapter`` (their failures carry SGLang's ``error_message``).
 
 Every call has a timeout, sends the engine's bearer key when it has one, and
 turns every way it can fail (no connection, timeout, HTTP error status,
@@ -102,7 +104,12 @@ class EngineClient:
         if not isinstance(body, dict):
             body = {"result": body}
         if response.status_code >= 400 or body.get("success") is False:
-            message = body.get("message") or body.get("error") or response.reason
+            message = (
+                body.get("message")
+                or body.get("error_message")
+                or body.get("error")
+                or response.reason
+            )
             raise EngineCallError(
                 self.name, path, f"HTTP {response.status_code}: {message}", unreachable=False
             )
@@ -190,6 +197,23 @@ class EngineClient:
                 self.name, "/model_info", "reply has no weight_version", unreachable=False
             )
         return str(body["weight_version"])
+
+    def set_weight_version(self, version: str) -> dict[str, Any]:
+        """``/update_weight_version`` without aborting requests (SGLang's default aborts them all)."""
+        return self.call(
+            "/update_weight_version", {"new_version": version, "abort_all_requests": False}
+        )
+
+    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Load the PEFT folder at ``path`` (a path the engine reads) as adapter ``name``;
+        the reply's ``loaded_adapters`` maps every loaded name to its path."""
+        return self.call(
+            "/load_lora_adapter", {"lora_name": name, "lora_path": path, "pinned": False}
+        )
+
+    def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        """Unload adapter ``name``; SGLang answers once no running request uses it."""
+        return self.call("/unload_lora_adapter", {"lora_name": name})
 
     def weights_by_name(self, name: str, rows: int) -> list | None:
         """The first ``rows`` rows (or elements) of one tensor as floats, or None when the

@@ -34,6 +34,7 @@ class SyncMetrics:
     group_setup_s: float = 0.0
     resume_s: float = 0.0
     verify_s: float = 0.0  # keeping the sent rows plus the engines' /model_info and row replies
+    write_s: float = 0.0  # LoRA: writing the adapter folder the engines load (adapter_sender)
     total_s: float = 0.0
     bytes: int = 0
     gbps: float = 0.0
@@ -55,6 +56,7 @@ class SyncMetrics:
             "group_setup_s",
             "resume_s",
             "verify_s",
+            "write_s",
             "total_s",
             "bytes",
             "gbps",

@@ -6,8 +6,10 @@ SGLang 0.5.23 defines them (``/init_weights_update_group``,
 outside a begin..end session, as SGLang does — ``/end_weight_update``,
 ``/destroy_weights_update_group``, ``/pause_generation``,
 ``/continue_generation``, ``/flush_cache``, ``GET /model_info``,
-``/get_weights_by_name``, ``/health``) on top of a ``WeightReceiver`` and a
-plain name -> tensor table, and generates nothing. Tests and ``bench.weight_sync``
+``/update_weight_version``, ``/get_weights_by_name``, ``/health``, and for LoRA
+``/load_lora_adapter`` / ``/unload_lora_adapter``: an adapter folder is read and
+checked against the table, held by name, and applied to nothing) on top of a
+``WeightReceiver`` and a plain name -> tensor table, and generates nothing. Tests and ``bench.weight_sync``
 use it as the engine's stand-in; it is also the smallest worked example of what
 an engine must do on its side. The real CPU engine is ``rollout_fleet.engine``.
 
@@ -92,6 +94,7 @@ class ReferenceEngine:
         self.in_session = False  # between /begin_weight_update and /end_weight_update
         self.paused_mode: str | None = None
         self.updates = 0
+        self.adapters: dict[str, str] = {}  # LoRA: loaded adapter name -> its folder
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
 
@@ -169,6 +172,31 @@ class ReferenceEngine:
                 raise ValueError("Get parameter by name failed")
             return tensor[: int(body.get("truncate_size", 100))].to(torch.float32).tolist()
 
+    def load_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's ``/load_lora_adapter``: read the folder, check it fits the table, hold it."""
+        from weight_sync.adapters import read_adapter_folder
+
+        name, path = str(body["lora_name"]), str(body["lora_path"])
+        if name in self.adapters:
+            raise ValueError(f"Failed to load LoRA adapter {name} because it is already loaded")
+        weights = read_adapter_folder(path)
+        for module in weights.a:
+            target = self.tensors.get(f"{module}.weight")
+            if target is None or tuple(weights.delta(module).shape) != tuple(target.shape):
+                raise ValueError(f"adapter {name}: module {module!r} does not fit this model")
+        with self._lock:
+            self.adapters[name] = path
+        return {"success": True, "error_message": "", "loaded_adapters": dict(self.adapters)}
+
+    def unload_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = str(body["lora_name"])
+        with self._lock:
+            if self.adapters.pop(name, None) is None:
+                raise ValueError(
+                    f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self.adapters)}"
+                )
+        return {"success": True, "error_message": "", "loaded_adapters": dict(self.adapters)}
+
     def save(self, body: dict[str, Any]) -> dict[str, Any]:
         from safetensors.torch import save_file
 
@@ -203,6 +231,13 @@ class ReferenceEngine:
             if path == "/continue_generation":
                 self.paused_mode = None
                 return {"success": True, "message": "continued"}
+            if path == "/update_weight_version":
+                self.weight_version = str(body["new_version"])
+                return {"success": True, "new_version": self.weight_version}
+            if path == "/load_lora_adapter":
+                return self.load_adapter(body)
+            if path == "/unload_lora_adapter":
+                return self.unload_adapter(body)
             if path == "/fleetrl/reference/save":
                 return self.save(body)
         raise _NoRoute(f"{method} {path}")

@@ -62,7 +62,6 @@ Left out: sending only changed tensors, and CUDA-IPC for co-located engines.
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -79,6 +78,7 @@ from weight_sync.engine_client import EngineCallError, EngineClient, EngineEndpo
 from weight_sync.errors import BucketFailure, WeightSyncError, describe, drain_stream
 from weight_sync.group import GroupError, MasterStore, WeightGroup, resolve_backend
 from weight_sync.metrics import EngineSyncStatus, SyncMetrics
+from weight_sync.publisher import Publisher
 from weight_sync.verify import SentRows, UncheckedEngines, check_engine
 
 __all__ = [
@@ -96,7 +96,7 @@ HEALTH_PROBE_S = 5.0
 _MAX_HTTP_THREADS = 64
 
 
-class WeightSender:
+class WeightSender(Publisher):
     """Owns the weight-update group on learner rank 0 and the HTTP clients of every engine."""
 
     def __init__(
@@ -106,6 +106,7 @@ class WeightSender:
         master_address: str = "127.0.0.1",
         device: str | torch.device = "cpu",
     ) -> None:
+        super().__init__()
         self.config = config
         self.master_address = master_address
         self.device = torch.device(device)
@@ -116,8 +117,6 @@ class WeightSender:
         self._bucket_pool = BufferPool(
             self.bucket_bytes, self.device, max_free=4 if self.device.type == "cpu" else 0
         )
-        self._lock = threading.Lock()  # guards _clients (membership may change from other threads)
-        self._clients: dict[str, EngineClient] = {}
         self._group: WeightGroup | None = None
         self._store: MasterStore | None = None
         self._group_clients: list[EngineClient] = []
@@ -128,15 +127,10 @@ class WeightSender:
         # removed (not dropped) engines still in the current group: told to leave it when it
         # is torn down, then closed
         self._leaving: list[EngineClient] = []
-        self.latest_version: int | None = None
 
     # ------------------------------------------------------------------ membership
 
     @property
-    def engines(self) -> list[str]:
-        with self._lock:
-            return list(self._clients)
-
     @property
     def flushes_cache(self) -> bool:
         """Whether each version ends with ``/flush_cache``: after an abort or retract pause the
@@ -167,19 +161,6 @@ class WeightSender:
             self._leaving.append(client)
         log.info("engine %s leaves weight sync at the next version", name)
 
-    def set_members(self, endpoints: Iterable[EngineEndpoint]) -> None:
-        """Send to exactly these engines from the next ``publish`` on (a run's membership
-        decides who); an endpoint that changed (URL, or a new process) is a new member."""
-        wanted = {e.name: e for e in endpoints}
-        with self._lock:
-            current = {n: c.endpoint for n, c in self._clients.items()}
-        for name, endpoint in current.items():
-            if wanted.get(name) != endpoint:
-                self.remove_engine(name)
-        for name, endpoint in wanted.items():
-            if current.get(name) != endpoint:
-                self.add_engine(endpoint)
-
     def connect(self, engines: Iterable[EngineEndpoint]) -> None:
         """Add engines and form the group now. Engines that cannot join are dropped and named in a WeightSyncError."""
         for endpoint in engines:
@@ -191,13 +172,6 @@ class WeightSender:
             )
 
     # ------------------------------------------------------------------ publish
-
-    def publish_restored(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> SyncMetrics:
-        """The call after resuming from a checkpoint at ``version``: publish (verified) before any generation."""
-        log.info("publishing restored weights as version %d before generation resumes", version)
-        return self.publish(named_tensors, version, verify=True)
 
     def publish(
         self,
@@ -605,9 +579,3 @@ class WeightSender:
         with self._lock:
             for client in self._clients.values():
                 client.close()
-
-    def __enter__(self) -> WeightSender:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

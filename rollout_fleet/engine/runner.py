@@ -17,6 +17,13 @@ parameters by Hugging Face name (validated first: unknown names or shape
 mismatches fail before anything is copied); ``weight_rows(name, rows)``
 answers ``/get_weights_by_name`` for verification, in SGLang's reply shape.
 
+LoRA: ``apply_adapter(weights)`` merges one adapter into the weights of the
+modules it targets (``W = W_base + scale * B @ A``, written in place so the fused
+decoder's views see it), keeping the base copy of each targeted weight so the
+next adapter replaces the last one instead of adding to it; ``remove_adapter``
+restores the base. One adapter at a time serves every request (the engine's
+server aborts requests that named another one; see ``EmbeddedEngine``).
+
 Left out: tensor parallelism, CUDA graphs, quantisation.
 """
 
@@ -31,6 +38,7 @@ from fleetrl.log import get_logger
 from fleetrl.models.loading import load_causal_lm, load_tokenizer
 from rollout_fleet.engine.fused_decoder import FusedDecoder, build_fused_decoder
 from rollout_fleet.engine.kv_cache import BatchKVCache
+from weight_sync.adapters import LoraWeights
 
 log = get_logger(__name__)
 
@@ -69,6 +77,7 @@ class ModelRunner:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.kv = BatchKVCache(int(config.num_hidden_layers), self.device, self.dtype)
         self.fused: FusedDecoder | None = build_fused_decoder(self.model) if fused_decode else None
+        self._base_weights: dict[str, torch.Tensor] = {}  # LoRA: base copies of targeted weights
         log.info(
             "loaded %s on %s (%s): vocab %d, max context %d, eos %s, fused decode %s",
             self.model_path,
@@ -174,9 +183,55 @@ class ModelRunner:
                 raise WeightLoadError(f"received weight {name!r} has dtype {tensor.dtype}")
         for name, tensor in named_tensors:
             targets[name].data.copy_(tensor.to(device=self.device), non_blocking=False)
+        if self._base_weights:
+            log.warning("full weights loaded over a merged LoRA adapter: they are the new base")
+            self._base_weights.clear()
         if self.fused is not None:
             self.fused.check_fused()
         return len(named_tensors)
+
+    @torch.inference_mode()
+    def apply_adapter(self, weights: LoraWeights) -> int:
+        """Serve ``base + adapter`` (replacing any adapter merged before); returns the
+        number of weights it changes. Validated first: a module the model lacks or a
+        shape mismatch leaves the weights unchanged."""
+        targets = self.named_weights()
+        deltas: dict[str, torch.Tensor] = {}
+        for module in weights.a:
+            name = f"{module}.weight"
+            if name not in targets:
+                raise WeightLoadError(
+                    f"adapter module {module!r} has no weight {name!r} in {self.model_path}"
+                )
+            delta = weights.delta(module)
+            if tuple(delta.shape) != tuple(targets[name].shape):
+                raise WeightLoadError(
+                    f"adapter update of {name!r} has shape {tuple(delta.shape)},"
+                    f" the model's is {tuple(targets[name].shape)}"
+                )
+            deltas[name] = delta
+        self._restore_base(targets)
+        for name, delta in deltas.items():
+            param = targets[name]
+            base = param.detach().clone()
+            self._base_weights[name] = base
+            merged = base.float() + delta.to(device=self.device)
+            param.data.copy_(merged.to(param.dtype))
+        if self.fused is not None:
+            self.fused.check_fused()
+        return len(deltas)
+
+    @torch.inference_mode()
+    def remove_adapter(self) -> None:
+        """Serve the base weights again."""
+        self._restore_base(self.named_weights())
+        if self.fused is not None:
+            self.fused.check_fused()
+
+    def _restore_base(self, targets: dict[str, torch.Tensor]) -> None:
+        for name, base in self._base_weights.items():
+            targets[name].data.copy_(base)
+        self._base_weights.clear()
 
     def weight_rows(self, name: str, rows: int) -> list | None:
         """The leading ``rows`` rows of the tensor named ``name`` (HF name) as float lists,

@@ -33,7 +33,16 @@ group, which rollout workers send as n requests) are prefilled once, in one step
 or across steps through ``kv_cache.PrefillCache``; ``stats["prefill_tokens"]``
 counts the tokens actually run through prefill forwards.
 
-Left out: priority scheduling, chunked prefill, preemption under memory pressure.
+LoRA: the engine serves one adapter at a time, merged into the weights
+(``ModelRunner.apply_adapter``). ``switch_adapter`` merges a new one and
+finishes with ``abort`` every sequence that named another (they are resubmitted
+under the new name, as after an abort pause), so every token of a sequence comes
+from the adapter it named; ``submit(..., adapter=)`` does the same for a request
+that raced a switch. ``ANY_ADAPTER`` marks a probe (``/health_generate``) that
+any weights may serve.
+
+Left out: priority scheduling, chunked prefill, preemption under memory pressure,
+several adapters in one batch.
 """
 
 from __future__ import annotations
@@ -71,6 +80,8 @@ ADMISSION_WINDOW_S = 0.001
 BURST_WINDOWS = 5
 # Prefilled prompts kept for the rest of their group (least recently used out first).
 DEFAULT_PREFILL_CACHE_BYTES = 64 << 20
+# Sequence.adapter of a probe that any weights may serve (not a valid adapter name).
+ANY_ADAPTER = "*"
 
 
 @dataclass
@@ -93,6 +104,7 @@ class Sequence:
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
     retractions: int = 0
+    adapter: str | None = None  # the LoRA adapter the request named (None: base weights)
 
     @property
     def finished(self) -> bool:
@@ -129,6 +141,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.paused_mode: str | None = None
+        self.adapter: str | None = None  # the LoRA adapter merged into the weights
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._cond = threading.Condition()
         self._stop = False
@@ -182,7 +195,14 @@ class Scheduler:
         return future
 
     def submit(self, seqs: list[Sequence]) -> Future:
-        return self.call(lambda: self.waiting.extend(seqs))
+        return self.call(lambda: self._submit(seqs))
+
+    def switch_adapter(self, name: str, weights: Any) -> Future:
+        """Serve LoRA adapter ``name`` (``weights``: ``weight_sync.adapters.LoraWeights``)."""
+        return self.call(lambda: self._switch_adapter(name, weights))
+
+    def remove_adapter(self, name: str) -> Future:
+        return self.call(lambda: self._remove_adapter(name))
 
     def abort(self, rid: str = "", abort_all: bool = False, message: str = "aborted") -> Future:
         return self.call(lambda: self._abort(rid, abort_all, message))
@@ -214,6 +234,39 @@ class Scheduler:
         }
 
     # -- commands (scheduler thread) --------------------------------------------------------
+
+    def _submit(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.adapter not in (self.adapter, ANY_ADAPTER):  # raced an adapter switch
+                seq.finish_reason = finish_reason_json(
+                    FINISH_ABORT, message=f"adapter {seq.adapter} was replaced by {self.adapter}"
+                )
+                self._emit(seq, True)
+            else:
+                self.waiting.append(seq)
+
+    def _switch_adapter(self, name: str, weights: Any) -> int:
+        changed = self.runner.apply_adapter(weights)
+        self._abort_adapter_users(lambda a: a != name, f"adapter replaced by {name}")
+        self.adapter = name
+        self.prefill_cache.clear()  # its KV was computed with the old weights
+        return changed
+
+    def _remove_adapter(self, name: str) -> None:
+        if self.adapter != name:
+            return
+        self.runner.remove_adapter()
+        self._abort_adapter_users(lambda a: a == name, f"adapter {name} unloaded")
+        self.adapter = None
+        self.prefill_cache.clear()
+
+    def _abort_adapter_users(self, matches: Callable[[str | None], bool], message: str) -> None:
+        for seq in [*self.running, *self.waiting]:
+            if not seq.finished and seq.adapter != ANY_ADAPTER and matches(seq.adapter):
+                seq.finish_reason = finish_reason_json(FINISH_ABORT, message=message)
+                self._emit(seq, True)
+        self.waiting = deque(s for s in self.waiting if not s.finished)
+        self._splice([])
 
     def _abort(self, rid: str, abort_all: bool, message: str) -> int:
         count = 0

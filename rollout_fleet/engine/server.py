@@ -14,8 +14,22 @@ pending), ``POST /update_weight_version``, ``GET /health``,
 ``POST /begin_weight_update`` / ``POST /end_weight_update`` (the update
 session: as in SGLang 0.5.23, an update outside it is refused with 400),
 ``POST /update_weights_from_distributed``, ``POST /destroy_weights_update_group``
-and ``GET|POST /get_weights_by_name``. No route exists here that a real SGLang
-server lacks: every CPU test of the training loop makes the calls a GPU run makes.
+``GET|POST /get_weights_by_name``, and for LoRA ``POST /load_lora_adapter`` and
+``POST /unload_lora_adapter`` (SGLang's bodies, replies and error texts). No route
+exists here that a real SGLang server lacks: every CPU test of the training loop
+makes the calls a GPU run makes.
+
+LoRA semantics differ from SGLang's, by design: SGLang applies each request's
+adapter per request, several in one batch; this engine holds one adapter, the
+newest loaded, merged into its weights (``ModelRunner.apply_adapter``; per-row
+adapters would need a LoRA path through the fused decode step and the batched
+prefill). Loading an adapter replaces the one held (it is unloaded, and the
+requests that named it finish with ``abort`` and are resubmitted under the new
+name, as after an abort pause); a ``/generate`` naming an adapter that is not
+held gets SGLang's "not loaded" error, and a request without ``lora_path``
+while an adapter is held is refused (this engine cannot serve the base model
+beside it). So every token a request gets comes from the adapter it named, which
+is what fleetrl's version tags assume (``rollout_fleet.adapters``).
 
 Security: binds 127.0.0.1 by default. A non-loopback host requires an API key
 (``--api-key`` or ``FLEETRL_API_KEY``); with a key, every request except
@@ -52,7 +66,7 @@ from rollout_fleet.engine.requests import (
     response_object,
 )
 from rollout_fleet.engine.runner import ModelRunner
-from rollout_fleet.engine.scheduler import Scheduler, Sequence
+from rollout_fleet.engine.scheduler import ANY_ADAPTER, Scheduler, Sequence
 
 log = get_logger(__name__)
 
@@ -155,6 +169,8 @@ class EmbeddedEngine:
         self._runner_web: web.AppRunner | None = None
         self.base_url: str | None = None
         self._relays: list[EventRelay] = []
+        self.adapters: dict[str, str] = {}  # LoRA: the adapter held (name -> path), at most one
+        self._adapter_lock: asyncio.Lock | None = None
         self.scheduler.add_delivery_hook(self._wake_relays)
         self.scheduler.start()
 
@@ -185,6 +201,8 @@ class EmbeddedEngine:
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_get("/get_weights_by_name", self.get_weights_by_name)
         r.add_post("/get_weights_by_name", self.get_weights_by_name)
+        r.add_post("/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         return app
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -311,7 +329,10 @@ class EmbeddedEngine:
             )
             relay.put(events, snapshot)
 
+        adapter = self._requested_adapter(req.lora_path)
         items, batched = expand_generate(req, self.runner.tokenizer, self.limits, on_event)
+        for seq, _ in items:
+            seq.adapter = adapter
         options = {id(seq): opt for seq, opt in items}
         await asyncio.wrap_future(self.scheduler.submit([seq for seq, _ in items]))
         try:
@@ -427,6 +448,7 @@ class EmbeddedEngine:
                 loop.call_soon_threadsafe(lambda: done.done() or done.set_result(seq.finish_reason))
 
         ((seq, _),), _ = expand_generate(body, self.runner.tokenizer, self.limits, on_event)
+        seq.adapter = ANY_ADAPTER  # a probe: whatever weights are held may answer it
         await asyncio.wrap_future(sched.submit([seq]))
         try:
             await asyncio.wait_for(done, HEALTH_GENERATE_TIMEOUT_S)
@@ -589,6 +611,75 @@ class EmbeddedEngine:
             )
         self._update_session = False
         return _json({"success": True, "message": "Success"})
+
+    # -- LoRA ------------------------------------------------------------------------------
+
+    def _requested_adapter(self, lora_path: str | list[str | None] | None) -> str | None:
+        """The one adapter a /generate names; RequestError (400) in SGLang's words if it is
+        not held, or in ours for what this engine cannot serve beside its adapter."""
+        names = set(lora_path) if isinstance(lora_path, list) else {lora_path}
+        if len(names) > 1:
+            raise RequestError(
+                f"this engine serves one LoRA adapter at a time; the request names {sorted(map(str, names))}"
+            )
+        (name,) = names
+        if name is None:
+            if self.adapters:
+                raise RequestError(
+                    f"LoRA adapter {next(iter(self.adapters))} is merged into this engine's weights;"
+                    " name it in lora_path (the base model is not served beside it)"
+                )
+            return None
+        if name not in self.adapters:
+            raise RequestError(
+                f"The following requested LoRA adapters are not loaded: {name}\n"
+                f"Loaded adapters: {list(self.adapters)}."
+            )
+        return name
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        req = await _body(request, P.LoadLoRAAdapterRequest)
+        async with self._lora_lock():
+            if req.lora_name in self.adapters:
+                return self._lora_reply(
+                    f"Failed to load LoRA adapter {req.lora_name} because it is already loaded"
+                )
+            from weight_sync.adapters import read_adapter_folder
+
+            try:
+                weights = await self._weight_call(read_adapter_folder, req.lora_path)
+                await asyncio.wrap_future(self.scheduler.switch_adapter(req.lora_name, weights))
+            except (ValueError, OSError) as err:
+                log.error("%s: load_lora_adapter %s failed: %s", self.engine_id, req.lora_name, err)
+                return self._lora_reply(str(err))
+            self.adapters = {req.lora_name: req.lora_path}
+        log.info("%s serves LoRA adapter %s", self.engine_id, req.lora_name)
+        return self._lora_reply()
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        req = await _body(request, P.UnloadLoRAAdapterRequest)
+        async with self._lora_lock():
+            if req.lora_name not in self.adapters:
+                return self._lora_reply(
+                    f"LoRA with name {req.lora_name} does not exist. Loaded LoRAs: {list(self.adapters)}"
+                )
+            await asyncio.wrap_future(self.scheduler.remove_adapter(req.lora_name))
+            del self.adapters[req.lora_name]
+        return self._lora_reply()
+
+    def _lora_lock(self) -> asyncio.Lock:
+        if self._adapter_lock is None:
+            self._adapter_lock = asyncio.Lock()
+        return self._adapter_lock
+
+    def _lora_reply(self, error: str | None = None) -> web.Response:
+        """SGLang's ``LoRAUpdateOutput``: 200 on success, 400 with ``error_message`` else."""
+        body = {
+            "success": error is None,
+            "error_message": error or "",
+            "loaded_adapters": dict(self.adapters) if error is None else None,
+        }
+        return _json(body, 200 if error is None else 400)
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         """The leading rows of one tensor as float lists (SGLang's reply shape), or 400."""

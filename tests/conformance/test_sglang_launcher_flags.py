@@ -12,7 +12,8 @@ every argv with ``--device cpu`` and a tiny model folder, in a subprocess
 because resolution writes environment variables.
 
 Specs: defaults, tensor parallel 2, an API key on a node IP, real weights,
-extra arguments, in_place vs abort pause, and the shipped GPU configs turned
+extra arguments, in_place vs abort pause, LoRA serving (SGLang's
+``check_lora_server_args`` runs in the resolution), and the shipped GPU configs turned
 into specs the way the launcher does (``engine_spec`` -> ``sglang_server_spec``).
 Needs no GPU; SGLang's Python code is installed by ``make venv``.
 """
@@ -31,7 +32,7 @@ import pytest
 
 from launcher.config import load_run_config
 from rollout_fleet.actors import engine_spec, sglang_server_spec
-from rollout_fleet.sglang_launcher import SGLangServerSpec, build_command
+from rollout_fleet.sglang_launcher import LORA_SLOTS, SGLangServerSpec, build_command
 
 REPO = Path(__file__).resolve().parents[2]
 PORT = 31000
@@ -83,6 +84,10 @@ CASES: dict[str, SGLangServerSpec] = {
     "ppo_7b_config": _config_spec("gsm8k_ppo_qwen2.5_7b.yaml"),
     "grpo_7b_config_abort": _config_spec(
         "gsm8k_grpo_qwen2.5_7b.yaml", "weight_sync.pause_mode=abort"
+    ),
+    "lora_all_linear": SGLangServerSpec(model_path="/models/m", port=PORT, lora_rank=8),
+    "lora_named_modules": SGLangServerSpec(
+        model_path="/models/m", port=PORT, lora_rank=64, lora_target_modules=["q_proj", "v_proj"]
     ),
 }
 
@@ -142,6 +147,19 @@ def test_sglang_parses_the_argv_into_the_specs_values(case):
     assert parsed == _expected(spec)
 
 
+def test_lora_specs_enable_sglangs_lora_serving():
+    for case, rank, modules in (
+        ("lora_all_linear", 8, {"all"}),
+        ("lora_named_modules", 64, {"q_proj", "v_proj"}),
+    ):
+        args = _parse(build_command(CASES[case])[3:])
+        assert args.enable_lora is True
+        assert args.max_lora_rank == rank
+        assert set(args.lora_target_modules) == modules
+        assert args.max_loras_per_batch == args.max_loaded_loras == LORA_SLOTS
+    assert not _parse(build_command(CASES["defaults"])[3:]).enable_lora
+
+
 def test_extra_args_reach_sglang_verbatim():
     args = _parse(build_command(CASES["extra_args"])[3:])
     assert args.attention_backend == "fa3"
@@ -171,7 +189,8 @@ for argv in json.load(sys.stdin):
     args.resolve_once()
     view = resolving_view(args)
     out.append({k: getattr(view, k) for k in
-                ("tp_size", "load_format", "disable_radix_cache", "weight_version", "api_key")})
+                ("tp_size", "load_format", "disable_radix_cache", "weight_version", "api_key")}
+               | {"enable_lora": bool(view.enable_lora)})
 print("RESOLVED " + json.dumps(out))
 """
 
@@ -202,4 +221,5 @@ def test_sglang_resolves_every_argv_on_cpu(tiny_model_dir):
             "disable_radix_cache": spec.disable_radix_cache,
             "weight_version": spec.weight_version,
             "api_key": spec.api_key,
+            "enable_lora": spec.lora_rank > 0,
         }

@@ -8,7 +8,11 @@ SGLang's route handlers call the methods below. Most are SGLang's own
 ``update_weight_version``, ``get_weights_by_name``, ``flush_cache``),
 ``pause_generation`` / ``continue_generation`` (abort mode: abort everything
 and wait until no request holds the model-update lock), ``abort_request``,
-``config_value`` and the detokenisation of logprobs. They talk to the
+``config_value``, the detokenisation of logprobs, and LoRA: ``init_lora`` (the
+``LoRARegistry``), ``load_lora_adapter`` / ``unload_lora_adapter`` (registry,
+LRU eviction over ``--max-loaded-loras``, waiting for a request's adapter to be
+released before unloading it) and ``_validate_and_resolve_lora`` (a request's
+``lora_path`` -> ``lora_id``, SGLang's errors for an adapter that is not loaded). They talk to the
 schedulers through SGLang's ``FanOutCommunicator`` objects over
 ``_dispatch_to_scheduler``, which here is :class:`SchedulerLink`.
 
@@ -35,6 +39,7 @@ from typing import Any
 from sglang.srt.managers import io_struct as io
 from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin
 from sglang.srt.managers.tokenizer_manager import ServerStatus, TokenizerManager
+from sglang.srt.runtime_context import get_lora
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.utils.aio_rwlock import RWLock
 from sglang.srt.utils.weight_versions import add_weight_versions_to_meta_info
@@ -54,6 +59,8 @@ _ANSWERED = (
     io.GetWeightsByNameReqInput,
     io.UpdateWeightVersionReqInput,
     io.FlushCacheReqInput,
+    io.LoadLoRAAdapterReqInput,
+    io.UnloadLoRAAdapterReqInput,
 )
 
 
@@ -135,6 +142,7 @@ class ReqState:
     obj: io.GenerateReqInput
     outputs: asyncio.Queue
     abort_sent: bool = False
+    lora_released: bool = False
     created: float = dataclasses.field(default_factory=time.perf_counter)
 
 
@@ -165,6 +173,14 @@ class EngineBackend:
     get_weights_by_name = TokenizerControlMixin.get_weights_by_name
     update_weight_version = TokenizerControlMixin.update_weight_version
     _update_weight_version_if_provided = TokenizerControlMixin._update_weight_version_if_provided
+    # LoRA: the registry, the load / unload calls, a request's lora_path -> lora_id
+    init_lora = TokenizerManager.init_lora
+    load_lora_adapter = TokenizerControlMixin.load_lora_adapter
+    unload_lora_adapter = TokenizerControlMixin.unload_lora_adapter
+    _unload_lora_adapter_locked = TokenizerControlMixin._unload_lora_adapter_locked
+    _validate_and_resolve_lora = TokenizerManager._validate_and_resolve_lora
+    _resolve_lora_path = TokenizerManager._resolve_lora_path
+    _release_lora_once = TokenizerManager._release_lora_once
 
     def __init__(self, server_args, conns: list[Connection]):
         from sglang.srt.configs.model_config import ModelConfig
@@ -198,6 +214,9 @@ class EngineBackend:
         self.init_communicators()
         self.link.on_reply = self._on_reply
         self.vocab_size = self.model_config.vocab_size
+        self.enable_lora = get_lora().enable_lora
+        self._lora_release_tasks: set[asyncio.Task] = set()
+        self.init_lora()
 
     # -- plumbing ---------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -252,6 +271,7 @@ class EngineBackend:
             async with self.is_pause_cond:
                 await self.is_pause_cond.wait_for(lambda: not self.is_pause)
             async with self.model_update_lock.reader_lock:
+                await self._validate_and_resolve_lora(obj)
                 self._dispatch_to_scheduler(self._tokenize(obj))
                 while True:
                     out = await self._next_output(state, obj, request)
@@ -263,6 +283,7 @@ class EngineBackend:
                     if finished:
                         return
         finally:
+            self._release_lora_once(state)
             if self.rid_to_state.get(obj.rid) is state:
                 del self.rid_to_state[obj.rid]
 
@@ -309,6 +330,7 @@ class EngineBackend:
             sampling_seed=params.sampling_seed,
             return_logprob=bool(obj.return_logprob),
             stream=bool(obj.stream),
+            lora_id=obj.lora_id,
         )
 
     def _build_output(self, obj: io.GenerateReqInput, out: m.GenerateOutput) -> dict:

@@ -27,6 +27,7 @@ class HttpConfig:
     port: int
     api_key: str | None = None
     host: str = "127.0.0.1"
+    lora_rank: int = 0  # > 0: LoRA on (rank.lora_server_args)
 
 
 def build_app(cfg: HttpConfig, conns: list[Connection]):
@@ -40,6 +41,7 @@ def build_app(cfg: HttpConfig, conns: list[Connection]):
     from sglang.srt.utils.auth import add_api_key_middleware, app_has_admin_force_endpoints
 
     from .backend import EngineBackend
+    from .rank import lora_server_args
 
     server_args = ServerArgs(
         model_path=cfg.model_dir,
@@ -49,6 +51,7 @@ def build_app(cfg: HttpConfig, conns: list[Connection]):
         api_key=cfg.api_key,
         host=cfg.host,
         port=cfg.port,
+        **lora_server_args(cfg.lora_rank),
     )
     publish(server_args, role="tokenizer")
     backend = EngineBackend(server_args, conns)

@@ -154,8 +154,10 @@ def start_sglang_engine(
     tp_size: int = 1,
     api_key: str | None = None,
     startup_timeout: float = STARTUP_TIMEOUT_S,
+    lora_rank: int = 0,
 ) -> SGLangEngine:
-    """Start the TP-rank processes and the HTTP process; return once ``/model_info`` answers."""
+    """Start the TP-rank processes and the HTTP process; return once ``/model_info`` answers.
+    ``lora_rank`` > 0 starts it with LoRA on, as fleetrl's launcher does (``--enable-lora``)."""
     from .http_process import HttpConfig, http_main
     from .rank import RankConfig, rank_main
 
@@ -173,7 +175,11 @@ def start_sglang_engine(
             test_end, rank_inspect = ctx.Pipe()
             proc = ctx.Process(
                 target=rank_main,
-                args=(RankConfig(model_dir, rank, tp_size, group_port), rank_ctrl, rank_inspect),
+                args=(
+                    RankConfig(model_dir, rank, tp_size, group_port, lora_rank),
+                    rank_ctrl,
+                    rank_inspect,
+                ),
                 name=f"sglang-tp{rank}",
                 daemon=True,
             )
@@ -186,7 +192,7 @@ def start_sglang_engine(
         port = free_port()
         http = ctx.Process(
             target=http_main,
-            args=(HttpConfig(model_dir, tp_size, port, api_key), http_ends),
+            args=(HttpConfig(model_dir, tp_size, port, api_key, lora_rank=lora_rank), http_ends),
             name="sglang-http",
             daemon=True,
         )

@@ -31,6 +31,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     sampling_seed: int | None = None
     return_logprob: bool = False
     stream: bool = False
+    lora_id: str | None = None  # the adapter SGLang's LoRA registry resolved lora_path to
 
 
 class GenerateOutput(msgspec.Struct, kw_only=True):
@@ -112,7 +113,8 @@ def failed_output(out_type: type, message: str) -> Any:
     fields = getattr(out_type, "__struct_fields__", ())
     kwargs: dict[str, Any] = {}
     if "success" in fields:
-        kwargs.update(success=False, message=message)
+        kwargs["success"] = False
+        kwargs["error_message" if "error_message" in fields else "message"] = message
     if "parameter" in fields:
         kwargs["parameter"] = None
     return out_type(**kwargs)

@@ -3,7 +3,9 @@
 SGLang's weight-update code calls ``model.load_weights(named_tensors)`` (HF names,
 full tensors) and ``model.get_weights_by_name(name, truncate_size, tp_size)``;
 this adapter gives a ``transformers`` model those two methods. Every TP rank
-holds a full copy: sharding is not what the protocol tests exercise.
+holds a full copy: sharding is not what the protocol tests exercise. LoRA
+adapters (``lora.LoraAdapters``) wrap the same model with peft once one is
+loaded, so an engine that loads adapters takes no full-weight updates after.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Iterable
 import torch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 
+from .lora import LoraAdapters
+
 logger = logging.getLogger(__name__)
 
 
@@ -22,6 +26,7 @@ class HFModelAdapter(torch.nn.Module):
         super().__init__()
         self.hf_model = hf_model
         self.config = hf_model.config
+        self.lora = LoraAdapters(hf_model)
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> HFModelAdapter:
@@ -67,7 +72,10 @@ class HFModelAdapter(torch.nn.Module):
         return params[name].detach().cpu().to(torch.float32).numpy().tolist()[:truncate_size]
 
     @torch.no_grad()
-    def next_token_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits for the token after ``token_ids`` (no KV cache: recomputed each step)."""
-        out = self.hf_model(input_ids=torch.tensor([token_ids], dtype=torch.long))
-        return out.logits[0, -1].float()
+    def next_token_logits(self, token_ids: list[int], lora_id: str | None = None) -> torch.Tensor:
+        """Logits for the token after ``token_ids`` (no KV cache: recomputed each step), with
+        LoRA adapter ``lora_id`` when given."""
+        input_ids = torch.tensor([token_ids], dtype=torch.long)
+        if lora_id is None and self.lora.peft_model is None:
+            return self.hf_model(input_ids=input_ids).logits[0, -1].float()
+        return self.lora.forward(input_ids, lora_id)[0, -1].float()

@@ -13,7 +13,9 @@ loads the HF model, and builds SGLang's own weight-update objects:
   ``load_weights_from_distributed``) and ``WeightExporter`` (``get_weights_by_name``),
 - ``SchedulerFlushWrapper`` for ``/flush_cache`` (with its deferred-timeout path),
 - ``BaseTpWorker.init_weights_update_group`` / ``destroy_weights_update_group`` /
-  ``get_weights_by_name`` on our thin tp-worker adapter.
+  ``get_weights_by_name`` on our thin tp-worker adapter;
+- LoRA load / unload requests go to ``lora.LoraAdapters`` (peft on the rank's
+  model, in place of SGLang's GPU ``LoRAManager``).
 
 The loop serves two pipes: control requests from the HTTP process (SGLang's
 ``io_struct`` types, answered with theirs) and the test's weight read-out.
@@ -42,6 +44,22 @@ class RankConfig:
     tp_rank: int
     tp_size: int
     tp_group_port: int
+    lora_rank: int = 0  # > 0: --enable-lora with this --max-lora-rank
+
+
+def lora_server_args(rank: int) -> dict:
+    """The ``ServerArgs`` fields fleetrl's launcher sets for LoRA (``sglang_launcher.lora_args``)."""
+    from rollout_fleet.sglang_launcher import LORA_SLOTS
+
+    if not rank:
+        return {}
+    return {
+        "enable_lora": True,
+        "max_lora_rank": rank,
+        "lora_target_modules": ["all"],
+        "max_loras_per_batch": LORA_SLOTS,
+        "max_loaded_loras": LORA_SLOTS,
+    }
 
 
 class _TpGroup:
@@ -111,7 +129,11 @@ class RankProcess:
             world_size=cfg.tp_size,
         )
         server_args = ServerArgs(
-            model_path=cfg.model_dir, device="cpu", load_format="dummy", tp_size=cfg.tp_size
+            model_path=cfg.model_dir,
+            device="cpu",
+            load_format="dummy",
+            tp_size=cfg.tp_size,
+            **lora_server_args(cfg.lora_rank),
         )
         publish(server_args, role="scheduler")
         get_parallel().override_permanently(
@@ -196,6 +218,10 @@ class RankProcess:
             return wm.update_weights_from_distributed(obj)
         elif isinstance(obj, io.GetWeightsByNameReqInput):
             return wm.get_weights_by_name(obj)
+        elif isinstance(obj, io.LoadLoRAAdapterReqInput):
+            return self.model.lora.load(obj)
+        elif isinstance(obj, io.UnloadLoRAAdapterReqInput):
+            return self.model.lora.unload(obj)
         elif isinstance(obj, io.UpdateWeightVersionReqInput):
             sched.record_weight_version_change(new_version=obj.new_version)
             return io.UpdateWeightVersionReqOutput()

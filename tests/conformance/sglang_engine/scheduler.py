@@ -165,7 +165,7 @@ class EngineScheduler:
 
     def _decode_one(self, req: Req) -> None:
         spec = req.spec
-        logits = self.model.next_token_logits(spec.input_ids + req.output_ids)
+        logits = self.model.next_token_logits(spec.input_ids + req.output_ids, spec.lora_id)
         logprobs = torch.log_softmax(logits / spec.temperature, dim=-1)
         if spec.top_k == 1:
             token = int(torch.argmax(logprobs))

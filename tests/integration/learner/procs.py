@@ -41,6 +41,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn(body, world_size: int, *args) -> None:
+    """Run ``body(rank, world_size, port, *args)`` in ``world_size`` fresh processes."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(body, args=(world_size, free_port(), *args), nprocs=world_size, join=True)
+
+
 def make_batch(step: int):
     lens = RESPONSE_LENS[step % 12 :] + RESPONSE_LENS[: step % 12]
     return synthetic_batch(

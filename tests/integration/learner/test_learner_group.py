@@ -12,7 +12,6 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.integration.learner import procs
 
@@ -22,12 +21,7 @@ ATOL = 1e-5
 @pytest.fixture(scope="module")
 def two_rank_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("learner2")
-    mp.spawn(
-        procs.run_rank,
-        args=(2, procs.free_port(), str(tiny_model_dir), str(out), "train", {}),
-        nprocs=2,
-        join=True,
-    )
+    procs.spawn(procs.run_rank, 2, str(tiny_model_dir), str(out), "train", {})
     return out
 
 
@@ -93,12 +87,7 @@ def test_named_full_tensors_yields_every_hf_parameter_once_with_full_shapes(
 
 
 def test_resume_in_fresh_processes_matches_uninterrupted_run(two_rank_run, tiny_model_dir):
-    mp.spawn(
-        procs.run_rank,
-        args=(2, procs.free_port(), str(tiny_model_dir), str(two_rank_run), "resume", {}),
-        nprocs=2,
-        join=True,
-    )
+    procs.spawn(procs.run_rank, 2, str(tiny_model_dir), str(two_rank_run), "resume", {})
     for step in (3, 4):
         uninterrupted = torch.load(two_rank_run / f"train_weights_step{step}.pt")
         resumed = torch.load(two_rank_run / f"resume_weights_step{step}.pt")

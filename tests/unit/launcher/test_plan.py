@@ -59,6 +59,25 @@ def test_each_memory_saving_change_lowers_the_learner_plan():
     assert sum(r.total for r in learner_roles(cfg_no_gc, shape)) / GB > base
 
 
+def test_lora_plan_keeps_the_base_weights_trains_adapters_only_and_drops_the_reference():
+    import msgspec
+
+    cfg = load_run_config(GRPO_7B, ["learner.kl.use_kl_loss=true"])
+    shape = model_shape(cfg, str(QWEN_7B_JSON))
+    full = {r.role: r for r in learner_roles(cfg, shape)}
+    lora_cfg = msgspec.structs.replace(cfg.learner.lora, rank=64)
+    lc = msgspec.structs.replace(cfg.learner, lora=lora_cfg)
+    lora = {r.role: r for r in learner_roles(cfg, shape, lc)}
+    assert "reference" in full and "reference" not in lora  # the reference is adapters-off
+    adapters = shape.adapter_params(64, ["all-linear"])
+    n = cfg.learner.num_ranks
+    assert lora["policy"].weights == pytest.approx(full["policy"].weights + 4 * adapters / n)
+    assert lora["policy"].grads == pytest.approx(4 * adapters / n)
+    assert lora["policy"].optimizer == pytest.approx(8 * adapters / n)
+    text, _ = render(cfg, 80.0, str(QWEN_7B_JSON))
+    assert "| learner.lora.rank=64 (all-linear; adapters train, no reference copy) |" in text
+
+
 def test_plan_command_prints_the_table_for_the_demo_config(capsys):
     assert cli_main(["plan", "--config", str(REPO / "configs/demo_cpu.yaml")]) == 0
     out = capsys.readouterr().out
