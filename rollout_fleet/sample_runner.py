@@ -172,7 +172,7 @@ class SampleRunner:
                     self.router.release(lease)
                     failures += 1
                     self.engine_errors += 1
-                    self.router.mark_suspect(lease.engine, f"no weight version: {err}")
+                    self._suspect(lease, f"no weight version: {err}")
                     if failures >= self.max_attempts:
                         raise SampleFailed(
                             f"sample {uid}: {failures} engine failures (max_sample_attempts="

@@ -131,7 +131,6 @@ class WeightSender(Publisher):
     # ------------------------------------------------------------------ membership
 
     @property
-    @property
     def flushes_cache(self) -> bool:
         """Whether each version ends with ``/flush_cache``: after an abort or retract pause the
         engine is idle and SGLang flushes; after in_place it refuses (requests still run), so

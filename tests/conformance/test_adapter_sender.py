@@ -18,6 +18,7 @@ import requests
 
 from rollout_fleet.adapters import AdapterNames, is_adapter_gone
 from rollout_fleet.client import EngineClient, EngineError
+from rollout_fleet.membership import Membership
 from rollout_fleet.router import Router
 from rollout_fleet.sample_runner import SampleRunner
 from rollout_fleet.trajectory import SampleProgress
@@ -110,8 +111,10 @@ def test_rollout_requests_follow_the_engines_adapter(lora_engine, tiny_model_dir
             [EngineEndpoint("sglang", lora_engine.url, lora_engine.api_key, world_size=2)]
         )
         sender.publish(adapter_tensors(model), 7)
-    router = Router()
-    router.add_engine("sglang", lora_engine.url)
+    members = Membership()
+    members.launch("sglang", lora_engine.url)
+    members.weights_loaded("sglang", 0)
+    router = Router(members)
     runner = SampleRunner(
         router,
         {"sglang": EngineClient(lora_engine.url, api_key=lora_engine.api_key)},

@@ -16,6 +16,7 @@ import requests
 from rollout_fleet.adapters import AdapterNames
 from rollout_fleet.client import EngineClient
 from rollout_fleet.engine.server import EmbeddedEngine
+from rollout_fleet.membership import Membership
 from rollout_fleet.router import Router
 from rollout_fleet.sample_runner import SampleRunner
 from rollout_fleet.trajectory import SampleProgress
@@ -69,8 +70,10 @@ def test_requests_name_the_current_adapter_and_carry_its_version(tiny_model_dir,
         sender.connect([EngineEndpoint("e0", engine.base_url, None)])
         for version, model in models.items():
             sender.publish(adapter_tensors(model), version)
-            router = Router()
-            router.add_engine("e0", engine.base_url)
+            members = Membership()
+            members.launch("e0", engine.base_url)
+            members.weights_loaded("e0", 0)
+            router = Router(members)
             runner = SampleRunner(
                 router,
                 {"e0": EngineClient(engine.base_url)},

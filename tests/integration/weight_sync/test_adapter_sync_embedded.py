@@ -124,7 +124,7 @@ def test_a_dead_engine_is_named_and_the_others_still_load(tiny_model_dir, engine
             sender.publish(adapter_tensors(model), 1)
         assert err.value.engines == ["dead"] and "dead" in str(err.value)
         assert err.value.metrics is not None and err.value.metrics.engines["alive"].ok
-        assert sender.engines == ["alive"] and "dead" in sender.dropped
+        assert sender.engines == ["alive"]  # dropped: the membership hears of it via the outcome
     assert engine.adapters == {adapter_name(1): str(tmp_path / adapter_name(1))}
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from rollout_fleet.adapters import AdapterNames
 from rollout_fleet.client import EngineError
+from rollout_fleet.membership import Membership
 from rollout_fleet.router import Router
 from rollout_fleet.sample_runner import SampleFailed, SampleRunner
 from rollout_fleet.trajectory import SampleProgress
@@ -55,8 +56,10 @@ class AdapterEngine:
 
 
 def _run(engine: AdapterEngine, adapters: AdapterNames, attempts: int = 4) -> SampleProgress:
-    router = Router()
-    router.add_engine("e")
+    members = Membership()
+    members.launch("e", "http://e")
+    members.weights_loaded("e", 0)
+    router = Router(members)
     runner = SampleRunner(
         router, {"e": engine}, max_attempts=attempts, retry_backoff_s=0.0, adapters=adapters
     )
@@ -94,8 +97,10 @@ def test_requests_that_meet_a_switch_together_ask_the_engine_once():
     adapters = AdapterNames()
     adapters.observe("e", "2")
     engine = AdapterEngine(held=3)
-    router = Router()
-    router.add_engine("e")
+    members = Membership()
+    members.launch("e", "http://e")
+    members.weights_loaded("e", 0)
+    router = Router(members)
     runner = SampleRunner(router, {"e": engine}, retry_backoff_s=0.0, adapters=adapters)
     samples = [SampleProgress(prompt_ids=[1, 2, 3], max_new_tokens=3) for _ in range(8)]
 
