@@ -287,6 +287,9 @@ def test_lora_training_lowers_the_loss_on_a_demo_task_batch(tiny_model_dir):
         "kl": {"use_kl_loss": False},
         "policy_loss": {"entropy_coeff": 0.0},
         "ppo_mini_batch_size": 0,
+        # one batch is reused for 12 steps: the behaviour trust region would (by design) stop
+        # its tokens once the policy is a clip range past the logprobs that sampled them
+        "correction": {"decoupled_behavior_clip": False},
     }
     worker = procs.make_worker(str(tiny_model_dir), 0, 1, procs.free_port(), overrides)
 
