@@ -76,8 +76,7 @@ class AdapterSender(Publisher):
     ) -> None:
         if not adapter_config.get("r"):
             raise ValueError(f"adapter_config has no LoRA rank 'r': {sorted(adapter_config)}")
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.adapter_dir = Path(adapter_dir).resolve()
         self.adapter_config = dict(adapter_config)
         self._held: dict[str, list[str]] = {}  # engine -> adapter names it holds, oldest first
@@ -87,25 +86,12 @@ class AdapterSender(Publisher):
 
     # ------------------------------------------------------------------ membership
 
-    def add_engine(self, endpoint: EngineEndpoint) -> None:
-        """Add an engine; it loads the current adapter at the next ``publish``."""
-        with self._lock:
-            if endpoint.name in self._clients:
-                raise ValueError(f"engine {endpoint.name!r} is already a weight-sync member")
-            self._clients[endpoint.name] = EngineClient(endpoint, self.config.timeout_s)
-            self._held[endpoint.name] = []
-        log.info(
-            "engine %s (%s) loads the adapter at the next version", endpoint.name, endpoint.url
-        )
+    def _member_added(self, name: str) -> None:
+        self._held[name] = []  # it loads the current adapter at the next publish
 
-    def remove_engine(self, name: str) -> None:
-        with self._lock:
-            if name not in self._clients:
-                raise ValueError(
-                    f"engine {name!r} is not a weight-sync member; members: {list(self._clients)}"
-                )
-            self._clients.pop(name).close()
-            self._held.pop(name, None)
+    def _member_removed(self, client: EngineClient) -> None:
+        client.close()
+        self._held.pop(client.name, None)
 
     def connect(self, engines: Iterable[EngineEndpoint]) -> None:
         """Add engines and check each answers ``/health``; those that do not are dropped and named."""

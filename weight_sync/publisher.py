@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from fleetrl.log import get_logger
+from weight_sync.config import WeightSyncConfig
+from weight_sync.engine_client import EngineClient, EngineEndpoint
 from weight_sync.metrics import SyncMetrics
 
 log = get_logger(__name__)
@@ -25,9 +27,10 @@ log = get_logger(__name__)
 class Publisher:
     """The shared part of both senders: membership bookkeeping and the resume call."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: WeightSyncConfig) -> None:
+        self.config = config
         self._lock = threading.Lock()  # guards _clients (membership may change from other threads)
-        self._clients: dict[str, Any] = {}
+        self._clients: dict[str, EngineClient] = {}
         self.latest_version: int | None = None
 
     @property
@@ -48,11 +51,32 @@ class Publisher:
             if current.get(name) != endpoint:
                 self.add_engine(endpoint)
 
-    def add_engine(self, endpoint: Any) -> None:
-        raise NotImplementedError
+    def add_engine(self, endpoint: EngineEndpoint) -> None:
+        """Add an engine; it gets the policy at the next ``publish``."""
+        with self._lock:
+            if endpoint.name in self._clients:
+                raise ValueError(f"engine {endpoint.name!r} is already a weight-sync member")
+            self._clients[endpoint.name] = EngineClient(endpoint, self.config.timeout_s)
+            self._member_added(endpoint.name)
+        log.info(
+            "engine %s (%s) joins weight sync at the next version", endpoint.name, endpoint.url
+        )
 
     def remove_engine(self, name: str) -> None:
-        raise NotImplementedError
+        """Remove an engine from the next ``publish`` on."""
+        with self._lock:
+            if name not in self._clients:
+                raise ValueError(
+                    f"engine {name!r} is not a weight-sync member; members: {list(self._clients)}"
+                )
+            self._member_removed(self._clients.pop(name))
+        log.info("engine %s leaves weight sync at the next version", name)
+
+    def _member_added(self, name: str) -> None:
+        """The sender's own bookkeeping for a new member (called holding ``_lock``)."""
+
+    def _member_removed(self, client: EngineClient) -> None:
+        """The sender's own bookkeeping for a removed member (called holding ``_lock``)."""
 
     def publish(
         self,

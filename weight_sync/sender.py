@@ -106,8 +106,7 @@ class WeightSender(Publisher):
         master_address: str = "127.0.0.1",
         device: str | torch.device = "cpu",
     ) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.master_address = master_address
         self.device = torch.device(device)
         self.backend = resolve_backend(config.backend, self.device)
@@ -141,24 +140,8 @@ class WeightSender(Publisher):
     def group_name(self) -> str | None:
         return self._group.group_name if self._group else None
 
-    def add_engine(self, endpoint: EngineEndpoint) -> None:
-        """Add an engine; it joins the group and receives full weights at the next ``publish``."""
-        with self._lock:
-            if endpoint.name in self._clients:
-                raise ValueError(f"engine {endpoint.name!r} is already a weight-sync member")
-            self._clients[endpoint.name] = EngineClient(endpoint, self.config.timeout_s)
-        log.info("engine %s (%s) will join at the next version", endpoint.name, endpoint.url)
-
-    def remove_engine(self, name: str) -> None:
-        """Remove an engine; the group is rebuilt without it at the next ``publish``."""
-        with self._lock:
-            if name not in self._clients:
-                raise ValueError(
-                    f"engine {name!r} is not a weight-sync member; members: {list(self._clients)}"
-                )
-            client = self._clients.pop(name)
-            self._leaving.append(client)
-        log.info("engine %s leaves weight sync at the next version", name)
+    def _member_removed(self, client: EngineClient) -> None:
+        self._leaving.append(client)  # told to leave the group when it is rebuilt, then closed
 
     def connect(self, engines: Iterable[EngineEndpoint]) -> None:
         """Add engines and form the group now. Engines that cannot join are dropped and named in a WeightSyncError."""
