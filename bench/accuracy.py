@@ -18,9 +18,15 @@ concurrency cap; only η, the correction and the seed change. Runs go
 seed-major, alternating the order of settings, so machine noise spreads.
 
 Per run: the held-out score (greedy) against the step and against training
-wall time (the run's elapsed clock from its first learner step, less its own
-validation time: start-up, the same for every setting, and how often a run
-validates do not count); the first time and step at which the score
+wall time (the run's elapsed clock from its first learner step). Scores come
+from policy snapshots (``trainer.save_hf_freq`` = the sizes' ``test_freq``, plus
+step 0) scored after the run by ``fleetrl eval`` (launcher/evaluate.py, the
+run's own validation code), so the runs validate nothing: in-run validation
+blocks the learner while the fleet keeps generating, and subtracting its time
+hid a synchronous run's whole next batch (measured: at η = 0 with validation
+every 2 steps, every step after a validation waited 0.004 s for its batch,
+against 0.14-0.26 s otherwise). A snapshot costs the same at every η and stays
+on the clock. Also per run: the first time and step at which the score
 reaches ``target_score``, a constant of the sizes declared before any run.
 Per setting: final score mean ± std over seeds, time to target mean ± std.
 
@@ -39,15 +45,13 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.common import Progress, ratio, suite_json_path, suite_record, write_json
 from bench.e2e import (
-    SCORE_KEYS,
     STEP_TIME_KEYS,
-    VALIDATION_TIME_KEYS,
     E2ESizes,
     TrainFn,
     analyse_run,
@@ -67,6 +71,7 @@ QUICK_ETAS: tuple[int, ...] = (0, 4, 8)  # --quick: the settings the summary nee
 BYPASS_ETA = 8
 SEEDS: tuple[int, ...] = (0, 1, 2)
 ELAPSED_KEY = "time/elapsed_s"
+ScoreFn = Callable[[Path], dict[int, float]]
 STEP_KEY = "step"
 
 
@@ -108,34 +113,49 @@ FULL_SIZES = AccuracySizes(
 QUICK_SIZES = dataclasses.replace(FULL_SIZES, seeds=(0,))
 
 
-def score_curve(rows: list[dict[str, Any]]) -> list[dict[str, float]]:
-    """[{step, wall_s, score}] at each validation.
+def score_curve(rows: list[dict[str, Any]], scores: dict[int, float]) -> list[dict[str, float]]:
+    """[{step, wall_s, score}] at each scored snapshot, by step.
 
-    wall_s is training wall time: the run's elapsed clock since its first learner
-    step began (start-up of Ray, engines and the initial validation excluded),
-    less the validation time spent since then.
+    ``scores`` maps a snapshot's step to its held-out score (step 0: the policy
+    before any update, at wall 0). wall_s is training wall time: the run's
+    elapsed clock since its first learner step began (start-up of Ray and the
+    engines excluded); the run validates nothing, so nothing is subtracted.
     """
-    start = next(
-        (
-            (first_number(r, (ELAPSED_KEY,)) or 0.0) - (first_number(r, STEP_TIME_KEYS) or 0.0)
-            for r in rows
-            if first_number(r, STEP_TIME_KEYS) is not None
-        ),
-        0.0,
+    timed = [r for r in rows if first_number(r, STEP_TIME_KEYS) is not None]
+    start = (
+        (first_number(timed[0], (ELAPSED_KEY,)) or 0.0)
+        - (first_number(timed[0], STEP_TIME_KEYS) or 0.0)
+        if timed
+        else 0.0
     )
-    curve, validation_s = [], 0.0
-    for row in rows:
-        score = first_number(row, SCORE_KEYS)
-        elapsed = first_number(row, (ELAPSED_KEY,))
-        if elapsed is not None:  # validations before the first step are start-up
-            validation_s += first_number(row, VALIDATION_TIME_KEYS) or 0.0
-        if score is None:
-            continue
-        wall = 0.0 if elapsed is None else max(0.0, elapsed - start - validation_s)
-        curve.append(
-            {"step": first_number(row, (STEP_KEY,)) or 0.0, "wall_s": wall, "score": score}
-        )
+    elapsed_at = {
+        int(step): elapsed
+        for r in timed
+        if (step := first_number(r, (STEP_KEY,))) is not None
+        and (elapsed := first_number(r, (ELAPSED_KEY,))) is not None
+    }
+    curve = []
+    for step in sorted(scores):
+        if step != 0 and step not in elapsed_at:
+            raise ValueError(f"accuracy: a snapshot of step {step} but no metrics row for it")
+        wall = 0.0 if step == 0 else max(0.0, elapsed_at[step] - start)
+        curve.append({"step": float(step), "wall_s": wall, "score": scores[step]})
     return curve
+
+
+def snapshot_scores(run_dir: str | Path) -> dict[int, float]:
+    """Held-out score of every policy snapshot of a finished run, by step (``fleetrl eval``)."""
+    from launcher.config import load_run_config
+    from launcher.evaluate import evaluate
+    from learner.snapshot import snapshot_root, snapshot_steps
+
+    run_dir = Path(run_dir)
+    found = snapshot_steps(snapshot_root(run_dir))
+    if not found:
+        raise ValueError(f"accuracy: run {run_dir} wrote no policy snapshots")
+    cfg = load_run_config(run_dir / "config.yaml", [])
+    records = evaluate(cfg, [path for _, path in found])
+    return {step: float(r["val/score/mean"]) for (step, _), r in zip(found, records, strict=True)}
 
 
 def first_reaching(curve: list[dict[str, float]], target: float) -> dict[str, float] | None:
@@ -215,8 +235,13 @@ def run(
     base_config: str | Path | None = None,
     train_fn: TrainFn | None = None,
     sizes: AccuracySizes | None = None,
+    score_fn: ScoreFn | None = None,
 ) -> dict[str, Any]:
-    """Train the grid (settings × seeds), write ``accuracy.json``; ``reps`` = number of seeds."""
+    """Train the grid (settings × seeds), write ``accuracy.json``; ``reps`` = number of seeds.
+
+    ``score_fn(run_dir)`` gives a finished run's held-out score per snapshot step
+    (default ``snapshot_scores``: its policy snapshots scored by ``fleetrl eval``).
+    """
     etas = tuple(etas) if etas is not None else (QUICK_ETAS if quick else ETAS)
     if 0 not in etas:
         raise ValueError(f"accuracy: etas must include 0 (the sync baseline), got {list(etas)}")
@@ -226,6 +251,7 @@ def run(
         sizes = dataclasses.replace(sizes, seeds=tuple(range(max(1, reps))))
     work_sizes = sizes.workload
     train = train_fn or default_train_fn()
+    score = score_fn or snapshot_scores
     plan = [(eta, "decoupled") for eta in etas]
     if bypass_eta is not None:
         plan.append((bypass_eta, "bypass"))
@@ -247,10 +273,15 @@ def run(
                 train_file=workload.train_file,
                 val_file=workload.val_file,
                 max_eta=max_eta,
-            ) + [f"trainer.seed={seed}"]
+            ) + [
+                f"trainer.seed={seed}",
+                # no in-run validation: snapshots, scored after the run (see the docstring)
+                "trainer.test_freq=-1",
+                f"trainer.save_hf_freq={work_sizes.test_freq}",
+            ]
             progress.note(f"training {label} -> {run_dir}")
             result, rows = train_once(train, workload.base_config, overrides, run_dir)
-            curve = score_curve(rows)
+            curve = score_curve(rows, score(Path(result.get("run_dir", run_dir))))
             reached = first_reaching(curve, sizes.target_score)
             figures = analyse_run(
                 rows,

@@ -28,6 +28,7 @@ HANDLERS: dict[str, str] = {
     "engine": "rollout_fleet.engine.cli:main",
     "buffer": "buffer.service:main",
     "export": "learner.export:main",
+    "eval": "launcher.evaluate:main",
     "weights push": "launcher.weights_push:main",
     "inspect rollouts": "buffer.inspect:main",
     "bench": "bench.cli:main",
@@ -151,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="LoRA checkpoints: also write the merged Hugging Face model to OUT/merged",
     )
+
+    p = sub.add_parser("eval", help="score saved policies (snapshots, exports) on the held-out set")
+    from launcher.evaluate import add_arguments as add_eval_arguments
+
+    add_eval_arguments(p)
+    _add_config_args(p)
 
     p = sub.add_parser("weights", help="weights of running engines")
     wsub = p.add_subparsers(dest="weights_command", required=True)

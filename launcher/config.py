@@ -48,6 +48,13 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             description="Validate every this many steps (-1 = never; also once before training when >0).",
         ),
     ] = -1
+    save_hf_freq: Annotated[
+        int,
+        Meta(
+            ge=-1,
+            description="Write the policy as a Hugging Face folder (safetensors, config, tokenizer) to <output_dir>/hf_snapshots/step_<N> before the first step and every this many steps (-1 = never). Costs one gather and a file write, the same at every staleness bound, so held-out scores computed afterwards (`fleetrl eval`) take no time from the run, as in-run validation does.",
+        ),
+    ] = -1
     resume: Annotated[
         Literal["auto", "disable"],
         Meta(description="auto: continue from the latest complete checkpoint in output_dir."),

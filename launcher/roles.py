@@ -201,6 +201,19 @@ class LearnerRole:
             watermark=watermark,
         )
 
+    def save_hf_snapshot(self, step: int) -> str:
+        """Collective: the policy as a Hugging Face folder (learner/snapshot.py); rank 0 writes."""
+        from learner.snapshot import snapshot_root, write_hf_snapshot
+
+        path = write_hf_snapshot(
+            self.worker.named_full_tensors(),
+            model_path=self.cfg.model.path,
+            root=snapshot_root(self.cfg.trainer.output_dir),
+            step=step,
+            rank=self.rank,
+        )
+        return str(path)
+
     def state(self, resumed_from: str | None = None) -> StartRecord:
         return StartRecord(
             step=self.worker.global_step,

@@ -399,6 +399,12 @@ class Run:
         self.publish(self.version, targets=targets)
         self.write_roster()  # a replacement is a new process
 
+    def save_hf_snapshot(self, step: int) -> str:
+        """Write the policy of ``step`` as a Hugging Face folder (``trainer.save_hf_freq``)."""
+        return gather(
+            [w.save_hf_snapshot.remote(step) for w in self.learners], "writing a policy snapshot"
+        )[0]
+
     def checkpoint(self, step: int) -> CheckpointRecord:
         """Write a checkpoint; commit the *previous* checkpoint's hand-outs in the buffer.
 

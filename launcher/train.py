@@ -17,7 +17,7 @@ Data flow (every arrow is a message; nothing is pickled on the data path)::
          │                    ▼                                                           │
          │               WeightSender: pause engines → bucketed broadcast (gloo / NCCL) ──┘
          │                              → continue; PublishVersion(v) to the buffer
-         └── this loop: wait for a batch, step, publish, validate, checkpoint, log
+         └── this loop: wait for a batch, step, publish, snapshot, validate, checkpoint, log
 
 Who waits for whom: the learner waits for B whole groups (``trainer/idle_fraction``);
 the fleet waits for admission, which opens B more groups per published version
@@ -154,7 +154,7 @@ def due(step: int, every: int, last: int) -> bool:
 
 
 def train_loop(roles: Any, cfg: RunConfig, progress: Progress, tracker: Any, stop: Any) -> None:
-    """The schedule: wait for a batch, step, publish, validate, checkpoint, log; repeat.
+    """The schedule: wait for a batch, step, publish, snapshot, validate, checkpoint, log; repeat.
 
     ``roles``: the role calls (``Run.supervised()``, or fakes); ``stop.check()`` raises
     ``StopRequested`` between steps and while waiting.
@@ -175,6 +175,8 @@ def train_loop(roles: Any, cfg: RunConfig, progress: Progress, tracker: Any, sto
             progress.version = published.version
             m.update(published.metrics)
         roles.rejoin_engines()
+        if due(progress.step, tr.save_hf_freq, tr.total_steps):
+            roles.save_hf_snapshot(progress.step)
         if due(progress.step, tr.test_freq, tr.total_steps):
             m.update(validate(roles, progress))
         if due(progress.step, tr.save_freq, tr.total_steps) or progress.step == tr.total_steps:
@@ -234,6 +236,8 @@ def execute(session: Any, cfg: RunConfig, tracker: Any, stop: Any) -> dict[str, 
             tracker.log(progress.step, {**val, "policy_version": progress.version})
             if "val/score/mean" in val:
                 summary["initial_val_score"] = val["val/score/mean"]
+        if cfg.trainer.save_hf_freq > 0 and origin.resumed_from is None:
+            roles.save_hf_snapshot(progress.step)  # the policy before any update
         train_loop(roles, cfg, progress, tracker, stop)
         summary["train_wall_s"] = time.monotonic() - progress.loop_started_at
     except (StopRequested, KeyboardInterrupt) as err:

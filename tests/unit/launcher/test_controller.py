@@ -115,6 +115,10 @@ class FakeSession:
         self.calls.append(("validate", self.steps))
         return {"val/score/mean": 0.5 + 0.1 * self.steps}
 
+    def save_hf_snapshot(self, step: int) -> str:
+        self.calls.append(("save_hf_snapshot", step))
+        return f"hf_snapshots/step_{step}"
+
     def checkpoint(self, step: int) -> CheckpointRecord:
         self.calls.append(("checkpoint", step))
         return CheckpointRecord(path=f"step_{step}", step=step, policy_version=step, watermark=0)
@@ -167,6 +171,27 @@ def test_one_step_is_wait_step_publish_rejoin_then_validate_and_checkpoint_when_
     assert summary["samples"] == 4 * 2 * 3 and summary["initial_val_score"] == 0.5
     assert summary["final_val_score"] == pytest.approx(0.9)
     assert session.closed_failed is False
+
+
+def test_policy_snapshots_before_training_every_save_hf_freq_steps_and_at_the_end(tmp_path):
+    session = FakeSession()
+    _execute(tmp_path, session, None, "trainer.save_hf_freq=3", "trainer.test_freq=-1")
+    assert [c[1] for c in session.calls if c[0] == "save_hf_snapshot"] == [0, 3, 4]
+    # each snapshot follows its step's publish: it holds the weights the engines serve
+    names = _names(session)
+    assert names[:1] == ["save_hf_snapshot"] and "validate" not in names
+    third = [i for i, c in enumerate(session.calls) if c == ("publish", 3)][0]
+    assert session.calls[third + 2] == ("save_hf_snapshot", 3)
+
+
+def test_no_policy_snapshot_unless_asked_or_after_a_resume(tmp_path):
+    session = FakeSession()
+    _execute(tmp_path, session)
+    assert "save_hf_snapshot" not in _names(session)
+    origin = StartRecord(step=4, policy_version=4, resumed_from="step_4")
+    session = FakeSession(origin)
+    _execute(tmp_path, session, None, "trainer.total_steps=6", "trainer.save_hf_freq=1")
+    assert [c[1] for c in session.calls if c[0] == "save_hf_snapshot"] == [5, 6]
 
 
 def test_publish_every_sync_every_steps(tmp_path):

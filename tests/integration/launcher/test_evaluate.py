@@ -1,0 +1,146 @@
+"""Policy snapshots (learner/snapshot.py) and ``fleetrl eval`` (launcher/evaluate.py).
+
+A snapshot must be a Hugging Face folder that holds exactly the weights it was
+given; ``fleetrl eval`` must score a folder the way in-run validation does
+(greedy, the run's prompts and rewards), so identical weights score identically,
+and must refuse bad input before serving anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+import pytest
+import torch
+
+from fleetrl.data.schema import write_rows
+from fleetrl.data.synth import get_task, make_rows
+from launcher.cli import UsageError
+from launcher.config import load_run_config
+from launcher.evaluate import evaluate
+from launcher.evaluate import main as eval_main
+from learner.snapshot import WEIGHTS_FILE, snapshot_steps, write_hf_snapshot
+
+VAL_ROWS = 12
+
+
+def _policy(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+
+
+def _cfg(tmp_path, model_dir):
+    val = write_rows(make_rows(get_task("add"), "test", VAL_ROWS, seed=0), tmp_path / "val.parquet")
+    return load_run_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "model.create_tiny=false",
+            f"data.val_files=[{val}]",
+            "data.synth_task=''",
+            "rollout.max_new_tokens=8",
+            "trainer.device=cpu",
+        ],
+    )
+
+
+def test_snapshot_holds_the_weights_given_and_loads_as_a_hugging_face_model(
+    tiny_model_dir, tmp_path
+):
+    model = _policy(tiny_model_dir)
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.5)  # not the weights on disk
+    named = list(model.state_dict().items())
+    path = write_hf_snapshot(
+        iter(named), model_path=tiny_model_dir, root=tmp_path / "snaps", step=3, rank=0
+    )
+    assert path == tmp_path / "snaps" / "step_3" and not (tmp_path / "snaps/step_3.tmp").exists()
+    assert {"config.json", WEIGHTS_FILE, "tokenizer_config.json"} <= {p.name for p in path.iterdir()}
+    reloaded = _policy(path)
+    for name, tensor in reloaded.state_dict().items():
+        torch.testing.assert_close(tensor, dict(named)[name], rtol=0, atol=0, msg=name)
+    assert snapshot_steps(tmp_path / "snaps") == [(3, path)]
+
+
+def test_other_ranks_consume_the_stream_and_write_nothing(tiny_model_dir, tmp_path):
+    consumed = []
+
+    def stream():
+        for name, tensor in _policy(tiny_model_dir).state_dict().items():
+            consumed.append(name)
+            yield name, tensor
+
+    write_hf_snapshot(stream(), model_path=tiny_model_dir, root=tmp_path, step=1, rank=1)
+    assert consumed and not (tmp_path / "step_1").exists()
+
+
+def test_snapshot_without_the_model_folder_config_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        write_hf_snapshot(iter(()), model_path=tmp_path / "nowhere", root=tmp_path, step=0, rank=0)
+
+
+def test_unfinished_snapshots_are_not_listed(tmp_path):
+    (tmp_path / "step_2.tmp").mkdir()
+    (tmp_path / "step_4").mkdir()  # no weights file: not complete
+    (tmp_path / "step_6").mkdir()
+    (tmp_path / "step_6" / WEIGHTS_FILE).write_bytes(b"x")
+    assert [step for step, _ in snapshot_steps(tmp_path)] == [6]
+
+
+def test_eval_scores_identical_weights_identically_and_every_prompt_once(tiny_model_dir, tmp_path):
+    cfg = _cfg(tmp_path, tiny_model_dir)
+    copy = tmp_path / "copy"
+    write_hf_snapshot(
+        iter(_policy(tiny_model_dir).state_dict().items()),
+        model_path=tiny_model_dir,
+        root=tmp_path,
+        step=0,
+        rank=0,
+    )
+    shutil.move(tmp_path / "step_0", copy)
+    first, second = evaluate(cfg, [tiny_model_dir, copy])
+    assert first["val/num_samples"] == VAL_ROWS and first["val/num_failed"] == 0
+    assert 0.0 <= first["val/score/mean"] <= 1.0
+    assert {k: v for k, v in first.items() if k != "model"} == {
+        k: v for k, v in second.items() if k != "model"
+    }
+
+
+def test_eval_refuses_a_config_without_held_out_files_or_a_folder_without_a_model(
+    tiny_model_dir, tmp_path
+):
+    cfg = _cfg(tmp_path, tiny_model_dir)
+    with pytest.raises(ValueError, match="no Hugging Face model"):
+        list(evaluate(cfg, [tmp_path]))
+    no_val = load_run_config(None, [f"model.path={tiny_model_dir}", "data.val_files=[]"])
+    with pytest.raises(ValueError, match="data.val_files is empty"):
+        list(evaluate(no_val, [tiny_model_dir]))
+
+
+def test_eval_cli_scores_a_runs_snapshots_by_step_and_refuses_a_run_without_any(
+    tiny_model_dir, tmp_path, capsys
+):
+    cfg = _cfg(tmp_path, tiny_model_dir)
+    (tmp_path / "run.yaml").write_text(json.dumps({"data": {"val_files": cfg.data.val_files}}))
+    overrides = [f"model.path={tiny_model_dir}", "rollout.max_new_tokens=8", "trainer.device=cpu"]
+    args = argparse.Namespace(
+        config=str(tmp_path / "run.yaml"), overrides=overrides, model=[], snapshots=str(tmp_path)
+    )
+    with pytest.raises(UsageError, match="no policy snapshots"):
+        eval_main(args)
+    state = _policy(tiny_model_dir).state_dict()
+    for step in (4, 2):
+        write_hf_snapshot(
+            iter(state.items()),
+            model_path=tiny_model_dir,
+            root=tmp_path / "hf_snapshots",
+            step=step,
+            rank=0,
+        )
+    assert eval_main(args) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["model"].rsplit("/", 1)[-1] for line in lines] == ["step_2", "step_4"]
+    assert lines[0]["val/score/mean"] == lines[1]["val/score/mean"]
