@@ -20,6 +20,9 @@ or whose meta.json does not parse; it then falls back to the previous one.
 ``torch.load`` is only ever called with ``weights_only=True``, but ``dcp.load`` (torch's
 reader) unpickles ``.metadata`` and non-tensor entries: a checkpoint is trusted input.
 
+What a ``LearnerWorker`` puts into ``state`` and ``meta`` (and restores from
+them) is ``learner.worker_checkpoint``; this module knows only the folder.
+
 All ranks must see the same filesystem (a local disk on one node, or a shared
 one across nodes). Left out: asynchronous saving, keeping only the last k.
 """

@@ -5,7 +5,8 @@ Ranks meet at ``master_addr:master_port`` through a ``TCPStore`` that rank 0
 hosts (no environment variables, so the Ray wrapper, ``torch.multiprocessing``
 tests and a hand-started process all init the same way). Backend: gloo on CPU,
 nccl on CUDA. ``broadcast_bytes`` moves an opaque byte string (Arrow IPC) from
-rank 0 as a uint8 tensor: no pickle crosses the group.
+rank 0 as a uint8 tensor: no pickle crosses the group. ``MetricSums`` reduces a
+step's weighted metrics over the ranks in one all-reduce.
 
 FSDP shards over the one flat group; sequence-parallel subgroups are formed by
 ``learner.ulysses``. Left out: tensor-parallel and HSDP meshes.
@@ -97,3 +98,26 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     if dist.get_world_size() > 1:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
     return values
+
+
+class MetricSums:
+    """Weighted sums reduced over ranks in one all-reduce: value = Σ num / Σ den."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, list[float]] = {}
+
+    def add(self, key: str, value: float, weight: float) -> None:
+        entry = self.sums.setdefault(key, [0.0, 0.0])
+        entry[0] += value * weight
+        entry[1] += weight
+
+    def reduce(self, device: torch.device) -> dict[str, float]:
+        keys = sorted(self.sums)
+        if not keys:
+            return {}
+        flat = torch.tensor([v for k in keys for v in self.sums[k]], dtype=torch.float64)
+        flat = all_reduce_sum(flat.to(device)).cpu()
+        return {
+            k: float(flat[2 * i] / flat[2 * i + 1]) if flat[2 * i + 1] else 0.0
+            for i, k in enumerate(keys)
+        }

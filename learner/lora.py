@@ -15,7 +15,7 @@ Weights out (collectives: every rank iterates, ``full_tensor`` all-gathers):
 - ``named_adapter_tensors``: the adapters in peft's *saved* naming, the keys of
   ``get_peft_model_state_dict`` (what ``save_pretrained`` writes to
   ``adapter_model.safetensors``), on the CPU — the LoRA weight sync.
-- ``merged_weight`` (used by ``LearnerWorker.named_full_tensors``): a base
+- ``merged_weight`` (used by ``learner.weights_out.named_full_tensors``): a base
   weight with its adapter folded in (W + scaling·B·A), under its Hugging Face
   name, so a full sync still gives an engine the trained policy.
 

@@ -30,9 +30,13 @@ Metric names follow verl (``actor/pg_loss``, ``critic/vf_loss``, ...), plus
 mini-batches whose update was skipped (the driver stops after too many in a row).
 
 Models are built on the meta device and each rank reads only its shards
-(``learner.sharded_load``). With ``sequence_parallel`` k, groups of k ranks
-split each packed micro-batch along the sequence (``learner.ulysses``); data
-parallelism is over the groups.
+(``learner.model_build`` over ``learner.sharded_load``). With
+``sequence_parallel`` k, groups of k ranks split each packed micro-batch along
+the sequence (``learner.ulysses``); data parallelism is over the groups.
+
+This module is the step; beside it live the weights the engines load
+(``learner.weights_out``, ``learner.lora``) and what a checkpoint holds and how
+it comes back (``learner.worker_checkpoint``, over ``learner.checkpoint``'s folder).
 
 With ``learner.lora.rank`` > 0 the policy is wrapped by peft (``learner.lora``):
 only its adapters train, the reference logprobs come from the same model with
@@ -59,13 +63,13 @@ from fleetrl.log import get_logger
 from fleetrl.models.config import ModelConfig
 from fleetrl.models.loading import check_model_dir
 from learner import algorithms as alg
-from learner import checkpoint as ckpt
 from learner import dist as ldist
-from learner import lora, ulysses
+from learner import lora, ulysses, weights_out, worker_checkpoint
 from learner.batching import GlobalBatch, global_counts, mini_batches, plan_ranks
 from learner.config import LearnerConfig
-from learner.fsdp import build_optimizer, build_scheduler, clip_grad_norm, shard_model
+from learner.fsdp import build_optimizer, build_scheduler, clip_grad_norm
 from learner.memory import peak_memory_gb, rss_kb
+from learner.model_build import build_model, init_value_head
 from learner.packing import (
     MicroBatchInputs,
     build_inputs,
@@ -80,33 +84,10 @@ from learner.prepare import (
     prepare_targets,
     ragged_to_padded,
 )
-from learner.sharded_load import ModelKind, build_sharded, fill_from_full
+from learner.sharded_load import ModelKind
 from learner.ulysses import SPGroup
 
 log = get_logger(__name__)
-
-
-class _MetricSums:
-    """Weighted sums reduced over ranks in one all-reduce: value = Σ num / Σ den."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, list[float]] = {}
-
-    def add(self, key: str, value: float, weight: float) -> None:
-        entry = self.sums.setdefault(key, [0.0, 0.0])
-        entry[0] += value * weight
-        entry[1] += weight
-
-    def reduce(self, device: torch.device) -> dict[str, float]:
-        keys = sorted(self.sums)
-        if not keys:
-            return {}
-        flat = torch.tensor([v for k in keys for v in self.sums[k]], dtype=torch.float64)
-        flat = ldist.all_reduce_sum(flat.to(device)).cpu()
-        return {
-            k: float(flat[2 * i] / flat[2 * i + 1]) if flat[2 * i + 1] else 0.0
-            for i, k in enumerate(keys)
-        }
 
 
 class LearnerWorker:
@@ -198,7 +179,7 @@ class LearnerWorker:
             ).requires_grad_(False)
         if self.uses_critic:
             self.critic = self._build(path, "token_classification", offload, train=True)
-            self._init_value_head(self.critic)
+            init_value_head(self.critic, self.seed, self.cfg.critic.value_head_init_std)
             self.critic_optimizer = build_optimizer(self.critic.parameters(), self.cfg.critic.optim)
             self.critic_scheduler = build_scheduler(
                 self.critic_optimizer, self.cfg.critic.optim, self.total_steps
@@ -207,63 +188,13 @@ class LearnerWorker:
     def _build(
         self, path: Path, kind: ModelKind, offload: bool, *, train: bool, lora_on: bool = False
     ) -> nn.Module:
-        """Meta init, FSDP2 sharding, then only this rank's shards read from the files.
-
-        ``lora_on``: the model is wrapped by peft before sharding; base weights come
-        from the files, adapters from the seed.
-        """
-
-        def prepare(model: nn.Module) -> None:
-            if train and (self.cfg.grad_checkpointing or self.model_cfg.gradient_checkpointing):
-                model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False}
-                )
-
-        def shard(model: nn.Module) -> nn.Module:
-            return shard_model(
-                model,
-                bf16=self.bf16,
-                cpu_offload=offload,
-                reshard_after_forward=self.cfg.reshard_after_forward,
-            )
-
-        def skip_missing(name: str) -> bool:
-            if lora_on:
-                return lora.is_adapter(name)
-            return kind == "token_classification" and name.startswith("score.")
-
-        model = build_sharded(
-            path,
-            kind=kind,
-            device=torch.device("cpu") if offload else self.device,
-            shard=shard,
-            prepare=prepare,
-            wrap=(lambda m: lora.wrap(m, self.cfg.lora, path)) if lora_on else (lambda m: m),
-            skip_missing=skip_missing,
-            file_name=lora.checkpoint_name if lora_on else (lambda name: name),
-        )
-        if lora_on:
-            lora.init_adapters(model, self.seed)
-        if self.sp is not None:
-            heads = model.config.num_attention_heads
-            kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
-            if heads % self.sp_size or kv_heads % self.sp_size:
-                raise ValueError(
-                    f"learner.sequence_parallel={self.sp_size} must divide the model's "
-                    f"{heads} attention and {kv_heads} KV heads"
-                )
-            ulysses.install(model)
-        model.train(train)
-        return model
-
-    def _init_value_head(self, critic: nn.Module) -> None:
-        """The value head from the seed (the same full tensor on every rank; each keeps its shard)."""
-        generator = torch.Generator().manual_seed(self.seed)
-        std = self.cfg.critic.value_head_init_std
-        weight = critic.score.weight
-        fill_from_full(weight, torch.randn(weight.shape, generator=generator) * std)
-        if critic.score.bias is not None:
-            fill_from_full(critic.score.bias, torch.zeros(critic.score.bias.shape))
+        """One model on this rank (``learner.model_build``); ``lora_on``: wrapped by peft."""
+        return build_model(
+            path, kind, device=self.device, train=train,
+            grad_checkpointing=self.cfg.grad_checkpointing or self.model_cfg.gradient_checkpointing,
+            bf16=self.bf16, offload=offload, reshard_after_forward=self.cfg.reshard_after_forward,
+            lora_cfg=self.cfg.lora if lora_on else None, seed=self.seed, sp_size=self.sp_size,
+        )  # fmt: skip
 
     def close(self) -> None:
         ldist.close_group()
@@ -349,7 +280,7 @@ class LearnerWorker:
         metrics.update(target_metrics)
 
         tick = time.perf_counter()
-        sums = _MetricSums()
+        sums = ldist.MetricSums()
         self._update_stats: dict[str, list[float]] = defaultdict(list)
         for _epoch in range(self.cfg.ppo_epochs):
             for mini in mini_batches(gb.group_index, self.cfg.ppo_mini_batch_size):
@@ -385,7 +316,7 @@ class LearnerWorker:
         plan: list[np.ndarray],
         targets: Targets,
         counts: tuple[int, int],
-        sums: _MetricSums,
+        sums: ldist.MetricSums,
     ) -> None:
         pl, ws = self.cfg.policy_loss, self.world_size
         count_kwargs = dict(global_token_count=counts[0], global_seq_count=counts[1], dp_size=ws)
@@ -446,7 +377,7 @@ class LearnerWorker:
         plan: list[np.ndarray],
         targets: Targets,
         counts: tuple[int, int],
-        sums: _MetricSums,
+        sums: ldist.MetricSums,
     ) -> None:
         ws, cc = self.world_size, self.cfg.critic
         vf_loss_local = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -500,28 +431,10 @@ class LearnerWorker:
     def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective: every rank iterates; yields (HF parameter name, full tensor) one at a time.
 
-        Order is ``policy.state_dict()`` order; tied parameters appear once (under
-        the name ``named_parameters()`` gives them); persistent buffers are included.
-        With LoRA: the base model's Hugging Face names, each weight with its adapter
-        merged in (what the trained policy computes), and no adapter tensors.
+        With LoRA: each base weight with its adapter merged in, no adapter tensors
+        (``learner.weights_out``).
         """
-        wanted = {name for name, _ in self.policy.named_parameters()}
-        wanted |= {name for name, _ in self.policy.named_buffers()}
-        seen: set[str] = set()
-        for name, tensor in self.policy.state_dict().items():
-            if name not in wanted or name in seen:
-                continue
-            seen.add(name)
-            if self.uses_lora and lora.is_adapter(name):
-                continue  # folded into its base weight below
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            if self.uses_lora:
-                yield (
-                    lora.checkpoint_name(name),
-                    lora.merged_weight(self.policy, name, full.detach()),
-                )
-            else:
-                yield name, full.detach()
+        return weights_out.named_full_tensors(self.policy, lora_on=self.uses_lora)
 
     def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective (LoRA only): every rank iterates; yields (peft saved name, full CPU tensor).
@@ -550,62 +463,13 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _policy_state_options(self):
-        """LoRA: the frozen base is not checkpointed (it is re-read from the model folder)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        return StateDictOptions(ignore_frozen_params=self.uses_lora, strict=not self.uses_lora)
-
-    def _dcp_state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        policy_sd, optim_sd = get_state_dict(
-            self.policy, self.optimizer, options=self._policy_state_options()
-        )
-        state = {"policy": policy_sd, "policy_optim": optim_sd}
-        if self.critic is not None:
-            critic_sd, critic_optim_sd = get_state_dict(self.critic, self.critic_optimizer)
-            state.update(critic=critic_sd, critic_optim=critic_optim_sd)
-        return state
-
     def save_checkpoint(self, root: str | Path, extra_state: dict[str, Any]) -> Path:
         """Collective: write ``<root>/step_<global_step>`` atomically; returns its path."""
-        meta = {
-            "policy_version": self.policy_version,
-            "scheduler": _scheduler_state(self.scheduler),
-            "critic_scheduler": _scheduler_state(self.critic_scheduler) if self.critic else None,
-            "kl_ctrl": self.kl_ctrl.state_dict(),
-            "extra_state": extra_state,
-            # LoRA: the policy in the checkpoint is a peft model; export rebuilds it from this
-            "adapter_config": self.adapter_config() if self.uses_lora else None,
-        }
-        return ckpt.write_checkpoint(
-            root, self.global_step, self._dcp_state(), meta, self.model_cfg.path
-        )
+        return worker_checkpoint.save(self, root, extra_state)
 
     def load_checkpoint(self, step_dir: str | Path) -> dict[str, Any]:
         """Collective: restore models, optimizers, schedulers, RNG, step; returns extra_state."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        state = self._dcp_state()
-        meta = ckpt.read_checkpoint(step_dir, state)
-        set_state_dict(
-            self.policy, self.optimizer,
-            model_state_dict=state["policy"], optim_state_dict=state["policy_optim"],
-            options=self._policy_state_options(),
-        )  # fmt: skip
-        if self.critic is not None:
-            set_state_dict(
-                self.critic, self.critic_optimizer,
-                model_state_dict=state["critic"], optim_state_dict=state["critic_optim"],
-            )  # fmt: skip
-            self.critic_scheduler.load_state_dict(meta["critic_scheduler"])
-        self.scheduler.load_state_dict(meta["scheduler"])
-        self.kl_ctrl.load_state_dict(meta["kl_ctrl"])
-        self.global_step = int(meta["step"])
-        self.policy_version = int(meta["policy_version"])
-        log.info("rank %d resumed from %s (step %d)", self.rank, step_dir, self.global_step)
-        return meta["extra_state"]
+        return worker_checkpoint.load(self, step_dir)
 
     # ------------------------------------------------------------------ standalone
 
@@ -618,10 +482,3 @@ class LearnerWorker:
 def _slicer(indices: np.ndarray, width: int):
     """Rows ``indices``, first ``width`` columns of a global ``[B, T]`` target (None passes)."""
     return lambda t: None if t is None else t[indices, :width]
-
-
-def _scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
-    """A LambdaLR state as JSON (the lambdas themselves are rebuilt from config)."""
-    state = scheduler.state_dict()
-    state["lr_lambdas"] = [None] * len(state.get("lr_lambdas", []))
-    return state

@@ -10,26 +10,15 @@ Endpoints (SGLang names; request/response fields in ``rollout_fleet.protocol``):
 ``POST /abort_request``, ``GET|POST /flush_cache`` (400 while requests are
 pending), ``POST /update_weight_version``, ``GET /health``,
 ``GET /health_generate``, ``GET /model_info`` (with ``weight_version``),
-``GET /get_server_info``, ``POST /init_weights_update_group``,
-``POST /begin_weight_update`` / ``POST /end_weight_update`` (the update
-session: as in SGLang 0.5.23, an update outside it is refused with 400),
-``POST /update_weights_from_distributed``, ``POST /destroy_weights_update_group``
-``GET|POST /get_weights_by_name``, and for LoRA ``POST /load_lora_adapter`` and
-``POST /unload_lora_adapter`` (SGLang's bodies, replies and error texts). No route
-exists here that a real SGLang server lacks: every CPU test of the training loop
-makes the calls a GPU run makes.
-
-LoRA semantics differ from SGLang's, by design: SGLang applies each request's
-adapter per request, several in one batch; this engine holds one adapter, the
-newest loaded, merged into its weights (``ModelRunner.apply_adapter``; per-row
-adapters would need a LoRA path through the fused decode step and the batched
-prefill). Loading an adapter replaces the one held (it is unloaded, and the
-requests that named it finish with ``abort`` and are resubmitted under the new
-name, as after an abort pause); a ``/generate`` naming an adapter that is not
-held gets SGLang's "not loaded" error, and a request without ``lora_path``
-while an adapter is held is refused (this engine cannot serve the base model
-beside it). So every token a request gets comes from the adapter it named, which
-is what fleetrl's version tags assume (``rollout_fleet.adapters``).
+``GET /get_server_info``; the weight-update routes (``/init_weights_update_group``,
+``/begin_weight_update``, ``/end_weight_update``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``, ``/get_weights_by_name``), handled by
+``weight_routes.WeightRoutes``; and for LoRA ``/load_lora_adapter`` and
+``/unload_lora_adapter``, handled by ``adapter_routes.AdapterRoutes`` (which says
+how this engine's one merged adapter differs from SGLang's per-request adapters).
+``EmbeddedEngine.app`` lists every route in one table. No route exists here that
+a real SGLang server lacks: every CPU test of the training loop makes the calls a
+GPU run makes.
 
 Security: binds 127.0.0.1 by default. A non-loopback host requires an API key
 (``--api-key`` or ``FLEETRL_API_KEY``); with a key, every request except
@@ -49,7 +38,6 @@ import ipaddress
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -57,6 +45,8 @@ from aiohttp import web
 
 from fleetrl.log import get_logger
 from rollout_fleet import protocol as P
+from rollout_fleet.engine.adapter_routes import AdapterRoutes
+from rollout_fleet.engine.http_json import error_response, json_response, read_body
 from rollout_fleet.engine.relay import EventRelay
 from rollout_fleet.engine.requests import (
     ModelLimits,
@@ -67,6 +57,7 @@ from rollout_fleet.engine.requests import (
 )
 from rollout_fleet.engine.runner import ModelRunner
 from rollout_fleet.engine.scheduler import ANY_ADAPTER, Scheduler, Sequence
+from rollout_fleet.engine.weight_routes import WeightRoutes
 
 log = get_logger(__name__)
 
@@ -97,25 +88,6 @@ def resolve_api_key(host: str, api_key: str | None, require_api_key: bool = Fals
             " (only loopback addresses may be served without one)"
         )
     return key
-
-
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(
-        body=msgspec.json.encode(data), status=status, content_type="application/json"
-    )
-
-
-def _error(message: str, status: int = 400) -> web.Response:
-    return _json({"error": {"message": message, "code": status}}, status)
-
-
-async def _body(request: web.Request, struct: type, *, optional: bool = False) -> Any:
-    raw = await request.read()
-    if not raw.strip():
-        if optional:
-            return struct()
-        raise RequestError(f"{request.path} needs a JSON body")
-    return msgspec.json.decode(raw, type=struct)
 
 
 class EmbeddedEngine:
@@ -160,19 +132,24 @@ class EmbeddedEngine:
             eos_token_ids=frozenset(self.runner.eos_token_ids),
             device=self.runner.device,
         )
-        self._receiver_factory = receiver_factory
-        self._receiver: Any = None
-        self._update_session = False  # between /begin_weight_update and /end_weight_update
-        self._weight_pool = ThreadPoolExecutor(1, thread_name_prefix=f"{engine_id}-weights")
+        self.weight_routes = WeightRoutes(
+            self.runner, self.scheduler, engine_id=engine_id, receiver_factory=receiver_factory
+        )
+        self.adapter_routes = AdapterRoutes(
+            self.scheduler, engine_id=engine_id, weight_call=self.weight_routes.call
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner_web: web.AppRunner | None = None
         self.base_url: str | None = None
         self._relays: list[EventRelay] = []
-        self.adapters: dict[str, str] = {}  # LoRA: the adapter held (name -> path), at most one
-        self._adapter_lock: asyncio.Lock | None = None
         self.scheduler.add_delivery_hook(self._wake_relays)
         self.scheduler.start()
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """LoRA: the adapter held (name -> path), at most one."""
+        return self.adapter_routes.adapters
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -194,15 +171,16 @@ class EmbeddedEngine:
         r.add_post("/abort_request", self.abort_request)
         r.add_get("/flush_cache", self.flush_cache)
         r.add_post("/flush_cache", self.flush_cache)
-        r.add_post("/init_weights_update_group", self.init_weights_update_group)
-        r.add_post("/begin_weight_update", self.begin_weight_update)
-        r.add_post("/end_weight_update", self.end_weight_update)
-        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
-        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
-        r.add_get("/get_weights_by_name", self.get_weights_by_name)
-        r.add_post("/get_weights_by_name", self.get_weights_by_name)
-        r.add_post("/load_lora_adapter", self.load_lora_adapter)
-        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
+        weights, lora = self.weight_routes, self.adapter_routes
+        r.add_post("/init_weights_update_group", weights.init_weights_update_group)
+        r.add_post("/begin_weight_update", weights.begin_weight_update)
+        r.add_post("/end_weight_update", weights.end_weight_update)
+        r.add_post("/update_weights_from_distributed", weights.update_weights_from_distributed)
+        r.add_post("/destroy_weights_update_group", weights.destroy_weights_update_group)
+        r.add_get("/get_weights_by_name", weights.get_weights_by_name)
+        r.add_post("/get_weights_by_name", weights.get_weights_by_name)
+        r.add_post("/load_lora_adapter", lora.load_lora_adapter)
+        r.add_post("/unload_lora_adapter", lora.unload_lora_adapter)
         return app
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -262,9 +240,7 @@ class EmbeddedEngine:
             loop.call_soon_threadsafe(loop.stop)
             self._thread.join(10)
         self.scheduler.stop()
-        if self._receiver is not None and hasattr(self._receiver, "close"):
-            self._weight_pool.submit(self._receiver.close)
-        self._weight_pool.shutdown(wait=False, cancel_futures=False)
+        self.weight_routes.close()
 
     # -- middlewares -----------------------------------------------------------------------
 
@@ -277,7 +253,9 @@ class EmbeddedEngine:
             if expected is not None and not request.path.startswith("/health"):
                 got = request.headers.get("Authorization", "").encode()
                 if not hmac.compare_digest(got, expected):
-                    return _error("missing or wrong API key (Authorization: Bearer <key>)", 401)
+                    return error_response(
+                        "missing or wrong API key (Authorization: Bearer <key>)", 401
+                    )
             return await handler(request)
 
         return auth
@@ -287,16 +265,18 @@ class EmbeddedEngine:
         try:
             return await handler(request)
         except (msgspec.ValidationError, msgspec.DecodeError) as err:
-            return _error(f"invalid body for {request.path}: {err}")
+            return error_response(f"invalid body for {request.path}: {err}")
         except RequestError as err:
-            return _error(f"{request.path}: {err}")
+            return error_response(f"{request.path}: {err}")
         except web.HTTPException:
             raise
         except asyncio.CancelledError:
             raise
         except Exception as err:  # service boundary: log with context, answer 500, keep serving
             log.exception("%s: %s %s failed", self.engine_id, request.method, request.path)
-            return _error(f"internal error in {request.path}: {type(err).__name__}: {err}", 500)
+            return error_response(
+                f"internal error in {request.path}: {type(err).__name__}: {err}", 500
+            )
 
     # -- generation ------------------------------------------------------------------------
 
@@ -314,7 +294,7 @@ class EmbeddedEngine:
             relay.wake()
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        req = await _body(request, P.GenerateRequest)
+        req = await read_body(request, P.GenerateRequest)
         relay = self._relay(asyncio.get_running_loop())
         events: asyncio.Queue = asyncio.Queue()
 
@@ -329,7 +309,7 @@ class EmbeddedEngine:
             )
             relay.put(events, snapshot)
 
-        adapter = self._requested_adapter(req.lora_path)
+        adapter = self.adapter_routes.requested_adapter(req.lora_path)
         items, batched = expand_generate(req, self.runner.tokenizer, self.limits, on_event)
         for seq, _ in items:
             seq.adapter = adapter
@@ -351,7 +331,7 @@ class EmbeddedEngine:
                 self.scheduler.abort(rid=rid, message="client disconnected")
             raise
         ordered = [finals[i] for i in range(len(items))]
-        return _json(ordered if batched or len(items) > 1 else ordered[0])
+        return json_response(ordered if batched or len(items) > 1 else ordered[0])
 
     def _render(
         self, seq: Sequence, opt: ResponseOptions, n: int, finish: Any, version: str
@@ -387,17 +367,17 @@ class EmbeddedEngine:
     # -- control ---------------------------------------------------------------------------
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        req = await _body(request, P.PauseGenerationRequest, optional=True)
+        req = await read_body(request, P.PauseGenerationRequest, optional=True)
         count = await asyncio.wrap_future(self.scheduler.pause(req.mode))
         log.debug("%s paused (%s): %d sequences affected", self.engine_id, req.mode, count)
-        return _json({"message": "Generation paused successfully.", "status": "ok"})
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         await asyncio.wrap_future(self.scheduler.resume())
-        return _json({"message": "Generation continued successfully.", "status": "ok"})
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        req = await _body(request, P.AbortRequest)
+        req = await read_body(request, P.AbortRequest)
         if not req.rid and not req.abort_all:
             raise RequestError("give rid or abort_all=true")
         await asyncio.wrap_future(
@@ -414,11 +394,11 @@ class EmbeddedEngine:
         )
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        req = await _body(request, P.UpdateWeightVersionRequest)
+        req = await read_body(request, P.UpdateWeightVersionRequest)
         if req.abort_all_requests:
             await asyncio.wrap_future(self.scheduler.abort(abort_all=True))
         await asyncio.wrap_future(self.scheduler.set_weight_version(req.new_version))
-        return _json(
+        return json_response(
             {
                 "success": True,
                 "message": f"Weight version updated to {req.new_version}",
@@ -458,7 +438,7 @@ class EmbeddedEngine:
         return web.Response(status=200)
 
     async def get_model_info(self, request: web.Request) -> web.Response:
-        return _json(
+        return json_response(
             {
                 "model_path": self.model_path,
                 "tokenizer_path": self.model_path,
@@ -469,7 +449,7 @@ class EmbeddedEngine:
         )
 
     async def get_server_info(self, request: web.Request) -> web.Response:
-        return _json(
+        return json_response(
             {
                 "engine": "fleetrl-embedded",
                 "engine_id": self.engine_id,
@@ -482,211 +462,3 @@ class EmbeddedEngine:
                 "internal_states": [self.scheduler.load()],
             }
         )
-
-    # -- weights ---------------------------------------------------------------------------
-
-    def _get_receiver(self) -> Any:
-        if self._receiver is None:
-            if self._receiver_factory is not None:
-                self._receiver = self._receiver_factory()
-            else:
-                from weight_sync.receiver import WeightReceiver
-
-                self._receiver = WeightReceiver(device=self.runner.device)
-        return self._receiver
-
-    async def _weight_call(self, fn, *args) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._weight_pool, fn, *args)
-
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        req = await _body(request, P.InitWeightsUpdateGroupRequest)
-        try:
-            receiver = await self._weight_call(self._get_receiver)
-            await self._weight_call(
-                lambda: receiver.init_group(
-                    req.master_address,
-                    req.master_port,
-                    req.rank_offset,
-                    req.world_size,
-                    req.group_name,
-                    req.backend,
-                )
-            )
-        except (ImportError, RuntimeError, ValueError, OSError, TimeoutError) as err:
-            log.error("%s: init_weights_update_group failed: %s", self.engine_id, err)
-            return _json(
-                {"success": False, "message": f"init_weights_update_group failed: {err}"}, 400
-            )
-        return _json(
-            {
-                "success": True,
-                "message": f"joined group {req.group_name!r} at rank {req.rank_offset}",
-            }
-        )
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        req = await _body(request, P.UpdateWeightsFromDistributedRequest)
-        try:
-            req.check()
-        except ValueError as err:
-            raise RequestError(str(err)) from err
-        if not self._update_session:
-            return _json(
-                {
-                    "success": False,
-                    "message": "update_weights_from_distributed must run between "
-                    "begin_weight_update() and end_weight_update()",
-                },
-                400,
-            )
-        if self._receiver is None:
-            return _json(
-                {
-                    "success": False,
-                    "message": "no weight update group: call /init_weights_update_group first",
-                },
-                400,
-            )
-        if req.abort_all_requests:
-            await asyncio.wrap_future(self.scheduler.abort(abort_all=True))
-        receiver = self._receiver
-        try:
-            # The weight thread waits for the scheduler's load: the receive arena is reused.
-            count = await self._weight_call(
-                receiver.receive,
-                req.names,
-                req.dtypes,
-                req.shapes,
-                req.group_name,
-                req.load_format,
-                lambda tensors: self.scheduler.load_weights(tensors, req.weight_version).result(),
-            )
-        except (RuntimeError, ValueError, OSError, TimeoutError) as err:
-            log.error("%s: update_weights_from_distributed failed: %s", self.engine_id, err)
-            return _json(
-                {"success": False, "message": f"update_weights_from_distributed failed: {err}"}, 400
-            )
-        message = f"Succeeded to update {count} tensors."
-        if req.weight_version is not None:
-            message += f" Weight version updated to {req.weight_version}."
-        return _json({"success": True, "message": message})
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        req = await _body(request, P.DestroyWeightsUpdateGroupRequest, optional=True)
-        if self._receiver is None:
-            return _json(
-                {"success": False, "message": f"no weight update group {req.group_name!r}"}, 400
-            )
-        try:
-            await self._weight_call(self._receiver.destroy, req.group_name)
-        except (RuntimeError, ValueError, OSError) as err:
-            return _json(
-                {"success": False, "message": f"destroy_weights_update_group failed: {err}"}, 400
-            )
-        return _json({"success": True, "message": f"destroyed group {req.group_name!r}"})
-
-    async def begin_weight_update(self, request: web.Request) -> web.Response:
-        await _body(request, P.WeightUpdateSessionRequest, optional=True)
-        if self._update_session:
-            return _json(
-                {
-                    "success": False,
-                    "message": "a weight-update session is already open; "
-                    "call end_weight_update() first",
-                },
-                400,
-            )
-        self._update_session = True
-        return _json({"success": True, "message": "Success"})
-
-    async def end_weight_update(self, request: web.Request) -> web.Response:
-        await _body(request, P.WeightUpdateSessionRequest, optional=True)
-        if not self._update_session:
-            return _json(
-                {
-                    "success": False,
-                    "message": "no weight-update session is open; call begin_weight_update() first",
-                },
-                400,
-            )
-        self._update_session = False
-        return _json({"success": True, "message": "Success"})
-
-    # -- LoRA ------------------------------------------------------------------------------
-
-    def _requested_adapter(self, lora_path: str | list[str | None] | None) -> str | None:
-        """The one adapter a /generate names; RequestError (400) in SGLang's words if it is
-        not held, or in ours for what this engine cannot serve beside its adapter."""
-        names = set(lora_path) if isinstance(lora_path, list) else {lora_path}
-        if len(names) > 1:
-            raise RequestError(
-                f"this engine serves one LoRA adapter at a time; the request names {sorted(map(str, names))}"
-            )
-        (name,) = names
-        if name is None:
-            if self.adapters:
-                raise RequestError(
-                    f"LoRA adapter {next(iter(self.adapters))} is merged into this engine's weights;"
-                    " name it in lora_path (the base model is not served beside it)"
-                )
-            return None
-        if name not in self.adapters:
-            raise RequestError(
-                f"The following requested LoRA adapters are not loaded: {name}\n"
-                f"Loaded adapters: {list(self.adapters)}."
-            )
-        return name
-
-    async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        req = await _body(request, P.LoadLoRAAdapterRequest)
-        async with self._lora_lock():
-            if req.lora_name in self.adapters:
-                return self._lora_reply(
-                    f"Failed to load LoRA adapter {req.lora_name} because it is already loaded"
-                )
-            from weight_sync.adapters import read_adapter_folder
-
-            try:
-                weights = await self._weight_call(read_adapter_folder, req.lora_path)
-                await asyncio.wrap_future(self.scheduler.switch_adapter(req.lora_name, weights))
-            except (ValueError, OSError) as err:
-                log.error("%s: load_lora_adapter %s failed: %s", self.engine_id, req.lora_name, err)
-                return self._lora_reply(str(err))
-            self.adapters = {req.lora_name: req.lora_path}
-        log.info("%s serves LoRA adapter %s", self.engine_id, req.lora_name)
-        return self._lora_reply()
-
-    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        req = await _body(request, P.UnloadLoRAAdapterRequest)
-        async with self._lora_lock():
-            if req.lora_name not in self.adapters:
-                return self._lora_reply(
-                    f"LoRA with name {req.lora_name} does not exist. Loaded LoRAs: {list(self.adapters)}"
-                )
-            await asyncio.wrap_future(self.scheduler.remove_adapter(req.lora_name))
-            del self.adapters[req.lora_name]
-        return self._lora_reply()
-
-    def _lora_lock(self) -> asyncio.Lock:
-        if self._adapter_lock is None:
-            self._adapter_lock = asyncio.Lock()
-        return self._adapter_lock
-
-    def _lora_reply(self, error: str | None = None) -> web.Response:
-        """SGLang's ``LoRAUpdateOutput``: 200 on success, 400 with ``error_message`` else."""
-        body = {
-            "success": error is None,
-            "error_message": error or "",
-            "loaded_adapters": dict(self.adapters) if error is None else None,
-        }
-        return _json(body, 200 if error is None else 400)
-
-    async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        """The leading rows of one tensor as float lists (SGLang's reply shape), or 400."""
-        req = await _body(request, P.GetWeightsByNameRequest)
-        rows = await asyncio.wrap_future(
-            self.scheduler.call(lambda: self.runner.weight_rows(req.name, req.truncate_size))
-        )
-        if rows is None:
-            return _json({"error": {"message": "Get parameter by name failed"}}, 400)
-        return _json(rows)

@@ -1,0 +1,99 @@
+"""Building one of the learner's models (policy, reference or critic) on this rank.
+
+``build_model`` puts together what ``learner.sharded_load.build_sharded`` does
+generically with the learner's choices for one role: gradient checkpointing
+(training models only), the peft LoRA wrapper (policy only; its base weights
+come from the files under their Hugging Face names, its adapters from the
+seed), FSDP2 sharding (``learner.fsdp.shard_model``: bf16 compute, CPU offload,
+reshard after forward), the critic's freshly initialised ``score`` head, and
+Ulysses attention when the sequence is split (``learner.ulysses``, which needs
+the attention and KV head counts divisible by the group size).
+``init_value_head`` fills the critic's head from the seed, the same on every rank.
+
+Optimizers and schedulers are built by ``LearnerWorker.setup`` (``learner.fsdp``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from learner import lora, ulysses
+from learner.config import LoraConfig
+from learner.fsdp import shard_model
+from learner.sharded_load import ModelKind, build_sharded, fill_from_full
+
+
+def build_model(
+    path: Path,
+    kind: ModelKind,
+    *,
+    device: torch.device,
+    train: bool,
+    grad_checkpointing: bool,
+    bf16: bool,
+    offload: bool,
+    reshard_after_forward: bool,
+    lora_cfg: LoraConfig | None,
+    seed: int,
+    sp_size: int,
+) -> nn.Module:
+    """Meta init, FSDP2 sharding, then only this rank's shards read from the files.
+
+    ``device``: where the model computes (its shards live on the CPU under
+    ``offload``). ``grad_checkpointing`` applies to a ``train`` model only.
+    ``lora_cfg``: the model is wrapped by peft before sharding; base weights come
+    from the files, adapters from ``seed``. ``sp_size`` > 1: Ulysses attention.
+    """
+    lora_on = lora_cfg is not None
+
+    def prepare(model: nn.Module) -> None:
+        if train and grad_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+
+    def shard(model: nn.Module) -> nn.Module:
+        return shard_model(
+            model, bf16=bf16, cpu_offload=offload, reshard_after_forward=reshard_after_forward
+        )
+
+    def skip_missing(name: str) -> bool:
+        if lora_on:
+            return lora.is_adapter(name)
+        return kind == "token_classification" and name.startswith("score.")
+
+    model = build_sharded(
+        path,
+        kind=kind,
+        device=torch.device("cpu") if offload else device,
+        shard=shard,
+        prepare=prepare,
+        wrap=(lambda m: lora.wrap(m, lora_cfg, path)) if lora_on else (lambda m: m),
+        skip_missing=skip_missing,
+        file_name=lora.checkpoint_name if lora_on else (lambda name: name),
+    )
+    if lora_on:
+        lora.init_adapters(model, seed)
+    if sp_size > 1:
+        heads = model.config.num_attention_heads
+        kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
+        if heads % sp_size or kv_heads % sp_size:
+            raise ValueError(
+                f"learner.sequence_parallel={sp_size} must divide the model's "
+                f"{heads} attention and {kv_heads} KV heads"
+            )
+        ulysses.install(model)
+    model.train(train)
+    return model
+
+
+def init_value_head(critic: nn.Module, seed: int, std: float) -> None:
+    """The value head from the seed (the same full tensor on every rank; each keeps its shard)."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = critic.score.weight
+    fill_from_full(weight, torch.randn(weight.shape, generator=generator) * std)
+    if critic.score.bias is not None:
+        fill_from_full(critic.score.bias, torch.zeros(critic.score.bias.shape))
