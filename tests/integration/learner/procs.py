@@ -25,7 +25,13 @@ RESPONSE_LENS = [1, 4, 9, 12, 3, 3, 0, 8, 20, 2, 5, 6]
 VERSIONS = [0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0]
 
 BASE_CONFIG: dict[str, Any] = {
-    "optim": {"lr": 1e-3, "warmup_steps": 1},
+    # eps 1e-6, not AdamW's 1e-8: an embedding row whose true gradient is ~0 gets a
+    # rounding-level gradient (~1e-9) that differs with the summation order (micro-batch
+    # split, rank count, the CPU's kernels); with eps 1e-8 AdamW's first step turns that
+    # into an update of up to ~lr/10 (measured 6.7e-5 apart at lr 1e-3), which is no
+    # statement about the split. With 1e-6 it stays below 1e-6; real gradients (>= 1e-4)
+    # are unaffected.
+    "optim": {"lr": 1e-3, "warmup_steps": 1, "eps": 1e-6},
     "algorithm": {"adv_estimator": "gae", "gamma": 0.99, "lam": 0.95},
     "policy_loss": {"entropy_coeff": 0.01},
     "kl": {"use_kl_loss": True, "kl_loss_coef": 0.1},
