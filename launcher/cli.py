@@ -185,7 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["transport", "weight-sync", "rollout", "learner", "e2e", "accuracy", "all"],
     )
     p.add_argument("--out", required=True)
-    p.add_argument("--quick", action="store_true", help="smallest sizes and fewest repetitions")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer repetitions, and smaller sizes where a suite's figure does not depend on them",
+    )
     p.add_argument("--reps", type=int, default=None, help="repetitions per measurement")
     p.add_argument(
         "--hidden", type=int, nargs="*", default=None, help="model hidden sizes to sweep"

@@ -511,6 +511,8 @@ class RolloutRole:
         """A publish reached (or failed) its targets: the membership records what each holds."""
         if result.outcome is not None:
             self.membership.apply_sync(result.outcome)
+        if self.worker is not None:
+            self.worker.admission_changed()  # the buffer counts the new version already
 
     async def _answers(self, name: str, timeout_s: float = 2.0) -> bool:
         """Whether engine ``name`` answers GET /health now (after a pause or a lost connection)."""

@@ -8,7 +8,8 @@ only waits on sockets)::
                                                         and the rule's B, η, concurrency)
         capacity = StalenessAdmission.from_state(state).capacity(v, accepted, running_groups)
         start `capacity` groups with prompts from the reader
-        sleep until a group finishes or admission_poll_interval_s passes
+        sleep until a group finishes, a version is published (admission_changed)
+              or admission_poll_interval_s passes
     drain: let groups in flight finish (stop deadline), abort the rest
 
 A group is the ``n`` samples of one prompt. Each sample is one request with its
@@ -236,6 +237,12 @@ class RolloutWorker:
         finally:
             self._running = False
             self._stopped.set()
+
+    def admission_changed(self) -> None:
+        """A new policy version was published (the buffer already counts it): check admission
+        now, not at the next poll. Without this a synchronous run (η = 0) starts each batch
+        up to ``admission_poll_interval_s`` after the version it waits for."""
+        self._wake.set()
 
     async def stop(self, deadline_s: float | None = None, *, abort: bool = False) -> None:
         """Stop admitting; groups in flight get ``deadline_s`` to finish, then are aborted."""

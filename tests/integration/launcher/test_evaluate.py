@@ -58,7 +58,9 @@ def test_snapshot_holds_the_weights_given_and_loads_as_a_hugging_face_model(
         iter(named), model_path=tiny_model_dir, root=tmp_path / "snaps", step=3, rank=0
     )
     assert path == tmp_path / "snaps" / "step_3" and not (tmp_path / "snaps/step_3.tmp").exists()
-    assert {"config.json", WEIGHTS_FILE, "tokenizer_config.json"} <= {p.name for p in path.iterdir()}
+    assert {"config.json", WEIGHTS_FILE, "tokenizer_config.json"} <= {
+        p.name for p in path.iterdir()
+    }
     reloaded = _policy(path)
     for name, tensor in reloaded.state_dict().items():
         torch.testing.assert_close(tensor, dict(named)[name], rtol=0, atol=0, msg=name)

@@ -182,6 +182,28 @@ def test_admission_never_starts_more_groups_than_the_staleness_window_allows():
     asyncio.run(scenario())
 
 
+def test_a_published_version_starts_the_next_groups_at_once_not_at_the_next_poll():
+    async def scenario():
+        sender = CollectingSender()
+        admission = FakeAdmission(sender, group_size=1)
+        # eta = 0, B = 1: one group per version; a poll interval far longer than the test
+        worker, _, _ = make_worker(
+            [FakeEngine("a")], n=1, sender=sender, admission=admission, groups_per_version=1
+        )
+        worker.config.admission_poll_interval_s = 60.0
+        task = asyncio.create_task(worker.run())
+        await wait_for(lambda: len(sender.trajectories) == 1)
+        await asyncio.sleep(0.2)  # it asked again, was refused, and sleeps for 60 s
+        assert worker.groups_started == 1 and admission.polls >= 2
+        admission.policy_version = 1  # the learner published version 1
+        worker.admission_changed()
+        await wait_for(lambda: worker.groups_started == 2, timeout=5.0)
+        await worker.stop()
+        await task
+
+    asyncio.run(scenario())
+
+
 def test_a_sent_group_counts_as_running_until_the_buffer_holds_it():
     async def scenario():
         engine = FakeEngine("a")
