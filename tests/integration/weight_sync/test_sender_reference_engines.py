@@ -80,6 +80,39 @@ def test_publish_delivers_every_version_bit_exact_in_several_buckets(engines, lo
         assert sender.latest_version == 2 and sender.engines == ["e0", "e1"]
 
 
+def test_uncopied_per_tensor_requests_beside_flat_buckets_deliver_bit_exact(engines):
+    endpoints = [engines.start("e0"), engines.start("e1")]
+    config = WeightSyncConfig(bucket_mb=4096 / 2**20, timeout_s=10)
+    with WeightSender(config) as sender:
+        sender.zero_copy_bytes = 512  # both proj (512 B) and embed/head (3200 B) go uncopied
+        sender.connect(endpoints)
+        for version in range(2):
+            weights = _weights(version + 1)
+            metrics = sender.publish(weights.items(), version)
+            for engine in engines.engines.values():
+                _assert_holds(engine, weights, version)
+            # per-tensor requests of <= 4096 B: [embed, proj0], [proj1, head]; then the norm's bucket
+            assert metrics.num_buckets == 3 and metrics.num_tensors == len(weights)
+
+
+def test_a_learner_stream_failing_in_the_first_bucket_aborts_and_the_next_publish_recovers(
+    engines,
+):
+    with WeightSender(WeightSyncConfig(timeout_s=10)) as sender:
+        sender.connect([engines.start("e0")])
+        sender.publish(_weights(1).items(), 0)
+
+        def failing():
+            yield from list(_weights(2).items())[:2]
+            raise RuntimeError("gather failed on the learner")
+
+        with pytest.raises(RuntimeError, match="gather failed on the learner"):
+            sender.publish(failing(), 1)
+        assert sender.group_name is None  # the group was aborted with the session open
+        sender.publish(_weights(3).items(), 2)
+        _assert_holds(engines.engines["e0"], _weights(3), 2)
+
+
 def test_engine_added_mid_run_gets_the_full_weights_at_the_next_publish(engines):
     with WeightSender(WeightSyncConfig(timeout_s=10)) as sender:
         sender.connect([engines.start("e0")])
