@@ -8,7 +8,7 @@ alternation (A B C, C B A, ...):
 
 - ``bucketed``: fleetrl's publish (``flattened_bucket``, ``bucket_mb`` buckets:
   512 MiB on CUDA, gloo's default on CPU; packing overlapped with broadcasting;
-  on gloo, tensors of at least ``ZERO_COPY_MB`` sent uncopied, one broadcast
+  on CPU, tensors of at least ``ZERO_COPY_MB`` sent uncopied, one broadcast
   each, beside the buckets of the smaller ones);
 - ``raw_broadcast``: one broadcast of one flat tensor of the same total bytes
   (the transport's limit through the same HTTP/receiver path);

@@ -58,7 +58,7 @@ class WeightSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     load_format: Annotated[
         Literal["flattened_bucket", "per_tensor"],
         Meta(
-            description="Wire format of an update: flattened_bucket = one broadcast per bucket of bucket_mb (fast); on gloo, tensors of at least ZERO_COPY_MB are sent uncopied in per-tensor requests beside the buckets, since there packing costs more than the broadcasts it saves; per_tensor = one broadcast per tensor, SGLang's default format, for engines without flattened_bucket support."
+            description="Wire format of an update: flattened_bucket = one broadcast per bucket of bucket_mb (fast); on CPU (gloo), tensors of 1 MiB and more (ZERO_COPY_MB) are sent uncopied in per-tensor requests beside the buckets, since there a packing copy costs more than the broadcasts it saves; per_tensor = one broadcast per tensor, SGLang's default format, for engines without flattened_bucket support."
         ),
     ] = "flattened_bucket"
     group_name: Annotated[str, Meta(description="Name of the weight-update process group.")] = (
@@ -94,26 +94,20 @@ def bucket_mb_for(config: WeightSyncConfig, backend: str) -> float:
 
 
 # flattened_bucket: tensors of at least this many MiB go uncopied in SGLang's per-tensor
-# format (one broadcast each) instead of being packed; None packs everything. gloo (CPU):
-# packing is a pass over host memory, dearer than the broadcasts it saves (see
-# ``weight_sync.buckets``): on the 84 MB quick bench model, in three alternated runs of 30
-# publishes each, packing everything ran at 0.90-0.94x one broadcast per parameter, and
-# packing only tensors under 1 MiB (norms here) at 0.97-1.02x. nccl: the pack is a device
-# copy, far cheaper than a broadcast call, so everything is packed (unchanged).
-ZERO_COPY_MB: dict[str, float | None] = {"gloo": 1.0, "nccl": None}
+# format (one broadcast each) instead of being packed, keyed by the broadcast device's type;
+# a type not listed packs everything. CPU (gloo): packing is a pass over host memory,
+# dearer than the broadcasts it saves (see ``weight_sync.buckets``). CUDA (nccl, or gloo
+# on a GPU in tests): the pack is a device copy, far cheaper than a broadcast call, so
+# everything is packed, as before.
+ZERO_COPY_MB: dict[str, float] = {"cpu": 1.0}
 
 
-def zero_copy_bytes_for(config: WeightSyncConfig, backend: str) -> int | None:
+def zero_copy_bytes_for(config: WeightSyncConfig, device_type: str) -> int | None:
     """Tensors of at least this many bytes are sent uncopied, one broadcast each (None: none).
 
     per_tensor sends every tensor so (0); flattened_bucket per ``ZERO_COPY_MB``.
     """
     if config.load_format == "per_tensor":
         return 0
-    if backend not in ZERO_COPY_MB:
-        raise ValueError(
-            f"weight_sync.backend: no zero-copy threshold for {backend!r} "
-            f"(known: {sorted(ZERO_COPY_MB)})"
-        )
-    threshold_mb = ZERO_COPY_MB[backend]
+    threshold_mb = ZERO_COPY_MB.get(device_type)
     return None if threshold_mb is None else int(threshold_mb * 2**20)

@@ -19,7 +19,7 @@ to ``publish``, the other ranks drain theirs (``drain_stream``):
      steps 1 and 3 run in a helper thread while rank 0 gathers and packs the
      first bucket (if the group must change, step 3 waits for step 2, which
      runs on rank 0's own thread after the first bucket);
-  4. pack the stream into dtype-grouped flat buckets of ``bucket_mb`` (on gloo,
+  4. pack the stream into dtype-grouped flat buckets of ``bucket_mb`` (on CPU,
      tensors of at least ``config.ZERO_COPY_MB`` go uncopied in per-tensor
      requests instead, see ``buckets``); per bucket: POST
      ``/update_weights_from_distributed`` (``load_format="flattened_bucket"``,
@@ -117,7 +117,7 @@ class WeightSender(Publisher):
         self.device = torch.device(device)
         self.backend = resolve_backend(config.backend, self.device)
         self.bucket_bytes = max(1, int(bucket_mb_for(config, self.backend) * 2**20))
-        self.zero_copy_bytes = zero_copy_bytes_for(config, self.backend)
+        self.zero_copy_bytes = zero_copy_bytes_for(config, self.device.type)
         # CPU bucket buffers are reused across buckets and versions (see ``buckets``); on
         # CUDA the caching allocator already reuses them, and nothing stays pinned here.
         self._bucket_pool = BufferPool(

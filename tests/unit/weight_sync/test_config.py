@@ -21,10 +21,8 @@ def test_unset_bucket_size_follows_the_backend_and_a_set_one_wins():
         bucket_mb_for(unset, "mpi")
 
 
-def test_zero_copy_threshold_is_per_backend_for_buckets_and_zero_for_per_tensor():
+def test_zero_copy_threshold_is_per_device_for_buckets_and_zero_for_per_tensor():
     buckets = WeightSyncConfig(load_format="flattened_bucket")
-    assert zero_copy_bytes_for(buckets, "gloo") == 2**20
-    assert zero_copy_bytes_for(buckets, "nccl") is None  # the NCCL path packs everything
-    assert zero_copy_bytes_for(WeightSyncConfig(load_format="per_tensor"), "nccl") == 0
-    with pytest.raises(ValueError, match="no zero-copy threshold for 'mpi'"):
-        zero_copy_bytes_for(buckets, "mpi")
+    assert zero_copy_bytes_for(buckets, "cpu") == 2**20
+    assert zero_copy_bytes_for(buckets, "cuda") is None  # the GPU path packs everything
+    assert zero_copy_bytes_for(WeightSyncConfig(load_format="per_tensor"), "cuda") == 0
