@@ -19,14 +19,18 @@ Zero-copy tensors (``zero_copy_bytes``): tensors of at least that size are not
 packed at all but sent uncopied in SGLang's per-tensor format (``load_format``
 None, one broadcast per tensor, several tensors per request), while smaller
 ones are still packed; ``zero_copy_bytes=0`` is the per-tensor format
-throughout. The sender uses it on gloo, where packing costs more than the
-broadcasts it saves: there a copy is a pass over host memory while one more
-broadcast is a fraction of a millisecond. On the 84 MB quick bench model
-(39 tensors, 9 of them norms under 1 MiB) on this 2-core machine under load, in
-three alternated runs of 30 publishes each, packing everything ran at 0.90-0.94x
-one broadcast per parameter (the 84 MB pack alone took 14-17 ms); sending
-tensors of at least 1 MiB uncopied and packing the rest at 0.97-1.02x (see
-``weight_sync.config.ZERO_COPY_MB``).
+throughout. The sender uses it for CPU buffers (gloo, see
+``weight_sync.config.ZERO_COPY_MB``), where a packing copy is a pass over host
+memory that costs more than the broadcasts it saves. On the 84 MB fp32 quick
+bench model (39 tensors; 9 norms under 1 MiB), on this 2-core machine shared
+with other jobs, packing all of it took 14-17 ms per publish, while one
+broadcast per tensor instead of one per bucket cost about 7 ms more for the 38
+extra calls. Sending the 30 tensors of 1 MiB and more uncopied (one request)
+and packing the 9 norms (a second request) took ``fleetrl bench weight-sync
+--quick``'s ``vs_per_param`` from 0.87-0.94 (median 0.89, nine runs) to
+0.95-1.08 (median 1.01, nine runs alternated with them): on par with one
+broadcast per parameter, the per-call saving on the small tensors about
+paying for the second request.
 
 Buffers are reused: the sender hands a bucket's buffer back to a ``BufferPool``
 once its broadcast and every engine's reply are done, and the receiver keeps one

@@ -77,6 +77,8 @@ class WeightSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 # per-call cost is high, so fewer, larger buckets win: on the 84 MB quick bench model, in
 # one profiling run of 9 alternated publishes each (buffers reused), 16 MiB buckets ran at
 # 0.86x one broadcast per parameter, 64 MiB at 0.95x, 128 MiB at 1.08x (one bucket).
+# Since then the CPU buckets hold only tensors under ZERO_COPY_MB; the size still bounds
+# each per-tensor request of the larger ones (one request for all 30 of the quick model).
 # nccl: unchanged (64 MiB).
 DEFAULT_BUCKET_MB = {"gloo": 128.0, "nccl": 64.0}
 
