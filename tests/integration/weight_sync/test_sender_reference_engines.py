@@ -62,11 +62,21 @@ def _assert_holds(engine: ReferenceEngine, weights: dict[str, torch.Tensor], ver
         )
 
 
-@pytest.mark.parametrize("load_format", ["flattened_bucket", "per_tensor"])
-def test_publish_delivers_every_version_bit_exact_in_several_buckets(engines, load_format):
+@pytest.mark.parametrize(
+    ("load_format", "zero_copy_bytes"),
+    [
+        ("flattened_bucket", None),  # everything packed (the GPU path)
+        ("per_tensor", 0),
+        ("flattened_bucket", 512),  # proj, embed, head uncopied beside the norm's bucket
+    ],
+)
+def test_publish_delivers_every_version_bit_exact_in_several_buckets(
+    engines, load_format, zero_copy_bytes
+):
     endpoints = [engines.start("e0"), engines.start("e1", api_key="secret")]
     config = WeightSyncConfig(bucket_mb=2048 / 2**20, timeout_s=10, load_format=load_format)
     with WeightSender(config) as sender:
+        sender.zero_copy_bytes = zero_copy_bytes
         sender.connect(endpoints)
         for version in range(3):
             weights = _weights(version + 1)
@@ -78,21 +88,6 @@ def test_publish_delivers_every_version_bit_exact_in_several_buckets(engines, lo
             assert metrics.num_tensors == len(weights) and metrics.num_buckets > 2
             assert all(s.ok and s.verified for s in metrics.engines.values())
         assert sender.latest_version == 2 and sender.engines == ["e0", "e1"]
-
-
-def test_uncopied_per_tensor_requests_beside_flat_buckets_deliver_bit_exact(engines):
-    endpoints = [engines.start("e0"), engines.start("e1")]
-    config = WeightSyncConfig(bucket_mb=4096 / 2**20, timeout_s=10)
-    with WeightSender(config) as sender:
-        sender.zero_copy_bytes = 512  # both proj (512 B) and embed/head (3200 B) go uncopied
-        sender.connect(endpoints)
-        for version in range(2):
-            weights = _weights(version + 1)
-            metrics = sender.publish(weights.items(), version)
-            for engine in engines.engines.values():
-                _assert_holds(engine, weights, version)
-            # per-tensor requests of <= 4096 B: [embed, proj0], [proj1, head]; then the norm's bucket
-            assert metrics.num_buckets == 3 and metrics.num_tensors == len(weights)
 
 
 def test_a_learner_stream_failing_in_the_first_bucket_aborts_and_the_next_publish_recovers(
