@@ -7,7 +7,9 @@ three ``WeightSender``s, each with its own group to it, are measured in
 alternation (A B C, C B A, ...):
 
 - ``bucketed``: fleetrl's publish (``flattened_bucket``, ``bucket_mb`` buckets:
-  512 MiB on CUDA, gloo's default on CPU; packing overlapped with broadcasting);
+  512 MiB on CUDA, gloo's default on CPU; packing overlapped with broadcasting;
+  on CPU, tensors of at least ``ZERO_COPY_MB`` sent uncopied, one broadcast
+  each, beside the buckets of the smaller ones);
 - ``raw_broadcast``: one broadcast of one flat tensor of the same total bytes
   (the transport's limit through the same HTTP/receiver path);
 - ``per_param``: one broadcast per parameter without buckets, all metadata in

@@ -15,6 +15,23 @@ Packing copies each tensor into the open bucket of its dtype as soon as it
 arrives, so a gathered full tensor can be freed at once. A tensor at least as
 large as a bucket is sent alone, as a zero-copy byte view of itself.
 
+Zero-copy tensors (``zero_copy_bytes``): tensors of at least that size are not
+packed at all but sent uncopied in SGLang's per-tensor format (``load_format``
+None, one broadcast per tensor, several tensors per request), while smaller
+ones are still packed; ``zero_copy_bytes=0`` is the per-tensor format
+throughout. The sender uses it for CPU buffers (gloo, see
+``weight_sync.config.ZERO_COPY_MB``), where a packing copy is a pass over host
+memory that costs more than the broadcasts it saves. On the 84 MB fp32 quick
+bench model (39 tensors; 9 norms under 1 MiB), on this 2-core machine shared
+with other jobs, packing all of it took 14-17 ms per publish, while one
+broadcast per tensor instead of one per bucket cost about 7 ms more for the 38
+extra calls. Sending the 30 tensors of 1 MiB and more uncopied (one request)
+and packing the 9 norms (a second request) took ``fleetrl bench weight-sync
+--quick``'s ``vs_per_param`` from 0.87-0.94 (median 0.89, nine runs) to
+0.95-1.08 (median 1.01, nine runs alternated with them): on par with one
+broadcast per parameter, the per-call saving on the small tensors about
+paying for the second request.
+
 Buffers are reused: the sender hands a bucket's buffer back to a ``BufferPool``
 once its broadcast and every engine's reply are done, and the receiver keeps one
 receive arena per group (``ReceiveArena``). On CPU a fresh buffer of tens of MiB
@@ -161,6 +178,11 @@ class Bucket:
     parts: list[torch.Tensor] | None = None
     pooled: torch.Tensor | None = None  # the pool buffer ``flat`` views, if any
 
+    @property
+    def load_format(self) -> str | None:
+        """The request's ``load_format``: None (SGLang's per-tensor default) or ``"flattened_bucket"``."""
+        return None if self.parts is not None else "flattened_bucket"
+
     def release(self, pool: BufferPool | None) -> None:
         """Hand the bucket's buffer back to ``pool`` (call once it is no longer in flight)."""
         if pool is not None:
@@ -197,10 +219,13 @@ class BucketPacker:
     """Streams ``(name, tensor)`` pairs into dtype-grouped flat buckets of at most ``bucket_bytes``.
 
     ``add`` returns the buckets that became full (zero, one or two); ``finish``
-    returns the partly filled ones, oldest first. ``device`` is where bucket
-    buffers live (the broadcast device); tensors elsewhere are copied there.
-    Buffers come from ``pool`` (a fresh pool if None; give buckets back with
-    ``Bucket.release`` once sent).
+    returns the partly filled ones: the open zero-copy request first, then the
+    flat buckets, oldest first. ``device`` is where bucket buffers live (the
+    broadcast device); tensors elsewhere are copied there. Buffers come from
+    ``pool`` (a fresh pool if None; give buckets back with ``Bucket.release``
+    once sent). With ``zero_copy_bytes`` set, tensors of at least that many
+    bytes are held uncopied in per-tensor requests of at most ``bucket_bytes``
+    (a larger tensor alone) instead of being packed (see the module docstring).
     """
 
     def __init__(
@@ -208,10 +233,15 @@ class BucketPacker:
         bucket_bytes: int,
         device: torch.device | str = "cpu",
         pool: BufferPool | None = None,
+        *,
+        zero_copy_bytes: int | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if zero_copy_bytes is not None and zero_copy_bytes < 0:
+            raise ValueError(f"zero_copy_bytes must be >= 0 or None, got {zero_copy_bytes}")
         self.bucket_bytes = int(bucket_bytes)
+        self.zero_copy_bytes = zero_copy_bytes
         self.device = torch.device(device)
         self.pool = pool if pool is not None else BufferPool(self.bucket_bytes, self.device)
         if self.pool.nbytes != self.bucket_bytes or self.pool.device != self.device:
@@ -220,15 +250,36 @@ class BucketPacker:
                 f"the packer needs {self.bucket_bytes} on {self.device}"
             )
         self._open: dict[torch.dtype, _OpenBucket] = {}
+        self._unpacked_metas: list[TensorMeta] = []  # the open per-tensor request
+        self._unpacked_parts: list[torch.Tensor] = []
+        self._unpacked_bytes = 0
         self._next_index = 0
         self._seen: set[str] = set()
 
     def _emit(
-        self, metas: list[TensorMeta], flat: torch.Tensor, pooled: torch.Tensor | None = None
+        self,
+        metas: list[TensorMeta],
+        flat: torch.Tensor,
+        pooled: torch.Tensor | None = None,
+        parts: list[torch.Tensor] | None = None,
     ) -> Bucket:
-        bucket = Bucket(self._next_index, metas, flat, pooled=pooled)
+        bucket = Bucket(self._next_index, metas, flat, parts=parts, pooled=pooled)
         self._next_index += 1
         return bucket
+
+    def _close_unpacked(self) -> Bucket:
+        metas, parts = self._unpacked_metas, self._unpacked_parts
+        self._unpacked_metas, self._unpacked_parts, self._unpacked_bytes = [], [], 0
+        return self._emit(metas, torch.empty(0, dtype=torch.uint8), parts=parts)
+
+    def _add_unpacked(self, meta: TensorMeta, tensor: torch.Tensor) -> list[Bucket]:
+        ready = []
+        if self._unpacked_parts and self._unpacked_bytes + meta.nbytes > self.bucket_bytes:
+            ready.append(self._close_unpacked())
+        self._unpacked_metas.append(meta)
+        self._unpacked_parts.append(tensor.detach().to(self.device).contiguous())
+        self._unpacked_bytes += meta.nbytes
+        return ready
 
     def _close(self, dtype: torch.dtype) -> Bucket:
         ob = self._open.pop(dtype)
@@ -239,6 +290,8 @@ class BucketPacker:
             raise ValueError(f"tensor {name!r} appears twice in one weight stream")
         self._seen.add(name)
         meta = TensorMeta(name, tensor.dtype, tuple(tensor.shape))
+        if self.zero_copy_bytes is not None and meta.nbytes >= self.zero_copy_bytes:
+            return self._add_unpacked(meta, tensor)
         ready: list[Bucket] = []
         if meta.nbytes >= self.bucket_bytes:
             # Its own bucket, sent as a byte view of the tensor itself.
@@ -256,7 +309,8 @@ class BucketPacker:
         return ready
 
     def finish(self) -> list[Bucket]:
-        return [self._close(dtype) for dtype in list(self._open)]
+        ready = [self._close_unpacked()] if self._unpacked_parts else []
+        return ready + [self._close(dtype) for dtype in list(self._open)]
 
 
 def pack_buckets(
@@ -264,38 +318,18 @@ def pack_buckets(
     bucket_bytes: int,
     device: torch.device | str = "cpu",
     pool: BufferPool | None = None,
+    *,
+    zero_copy_bytes: int | None = None,
 ) -> Iterator[Bucket]:
-    """Lazily pack a stream of named tensors into buckets (see ``BucketPacker``)."""
-    packer = BucketPacker(bucket_bytes, device, pool)
+    """Lazily pack a stream of named tensors into buckets (see ``BucketPacker``).
+
+    ``zero_copy_bytes=0`` is SGLang's per-tensor format throughout: consecutive tensors
+    grouped into requests of about ``bucket_bytes``, each broadcast on its own, uncopied.
+    """
+    packer = BucketPacker(bucket_bytes, device, pool, zero_copy_bytes=zero_copy_bytes)
     for name, tensor in named_tensors:
         yield from packer.add(name, tensor)
     yield from packer.finish()
-
-
-def group_unpacked(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    request_bytes: int,
-    device: torch.device | str = "cpu",
-) -> Iterator[Bucket]:
-    """Per-tensor wire format: consecutive tensors grouped into requests of about
-    ``request_bytes`` (metadata only), each tensor broadcast on its own, uncopied."""
-    metas: list[TensorMeta] = []
-    parts: list[torch.Tensor] = []
-    index = 0
-    seen: set[str] = set()
-    empty = torch.empty(0, dtype=torch.uint8)
-    for name, tensor in named_tensors:
-        if name in seen:
-            raise ValueError(f"tensor {name!r} appears twice in one weight stream")
-        seen.add(name)
-        meta = TensorMeta(name, tensor.dtype, tuple(tensor.shape))
-        if parts and sum(m.nbytes for m in metas) + meta.nbytes > request_bytes:
-            yield Bucket(index, metas, empty, parts)
-            index, metas, parts = index + 1, [], []
-        metas.append(meta)
-        parts.append(tensor.detach().to(device).contiguous())
-    if parts:
-        yield Bucket(index, metas, empty, parts)
 
 
 def unpack_bucket(

@@ -58,7 +58,7 @@ class WeightSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     load_format: Annotated[
         Literal["flattened_bucket", "per_tensor"],
         Meta(
-            description="Wire format of an update: flattened_bucket = one broadcast per bucket of bucket_mb (fast); per_tensor = one broadcast per tensor, SGLang's default format, for engines without flattened_bucket support."
+            description="Wire format of an update: flattened_bucket = one broadcast per bucket of bucket_mb (fast); on CPU (gloo), tensors of 1 MiB and more (ZERO_COPY_MB) are sent uncopied in per-tensor requests beside the buckets, since there a packing copy costs more than the broadcasts it saves; per_tensor = one broadcast per tensor, SGLang's default format, for engines without flattened_bucket support."
         ),
     ] = "flattened_bucket"
     group_name: Annotated[str, Meta(description="Name of the weight-update process group.")] = (
@@ -77,6 +77,8 @@ class WeightSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 # per-call cost is high, so fewer, larger buckets win: on the 84 MB quick bench model, in
 # one profiling run of 9 alternated publishes each (buffers reused), 16 MiB buckets ran at
 # 0.86x one broadcast per parameter, 64 MiB at 0.95x, 128 MiB at 1.08x (one bucket).
+# Since then the CPU buckets hold only tensors under ZERO_COPY_MB; the size still bounds
+# each per-tensor request of the larger ones (one request for all 30 of the quick model).
 # nccl: unchanged (64 MiB).
 DEFAULT_BUCKET_MB = {"gloo": 128.0, "nccl": 64.0}
 
@@ -91,3 +93,23 @@ def bucket_mb_for(config: WeightSyncConfig, backend: str) -> float:
             f"set weight_sync.bucket_mb (known: {sorted(DEFAULT_BUCKET_MB)})"
         )
     return DEFAULT_BUCKET_MB[backend]
+
+
+# flattened_bucket: tensors of at least this many MiB go uncopied in SGLang's per-tensor
+# format (one broadcast each) instead of being packed, keyed by the broadcast device's type;
+# a type not listed packs everything. CPU (gloo): packing is a pass over host memory,
+# dearer than the broadcasts it saves (see ``weight_sync.buckets``). CUDA (nccl, or gloo
+# on a GPU in tests): the pack is a device copy, far cheaper than a broadcast call, so
+# everything is packed, as before.
+ZERO_COPY_MB: dict[str, float] = {"cpu": 1.0}
+
+
+def zero_copy_bytes_for(config: WeightSyncConfig, device_type: str) -> int | None:
+    """Tensors of at least this many bytes are sent uncopied, one broadcast each (None: none).
+
+    per_tensor sends every tensor so (0); flattened_bucket per ``ZERO_COPY_MB``.
+    """
+    if config.load_format == "per_tensor":
+        return 0
+    threshold_mb = ZERO_COPY_MB.get(device_type)
+    return None if threshold_mb is None else int(threshold_mb * 2**20)

@@ -16,11 +16,17 @@ to ``publish``, the other ranks drain theirs (``drain_stream``):
      (an engine with TP t takes t consecutive ranks) while joining as rank 0
      the way SGLang's engine ranks join (see ``group``);
   3. ``/begin_weight_update`` on every engine (SGLang refuses updates outside);
-  4. pack the stream into dtype-grouped flat buckets of ``bucket_mb``; per
-     bucket: POST ``/update_weights_from_distributed`` (``load_format=
-     "flattened_bucket"``, ``flush_cache`` false) to every engine in threads,
-     start the broadcast, then gather and pack the next bucket while it is in
-     flight (one-bucket lookahead), then wait for the broadcast and every reply;
+     steps 1 and 3 run in a helper thread while rank 0 gathers and packs the
+     first bucket (if the group must change, step 3 waits for step 2, which
+     runs on rank 0's own thread after the first bucket);
+  4. pack the stream into dtype-grouped flat buckets of ``bucket_mb`` (on CPU,
+     tensors of at least ``config.ZERO_COPY_MB`` go uncopied in per-tensor
+     requests instead, see ``buckets``); per bucket: POST
+     ``/update_weights_from_distributed`` (``load_format="flattened_bucket"``,
+     or None for a per-tensor request; ``flush_cache`` false) to every engine in
+     threads, start the broadcast, then gather and pack the next bucket while it
+     is in flight (one-bucket lookahead), then wait for the broadcast and every
+     reply;
   5. ``/end_weight_update``; then ``/flush_cache`` once, unless the pause was
      in_place (see ``flushes_cache``);
   6. continue every engine;
@@ -72,8 +78,8 @@ from typing import Any
 import torch
 
 from fleetrl.log import get_logger
-from weight_sync.buckets import Bucket, BufferPool, group_unpacked, pack_buckets
-from weight_sync.config import WeightSyncConfig, bucket_mb_for
+from weight_sync.buckets import Bucket, BufferPool, pack_buckets
+from weight_sync.config import WeightSyncConfig, bucket_mb_for, zero_copy_bytes_for
 from weight_sync.engine_client import EngineCallError, EngineClient, EngineEndpoint
 from weight_sync.errors import BucketFailure, WeightSyncError, describe, drain_stream
 from weight_sync.group import GroupError, MasterStore, WeightGroup, resolve_backend
@@ -111,6 +117,7 @@ class WeightSender(Publisher):
         self.device = torch.device(device)
         self.backend = resolve_backend(config.backend, self.device)
         self.bucket_bytes = max(1, int(bucket_mb_for(config, self.backend) * 2**20))
+        self.zero_copy_bytes = zero_copy_bytes_for(config, self.device.type)
         # CPU bucket buffers are reused across buckets and versions (see ``buckets``); on
         # CUDA the caching allocator already reuses them, and nothing stays pinned here.
         self._bucket_pool = BufferPool(
@@ -173,22 +180,40 @@ class WeightSender(Publisher):
             version=version, engines={n: EngineSyncStatus(n) for n in self.engines}
         )
 
-        t0 = time.perf_counter()
-        errors.update(self._call_all(lambda c: c.pause(self.config.pause_mode), "pause"))
-        metrics.pause_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        errors.update(self._ensure_group())
-        metrics.group_setup_s = time.perf_counter() - t0
-
         sent = SentRows(self.config.verify_rows) if verify else None
         if sent is not None:
             stream = sent.observe(stream)
-        errors.update(self._call_group(lambda c: c.begin_update(), "begin_weight_update"))
+        buckets = pack_buckets(
+            stream,
+            self.bucket_bytes,
+            self.device,
+            self._bucket_pool,
+            zero_copy_bytes=self.zero_copy_bytes,
+        )
+        # The first bucket is gathered and packed while the engines pause and open the
+        # update session: round trips the learner would otherwise only wait out.
+        session = self._pool.submit(self._pause_and_begin, metrics)
+        try:
+            first = self._next_bucket(buckets, metrics)
+        except BaseException:
+            session_errors, begun = session.result()
+            if begun:
+                self._abort_version()
+            raise
+        session_errors, begun = session.result()
+        errors.update(session_errors)
+        if not begun:
+            t0 = time.perf_counter()
+            errors.update(self._ensure_group())
+            metrics.group_setup_s = time.perf_counter() - t0
+            errors.update(self._call_group(lambda c: c.begin_update(), "begin_weight_update"))
         if self._group is None:
+            if first is not None:
+                first.release(self._bucket_pool)
             drain_stream(stream)
         else:
             try:
-                self._stream_buckets(stream, version, metrics)
+                self._stream_buckets(buckets, first, version, metrics)
             except BucketFailure as failure:
                 blamed, partial = self._after_bucket_failure(failure)
                 errors.update(blamed)
@@ -208,12 +233,7 @@ class WeightSender(Publisher):
                     partial=partial,
                 ) from None
             except BaseException:
-                # The learner's own stream failed mid-version: abort whatever is in flight;
-                # every member got part of this version and must get all of the next one
-                # (every publish sends everything, so the next one does).
-                for client in self._group_clients:
-                    self._best_effort_end(client)
-                self._teardown_group(notify=True, abort=True)
+                self._abort_version()
                 raise
         errors.update(self._call_group(lambda c: c.end_update(), "end_weight_update"))
         if self.flushes_cache:
@@ -246,26 +266,47 @@ class WeightSender(Publisher):
             )
         return metrics
 
+    def _pause_and_begin(self, metrics: SyncMetrics) -> tuple[dict[str, str], bool]:
+        """Pause every member; open the update session too if the group needs no change.
+
+        Returns the engines dropped and whether the session was opened (if not, the
+        caller forms the group first, on its own thread).
+        """
+        t0 = time.perf_counter()
+        errors = self._call_all(lambda c: c.pause(self.config.pause_mode), "pause")
+        metrics.pause_s = time.perf_counter() - t0
+        if not self._group_is_current():
+            return errors, False
+        errors.update(self._call_group(lambda c: c.begin_update(), "begin_weight_update"))
+        return errors, True
+
+    def _abort_version(self) -> None:
+        """The learner's own stream failed mid-version: abort whatever is in flight; every
+        member got part of this version and must get all of the next one (every publish
+        sends everything, so the next one does)."""
+        for client in self._group_clients:
+            self._best_effort_end(client)
+        self._teardown_group(notify=True, abort=True)
+
+    @staticmethod
+    def _next_bucket(buckets: Iterator[Bucket], metrics: SyncMetrics) -> Bucket | None:
+        """The next bucket, or None at the end; the time blocked counts as gathering."""
+        t = time.perf_counter()
+        bucket = next(buckets, None)
+        metrics.gather_s += time.perf_counter() - t
+        return bucket
+
     def _stream_buckets(
-        self, stream: Iterator[tuple[str, torch.Tensor]], version: int, metrics: SyncMetrics
+        self,
+        buckets: Iterator[Bucket],
+        first: Bucket | None,
+        version: int,
+        metrics: SyncMetrics,
     ) -> None:
         group = self._group
         assert group is not None
         clients = list(self._group_clients)
-        packed = self.config.load_format == "flattened_bucket"
-        buckets = (
-            pack_buckets(stream, self.bucket_bytes, self.device, self._bucket_pool)
-            if packed
-            else group_unpacked(stream, self.bucket_bytes, self.device)
-        )
-
-        def fetch() -> Bucket | None:
-            t = time.perf_counter()
-            bucket = next(buckets, None)
-            metrics.gather_s += time.perf_counter() - t
-            return bucket
-
-        bucket = fetch()
+        bucket = first
         stream_started = time.perf_counter()
         while bucket is not None:
             bucket_started = time.perf_counter()
@@ -277,7 +318,7 @@ class WeightSender(Publisher):
                     bucket,
                     group.group_name,
                     version,
-                    "flattened_bucket" if packed else None,
+                    bucket.load_format,
                 )
                 for c in clients
             }
@@ -291,7 +332,7 @@ class WeightSender(Publisher):
             works[-1].get_future().add_done_callback(
                 lambda _f, d=done_at: d.append(time.perf_counter())
             )
-            next_bucket = fetch()  # overlaps with the broadcast in flight
+            next_bucket = self._next_bucket(buckets, metrics)  # while the broadcast is in flight
             try:
                 for work in works:
                     group.wait(
@@ -396,12 +437,18 @@ class WeightSender(Publisher):
 
     # ------------------------------------------------------------------ group lifecycle
 
-    def _ensure_group(self) -> dict[str, str]:
-        """Form the group with the current members if it is missing or stale; return dropped engines."""
+    def _group_is_current(self) -> bool:
+        """Whether the group exists and holds exactly the current members (the same clients)."""
         with self._lock:
             wanted = list(self._clients.values())
-        if self._group is not None and self._group_clients == wanted:  # the same clients
+        return self._group is not None and self._group_clients == wanted
+
+    def _ensure_group(self) -> dict[str, str]:
+        """Form the group with the current members if it is missing or stale; return dropped engines."""
+        if self._group_is_current():
             return {}
+        with self._lock:
+            wanted = list(self._clients.values())
         self._teardown_group(notify=True, abort=False)
         errors: dict[str, str] = {}
         while wanted:

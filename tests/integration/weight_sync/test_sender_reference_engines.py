@@ -62,11 +62,21 @@ def _assert_holds(engine: ReferenceEngine, weights: dict[str, torch.Tensor], ver
         )
 
 
-@pytest.mark.parametrize("load_format", ["flattened_bucket", "per_tensor"])
-def test_publish_delivers_every_version_bit_exact_in_several_buckets(engines, load_format):
+@pytest.mark.parametrize(
+    ("load_format", "zero_copy_bytes"),
+    [
+        ("flattened_bucket", None),  # everything packed (the GPU path)
+        ("per_tensor", 0),
+        ("flattened_bucket", 512),  # proj, embed, head uncopied beside the norm's bucket
+    ],
+)
+def test_publish_delivers_every_version_bit_exact_in_several_buckets(
+    engines, load_format, zero_copy_bytes
+):
     endpoints = [engines.start("e0"), engines.start("e1", api_key="secret")]
     config = WeightSyncConfig(bucket_mb=2048 / 2**20, timeout_s=10, load_format=load_format)
     with WeightSender(config) as sender:
+        sender.zero_copy_bytes = zero_copy_bytes
         sender.connect(endpoints)
         for version in range(3):
             weights = _weights(version + 1)
@@ -78,6 +88,24 @@ def test_publish_delivers_every_version_bit_exact_in_several_buckets(engines, lo
             assert metrics.num_tensors == len(weights) and metrics.num_buckets > 2
             assert all(s.ok and s.verified for s in metrics.engines.values())
         assert sender.latest_version == 2 and sender.engines == ["e0", "e1"]
+
+
+def test_a_learner_stream_failing_in_the_first_bucket_aborts_and_the_next_publish_recovers(
+    engines,
+):
+    with WeightSender(WeightSyncConfig(timeout_s=10)) as sender:
+        sender.connect([engines.start("e0")])
+        sender.publish(_weights(1).items(), 0)
+
+        def failing():
+            yield from list(_weights(2).items())[:2]
+            raise RuntimeError("gather failed on the learner")
+
+        with pytest.raises(RuntimeError, match="gather failed on the learner"):
+            sender.publish(failing(), 1)
+        assert sender.group_name is None  # the group was aborted with the session open
+        sender.publish(_weights(3).items(), 2)
+        _assert_holds(engines.engines["e0"], _weights(3), 2)
 
 
 def test_engine_added_mid_run_gets_the_full_weights_at_the_next_publish(engines):

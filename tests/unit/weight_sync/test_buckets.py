@@ -133,14 +133,75 @@ def test_dtype_names_round_trip_and_accept_the_torch_prefix():
 
 
 def test_per_tensor_requests_group_metadata_and_keep_each_tensor_uncopied():
-    from weight_sync.buckets import group_unpacked
-
     named = _named(*[(f"w{i}", torch.float32, (4,)) for i in range(5)])  # 16 bytes each
-    requests = list(group_unpacked(named, request_bytes=32))
+    requests = list(pack_buckets(named, 32, zero_copy_bytes=0))
     assert [[m.name for m in r.metas] for r in requests] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+    assert [r.load_format for r in requests] == [None, None, None]
     parts = [p for r in requests for p in r.broadcast_tensors()]
     assert [p.data_ptr() for p in parts] == [t.data_ptr() for _, t in named]
     assert sum(r.nbytes for r in requests) == 80
+
+
+def _received(buckets):
+    """What a receiver loads from each request, flattened or per-tensor."""
+    got = {}
+    for bucket in buckets:
+        if bucket.load_format is None:
+            got.update((m.name, p.clone()) for m, p in zip(bucket.metas, bucket.parts, strict=True))
+        else:
+            got.update(_roundtrip([bucket]))
+    return got
+
+
+def test_zero_copy_sends_large_tensors_uncopied_and_packs_the_small_ones():
+    named = _named(
+        ("norm0", torch.float32, (4,)),  # 16 B: packed
+        ("big0", torch.float32, (16,)),  # 64 B: uncopied
+        ("norm1", torch.bfloat16, (4,)),  # 8 B: packed, its own dtype bucket
+        ("big1", torch.bfloat16, (40,)),  # 80 B: uncopied, beside float32 in one request
+        ("norm2", torch.float32, (4,)),
+    )
+    buckets = list(pack_buckets(named, 256, zero_copy_bytes=64))
+    # the open per-tensor request first, then the flat buckets in the order they opened
+    assert [(b.load_format, [m.name for m in b.metas]) for b in buckets] == [
+        (None, ["big0", "big1"]),
+        ("flattened_bucket", ["norm0", "norm2"]),
+        ("flattened_bucket", ["norm1"]),
+    ]
+    tensors = dict(named)
+    assert [p.data_ptr() for p in buckets[0].parts] == [
+        tensors["big0"].data_ptr(),
+        tensors["big1"].data_ptr(),
+    ]
+    got = _received(buckets)
+    assert got.keys() == tensors.keys()
+    for name, tensor in named:
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_zero_copy_requests_hold_at_most_a_bucket_and_a_larger_tensor_goes_alone():
+    named = _named(
+        ("a", torch.float32, (16,)),  # 64 B
+        ("b", torch.float32, (16,)),
+        ("c", torch.float32, (16,)),  # would make 192 B > 128: a new request
+        ("huge", torch.float32, (64,)),  # 256 B > bucket: alone, uncopied, not a byte view
+        ("d", torch.float32, (16,)),
+    )
+    packer = BucketPacker(128, zero_copy_bytes=64)
+    emitted = [[m.name for m in b.metas] for name, t in named for b in packer.add(name, t)]
+    assert emitted == [["a", "b"], ["c"], ["huge"]]
+    rest = packer.finish()
+    assert [[m.name for m in b.metas] for b in rest] == [["d"]]
+    assert all(b.load_format is None for b in rest)
+
+
+def test_zero_copy_threshold_is_checked_and_duplicates_still_fail():
+    with pytest.raises(ValueError, match="zero_copy_bytes must be >= 0 or None, got -1"):
+        BucketPacker(64, zero_copy_bytes=-1)
+    packer = BucketPacker(64, zero_copy_bytes=8)
+    packer.add("w", torch.zeros(4))
+    with pytest.raises(ValueError, match="'w' appears twice"):
+        packer.add("w", torch.zeros(4))
 
 
 def test_pooled_buffers_are_reused_across_versions_and_stay_bit_exact():
