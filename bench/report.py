@@ -421,7 +421,7 @@ def plot_accuracy(record: Mapping[str, Any], path: Path) -> Path | None:
             ax.axhline(target, color="gray", linestyle=":", linewidth=1)
         ax.grid(alpha=0.3)
     by_step.set_xlabel("learner step")
-    by_time.set_xlabel("training wall time (s, validation excluded)")
+    by_time.set_xlabel("training wall time (s; scored from snapshots after the run)")
     by_step.set_ylabel("held-out score (greedy, mean of seeds ± std)")
     by_time.legend()
     fig.suptitle("accuracy: held-out score per staleness bound η (decoupled unless marked)")
