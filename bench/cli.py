@@ -71,7 +71,7 @@ CHILD_ENV = "FLEETRL_BENCH_CHILD"  # set for the children of `all`: the parent r
 QUICK_BUDGET_S: dict[str, float] = {
     "transport": 60.0,
     "weight-sync": 60.0,
-    "rollout": 240.0,  # the default sizes, 3 repetitions (bench.rollout)
+    "rollout": 300.0,  # the default sizes, 3 repetitions (bench.rollout): 220 s measured
     "learner": 80.0,
     "e2e": 600.0,
     "accuracy": 540.0,
