@@ -200,14 +200,24 @@ def estimate_parameters(cfg: RunConfig) -> int | None:
     return None
 
 
-def disk_needed(cfg: RunConfig, params: int) -> int:
-    """Bytes the run will write: every checkpoint kept (none are pruned) plus the rollout bank."""
+def checkpoints_on_disk(cfg: RunConfig) -> int:
+    """Checkpoints the run holds at most: every one written, or the newest
+    ``trainer.keep_checkpoints`` (at least 2: the fallback) when that bounds them."""
     tr = cfg.trainer
-    checkpoints = (tr.total_steps // tr.save_freq if tr.save_freq > 0 else 0) + 1
+    written = (tr.total_steps // tr.save_freq if tr.save_freq > 0 else 0) + 1
+    return written if tr.keep_checkpoints == 0 else min(written, max(2, tr.keep_checkpoints))
+
+
+def disk_needed(cfg: RunConfig, params: int) -> int:
+    """Bytes the run will write: the checkpoints it keeps, its policy snapshots
+    (``trainer.save_hf_freq``) and the rollout bank (at most ``buffer.bank_max_bytes``)."""
+    tr = cfg.trainer
     critic = cfg.learner.critic.enabled == "on" or (
         cfg.learner.critic.enabled == "auto" and cfg.learner.algorithm.adv_estimator == "gae"
     )
     per_ckpt = params * CKPT_BYTES_PER_PARAM * (2 if critic else 1)
+    snapshots = tr.total_steps // tr.save_hf_freq + 1 if tr.save_hf_freq > 0 else 0
+    per_snapshot = params * (2 if cfg.model.dtype in ("bfloat16", "float16") else 4)
     samples = tr.total_steps * cfg.data.train_batch_size * cfg.rollout.n
     per_sample = (
         cfg.data.max_prompt_length * BANK_BYTES_PER_PROMPT_TOKEN
@@ -215,7 +225,10 @@ def disk_needed(cfg: RunConfig, params: int) -> int:
         + BANK_BYTES_PER_SAMPLE
     )
     bank = samples * per_sample
-    return int((checkpoints * per_ckpt + bank) * DISK_HEADROOM)
+    if cfg.buffer.bank_max_bytes > 0:
+        bank = min(bank, cfg.buffer.bank_max_bytes)
+    written = checkpoints_on_disk(cfg) * per_ckpt + snapshots * per_snapshot + bank
+    return int(written * DISK_HEADROOM)
 
 
 def existing_ancestor(path: Path) -> Path:
@@ -243,17 +256,22 @@ def check_output_dir(cfg: RunConfig, probes: Probes) -> list[Finding]:
     need, free = disk_needed(cfg, params), probes.disk_free(where)
     if free >= need:
         return []
-    checkpoints = (
-        cfg.trainer.total_steps // cfg.trainer.save_freq if cfg.trainer.save_freq > 0 else 0
-    ) + 1
+    snapshots = ""
+    if cfg.trainer.save_hf_freq > 0:
+        snapshots = f", {cfg.trainer.total_steps // cfg.trainer.save_hf_freq + 1} policy snapshots"
     return [
         Finding(
             key="trainer.output_dir",
             problem=(
-                f"the run will write up to about {_gib(need)} ({checkpoints} checkpoints of a "
-                f"{_count(params)}-parameter model plus the rollout bank), {where} has {_gib(free)} free"
+                f"the run will write up to about {_gib(need)} ({checkpoints_on_disk(cfg)} "
+                f"checkpoints of a {_count(params)}-parameter model{snapshots} plus the rollout "
+                f"bank), {where} has {_gib(free)} free"
             ),
-            fix="free disk there, choose another trainer.output_dir, or save less often (trainer.save_freq)",
+            fix=(
+                "free disk there, choose another trainer.output_dir, save less often "
+                "(trainer.save_freq, trainer.save_hf_freq), keep fewer checkpoints "
+                "(trainer.keep_checkpoints) or bound the bank (buffer.bank_max_bytes)"
+            ),
         )
     ]
 

@@ -267,6 +267,31 @@ def test_disk_estimate_counts_every_checkpoint_and_the_bank(tmp_path):
     assert "trainer.save_freq" in f.fix
 
 
+def test_disk_estimate_counts_only_kept_checkpoints_a_bounded_bank_and_snapshots(tmp_path):
+    from launcher.preflight import disk_needed
+
+    endless = ["trainer.total_steps=10000000", "trainer.save_freq=5"]
+    cfg = _cfg(tmp_path, *endless, "trainer.keep_checkpoints=2", "buffer.bank_max_bytes=1000")
+    kept_two_bank_bound = disk_needed(cfg, params=1000)
+    assert kept_two_bank_bound < 1_000_000  # two 12 KB checkpoints and a 1 KB bank, with headroom
+    [f] = check_output_dir(cfg, _probes(disk_free=lambda p: 10))
+    assert "2 checkpoints" in f.problem and "trainer.keep_checkpoints" in f.fix
+    # keep_checkpoints=1 still keeps 2 (the fallback); 0 keeps every one
+    one = _cfg(tmp_path, *endless, "trainer.keep_checkpoints=1", "buffer.bank_max_bytes=1000")
+    assert disk_needed(one, params=1000) == kept_two_bank_bound
+    every = _cfg(tmp_path, *endless, "buffer.bank_max_bytes=1000")
+    assert disk_needed(every, params=1000) > 1000 * kept_two_bank_bound
+    # each policy snapshot is the weights once more (fp32 here)
+    short = ["trainer.total_steps=10", "trainer.save_freq=-1"]
+    base = disk_needed(_cfg(tmp_path, *short), params=1000)
+    with_snapshots = disk_needed(_cfg(tmp_path, *short, "trainer.save_hf_freq=5"), params=1000)
+    assert with_snapshots > base
+    [f] = check_output_dir(
+        _cfg(tmp_path, *short, "trainer.save_hf_freq=5"), _probes(disk_free=lambda p: 10)
+    )
+    assert "3 policy snapshots" in f.problem
+
+
 def test_parameter_count_of_qwen2_7b_config():
     qwen7b = {
         "hidden_size": 3584,
