@@ -49,6 +49,18 @@ import msgspec
 from buffer.wire import Trajectory
 
 FINISH_TRUNCATED = "length"
+# What GroupStore counts: accepted and handed-out work, and samples dropped, by reason
+REJECTION_REASONS = ("duplicates", "group_closed", "group_size_mismatch")
+STORE_COUNTERS = (
+    "accepted_samples",
+    "completed_groups",
+    "handed_out_groups",
+    "refused_stale",
+    "filtered_truncated_samples",
+    "filtered_truncated_groups",
+    "filtered_equal_scores",
+    *REJECTION_REASONS,
+)
 
 
 @dataclass
@@ -104,7 +116,8 @@ class GroupStore:
         self.capacity_groups = capacity_groups
         self.filter_equal_scores = filter_equal_scores
         self.filter_truncated = filter_truncated
-        self.counters: Counter[str] = Counter()
+        # every counter from the start, so a reader never finds one missing
+        self.counters: Counter[str] = Counter(dict.fromkeys(STORE_COUNTERS, 0))
         self.accepted_offset = 0
         self._accepted_raw = 0
         self._seen_uids: set[str] = set()

@@ -149,3 +149,12 @@ def test_publish_version_backwards_is_refused(tmp_path):
     core.publish_version(3)
     with pytest.raises(BufferStateError, match="Resume"):
         core.publish_version(2)
+
+
+def test_stats_report_every_counter_at_zero_before_anything_happens(tmp_path):
+    from buffer.core import COUNTERS
+    from buffer.store import REJECTION_REASONS, STORE_COUNTERS
+
+    stats = _core(tmp_path).stats()
+    for key in (*COUNTERS, *STORE_COUNTERS, *REJECTION_REASONS):
+        assert stats[key] == 0, key
