@@ -160,6 +160,15 @@ def load_run_config(
     return cfg
 
 
+def resolve_device(cfg: RunConfig) -> str:
+    """``trainer.device``, with ``auto`` resolved: cuda where torch sees a GPU, else cpu."""
+    if cfg.trainer.device != "auto":
+        return cfg.trainer.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def check_run_config(cfg: RunConfig) -> None:
     """Checks across keys (and against the model's config.json when it exists)."""
     sp, lc = cfg.learner.sequence_parallel, cfg.learner

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetrl.log import get_logger
-from launcher.config import RunConfig, load_run_config
+from launcher.config import RunConfig, load_run_config, resolve_device
 
 log = get_logger(__name__)
 
@@ -47,14 +47,6 @@ class _NoTrajectories:
 
 def _no_admission() -> Any:
     raise RuntimeError("fleetrl eval starts no training groups")
-
-
-def _device(cfg: RunConfig) -> str:
-    if cfg.trainer.device != "auto":
-        return cfg.trainer.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 async def _score(cfg: RunConfig, url: str, tokenizer: Any) -> dict[str, float]:
@@ -108,7 +100,7 @@ def evaluate(cfg: RunConfig, model_dirs: Sequence[str | Path]) -> Iterator[dict[
     missing = [str(d) for d in model_dirs if not (Path(d) / "config.json").is_file()]
     if missing:
         raise ValueError(f"fleetrl eval: no Hugging Face model (config.json) in {missing}")
-    device = _device(cfg)
+    device = resolve_device(cfg)
     for model_dir in model_dirs:
         engine = EmbeddedEngine(
             str(model_dir),

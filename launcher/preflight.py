@@ -208,6 +208,14 @@ def checkpoints_on_disk(cfg: RunConfig) -> int:
     return written if tr.keep_checkpoints == 0 else min(written, max(2, tr.keep_checkpoints))
 
 
+def snapshots_on_disk(cfg: RunConfig) -> int:
+    """Policy snapshots the run writes (``trainer.save_hf_freq``: step 0, every N, the last)."""
+    tr = cfg.trainer
+    if tr.save_hf_freq <= 0:
+        return 0
+    return 1 + tr.total_steps // tr.save_hf_freq + (1 if tr.total_steps % tr.save_hf_freq else 0)
+
+
 def disk_needed(cfg: RunConfig, params: int) -> int:
     """Bytes the run will write: the checkpoints it keeps, its policy snapshots
     (``trainer.save_hf_freq``) and the rollout bank (at most ``buffer.bank_max_bytes``)."""
@@ -216,7 +224,6 @@ def disk_needed(cfg: RunConfig, params: int) -> int:
         cfg.learner.critic.enabled == "auto" and cfg.learner.algorithm.adv_estimator == "gae"
     )
     per_ckpt = params * CKPT_BYTES_PER_PARAM * (2 if critic else 1)
-    snapshots = tr.total_steps // tr.save_hf_freq + 1 if tr.save_hf_freq > 0 else 0
     per_snapshot = params * (2 if cfg.model.dtype in ("bfloat16", "float16") else 4)
     samples = tr.total_steps * cfg.data.train_batch_size * cfg.rollout.n
     per_sample = (
@@ -227,7 +234,7 @@ def disk_needed(cfg: RunConfig, params: int) -> int:
     bank = samples * per_sample
     if cfg.buffer.bank_max_bytes > 0:
         bank = min(bank, cfg.buffer.bank_max_bytes)
-    written = checkpoints_on_disk(cfg) * per_ckpt + snapshots * per_snapshot + bank
+    written = checkpoints_on_disk(cfg) * per_ckpt + snapshots_on_disk(cfg) * per_snapshot + bank
     return int(written * DISK_HEADROOM)
 
 
@@ -256,9 +263,7 @@ def check_output_dir(cfg: RunConfig, probes: Probes) -> list[Finding]:
     need, free = disk_needed(cfg, params), probes.disk_free(where)
     if free >= need:
         return []
-    snapshots = ""
-    if cfg.trainer.save_hf_freq > 0:
-        snapshots = f", {cfg.trainer.total_steps // cfg.trainer.save_hf_freq + 1} policy snapshots"
+    snapshots = f", {n} policy snapshots" if (n := snapshots_on_disk(cfg)) else ""
     return [
         Finding(
             key="trainer.output_dir",

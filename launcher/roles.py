@@ -29,7 +29,7 @@ from typing import Any
 
 from fleetrl.config import convert
 from fleetrl.log import get_logger, setup_logging
-from launcher.config import RunConfig
+from launcher.config import RunConfig, resolve_device
 from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
 from rollout_fleet.membership import SyncOutcome, WeightTargets
 
@@ -121,7 +121,7 @@ class LearnerRole:
         self.batches: Any = None  # rank 0: launcher.batch_source.BatchSource
         self.sender: Any = None  # rank 0: WeightSender or AdapterSender (weight_sync.publisher)
         self.engine_api_key: str | None = None
-        self.device = _device(cfg)
+        self.device = resolve_device(cfg)
         self.lora = cfg.learner.lora.rank > 0  # publish adapter weights only
 
     def pid(self) -> int:
@@ -389,7 +389,7 @@ class RolloutRole:
             cfg.rollout,
             cfg.model.path,
             membership=self.membership,
-            device=_device(cfg),
+            device=resolve_device(cfg),
             dtype=cfg.model.dtype,
             api_key=api_key,
             expose_on_node_ip=not local,
@@ -573,14 +573,6 @@ class RolloutRole:
 def adapter_dir(cfg: RunConfig) -> str:
     """Where LoRA adapter versions are written for the engines (``weight_sync.adapter_dir``)."""
     return cfg.weight_sync.adapter_dir or str(Path(cfg.trainer.output_dir).resolve() / "adapters")
-
-
-def _device(cfg: RunConfig) -> str:
-    if cfg.trainer.device != "auto":
-        return cfg.trainer.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def remote_class(cls: type, **options: Any) -> Any:

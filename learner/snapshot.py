@@ -34,6 +34,7 @@ import torch
 
 from fleetrl.log import get_logger
 from learner.checkpoint import TOKENIZER_FILES, step_dir_name
+from weight_sync.errors import drain_stream
 
 log = get_logger(__name__)
 
@@ -72,8 +73,7 @@ def write_hf_snapshot(
     model_path = Path(model_path)
     final = Path(root) / step_dir_name(step)
     if rank != 0:
-        for _ in named_tensors:  # take part in every gather, keep nothing
-            pass
+        drain_stream(named_tensors)  # take part in every gather, keep nothing
         return final
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(

@@ -16,9 +16,6 @@ to ``publish``, the other ranks drain theirs (``drain_stream``):
      (an engine with TP t takes t consecutive ranks) while joining as rank 0
      the way SGLang's engine ranks join (see ``group``);
   3. ``/begin_weight_update`` on every engine (SGLang refuses updates outside);
-     steps 1 and 3 run in a helper thread while rank 0 gathers and packs the
-     first bucket (if the group must change, step 3 waits for step 2, which
-     runs on rank 0's own thread after the first bucket);
   4. pack the stream into dtype-grouped flat buckets of ``bucket_mb`` (on CPU,
      tensors of at least ``config.ZERO_COPY_MB`` go uncopied in per-tensor
      requests instead, see ``buckets``); per bucket: POST
@@ -180,40 +177,22 @@ class WeightSender(Publisher):
             version=version, engines={n: EngineSyncStatus(n) for n in self.engines}
         )
 
+        t0 = time.perf_counter()
+        errors.update(self._call_all(lambda c: c.pause(self.config.pause_mode), "pause"))
+        metrics.pause_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        errors.update(self._ensure_group())
+        metrics.group_setup_s = time.perf_counter() - t0
+
         sent = SentRows(self.config.verify_rows) if verify else None
         if sent is not None:
             stream = sent.observe(stream)
-        buckets = pack_buckets(
-            stream,
-            self.bucket_bytes,
-            self.device,
-            self._bucket_pool,
-            zero_copy_bytes=self.zero_copy_bytes,
-        )
-        # The first bucket is gathered and packed while the engines pause and open the
-        # update session: round trips the learner would otherwise only wait out.
-        session = self._pool.submit(self._pause_and_begin, metrics)
-        try:
-            first = self._next_bucket(buckets, metrics)
-        except BaseException:
-            session_errors, begun = session.result()
-            if begun:
-                self._abort_version()
-            raise
-        session_errors, begun = session.result()
-        errors.update(session_errors)
-        if not begun:
-            t0 = time.perf_counter()
-            errors.update(self._ensure_group())
-            metrics.group_setup_s = time.perf_counter() - t0
-            errors.update(self._call_group(lambda c: c.begin_update(), "begin_weight_update"))
+        errors.update(self._call_group(lambda c: c.begin_update(), "begin_weight_update"))
         if self._group is None:
-            if first is not None:
-                first.release(self._bucket_pool)
             drain_stream(stream)
         else:
             try:
-                self._stream_buckets(buckets, first, version, metrics)
+                self._stream_buckets(stream, version, metrics)
             except BucketFailure as failure:
                 blamed, partial = self._after_bucket_failure(failure)
                 errors.update(blamed)
@@ -266,20 +245,6 @@ class WeightSender(Publisher):
             )
         return metrics
 
-    def _pause_and_begin(self, metrics: SyncMetrics) -> tuple[dict[str, str], bool]:
-        """Pause every member; open the update session too if the group needs no change.
-
-        Returns the engines dropped and whether the session was opened (if not, the
-        caller forms the group first, on its own thread).
-        """
-        t0 = time.perf_counter()
-        errors = self._call_all(lambda c: c.pause(self.config.pause_mode), "pause")
-        metrics.pause_s = time.perf_counter() - t0
-        if not self._group_is_current():
-            return errors, False
-        errors.update(self._call_group(lambda c: c.begin_update(), "begin_weight_update"))
-        return errors, True
-
     def _abort_version(self) -> None:
         """The learner's own stream failed mid-version: abort whatever is in flight; every
         member got part of this version and must get all of the next one (every publish
@@ -297,16 +262,19 @@ class WeightSender(Publisher):
         return bucket
 
     def _stream_buckets(
-        self,
-        buckets: Iterator[Bucket],
-        first: Bucket | None,
-        version: int,
-        metrics: SyncMetrics,
+        self, stream: Iterator[tuple[str, torch.Tensor]], version: int, metrics: SyncMetrics
     ) -> None:
         group = self._group
         assert group is not None
         clients = list(self._group_clients)
-        bucket = first
+        buckets = pack_buckets(
+            stream,
+            self.bucket_bytes,
+            self.device,
+            self._bucket_pool,
+            zero_copy_bytes=self.zero_copy_bytes,
+        )
+        bucket = self._next_bucket(buckets, metrics)
         stream_started = time.perf_counter()
         while bucket is not None:
             bucket_started = time.perf_counter()
@@ -437,18 +405,12 @@ class WeightSender(Publisher):
 
     # ------------------------------------------------------------------ group lifecycle
 
-    def _group_is_current(self) -> bool:
-        """Whether the group exists and holds exactly the current members (the same clients)."""
-        with self._lock:
-            wanted = list(self._clients.values())
-        return self._group is not None and self._group_clients == wanted
-
     def _ensure_group(self) -> dict[str, str]:
         """Form the group with the current members if it is missing or stale; return dropped engines."""
-        if self._group_is_current():
-            return {}
         with self._lock:
             wanted = list(self._clients.values())
+        if self._group is not None and self._group_clients == wanted:  # the same clients
+            return {}
         self._teardown_group(notify=True, abort=False)
         errors: dict[str, str] = {}
         while wanted:
