@@ -234,9 +234,16 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     packing: Annotated[
         bool,
         Meta(
-            description="Pack a micro-batch's sequences into one row with restarting position ids (no padding); off = right padding."
+            description="Pack a micro-batch's sequences into rows with restarting position ids (no padding between them); off = right padding."
         ),
     ] = True
+    packed_row_tokens: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Token budget of one packed row when the attention has no varlen kernels (sdpa, eager: they compute each row's full score matrix). 0 = the micro-batch's longest sequence or 256, whichever is more. With flash attention or sequence parallelism a micro-batch is one row.",
+        ),
+    ] = 0
     param_offload: Annotated[
         bool, Meta(description="FSDP2 CPUOffloadPolicy for the policy and critic (GPU runs).")
     ] = False

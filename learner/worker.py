@@ -73,6 +73,7 @@ from learner.model_build import build_model, init_value_head
 from learner.packing import (
     MicroBatchInputs,
     build_inputs,
+    packed_row_budget,
     policy_forward,
     split_by_sequence,
     value_forward,
@@ -171,6 +172,8 @@ class LearnerWorker:
         if self.sp_size > 1:
             self.sp = ulysses.new_groups(self.world_size, self.rank, self.sp_size)
         self.policy = self._build(path, "causal_lm", offload, train=True, lora_on=self.uses_lora)
+        # what decides how many rows a packed micro-batch takes (packing.packed_row_budget)
+        self.attn_implementation = getattr(self.policy.config, "_attn_implementation", None)
         self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.total_steps)
         if self.uses_reference and not self.uses_lora:  # LoRA: the base is the reference
@@ -214,7 +217,19 @@ class LearnerWorker:
         return plans[self.dp_rank]
 
     def _inputs(self, batch: GlobalBatch, indices: np.ndarray) -> MicroBatchInputs:
-        return build_inputs(batch, indices, packing=self.cfg.packing, device=self.device)
+        row_tokens = (
+            packed_row_budget(
+                self.attn_implementation,
+                self.cfg.packed_row_tokens,
+                batch.seq_lens[indices],
+                self.sp_size,
+            )
+            if self.cfg.packing
+            else None
+        )
+        return build_inputs(
+            batch, indices, packing=self.cfg.packing, device=self.device, row_tokens=row_tokens
+        )
 
     @torch.no_grad()
     def _infer(self, model: nn.Module, batch: GlobalBatch, plan: list[np.ndarray], values: bool):

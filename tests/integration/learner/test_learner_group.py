@@ -149,3 +149,31 @@ def test_non_finite_loss_skips_the_update_and_reports_it(tiny_model_dir):
         assert metrics["actor/skipped_nonfinite"] == 0.0
     finally:
         worker.close()
+
+
+def test_packed_rows_under_a_budget_train_as_one_row(tiny_model_dir, monkeypatch):
+    """The worker bin-packs a micro-batch into rows of learner.packed_row_tokens (sdpa has no
+    varlen kernels) and trains exactly as with the whole micro-batch in one row."""
+    import learner.worker
+
+    shapes: list[tuple[int, int]] = []
+    build = learner.worker.build_inputs
+
+    def recording(*args, **kwargs):
+        mb = build(*args, **kwargs)
+        shapes.append(tuple(mb.input_ids.shape))
+        return mb
+
+    monkeypatch.setattr(learner.worker, "build_inputs", recording)
+    big = {"max_tokens_per_micro_batch": 100000}
+    one_metrics, one_weights = one_rank_steps(
+        tiny_model_dir, 1, {**big, "packed_row_tokens": 100000}
+    )
+    assert {rows for rows, _ in shapes} == {1}
+    shapes.clear()
+    rows_metrics, rows_weights = one_rank_steps(tiny_model_dir, 1, {**big, "packed_row_tokens": 24})
+    assert min(rows for rows, _ in shapes) > 1 and max(width for _, width in shapes) <= 24
+    assert rows_metrics[0]["actor/pg_loss"] == pytest.approx(
+        one_metrics[0]["actor/pg_loss"], abs=ATOL
+    )
+    assert_weights_close(rows_weights[0], one_weights[0])

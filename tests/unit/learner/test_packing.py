@@ -1,7 +1,10 @@
 """Packed micro-batches give the same per-token logprobs as padded ones (and as one
-sequence at a time), for the Qwen2 and Llama tiny models."""
+sequence at a time), for the Qwen2 and Llama tiny models, in one row or bin-packed
+into several; the row budget follows the attention implementation."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
@@ -9,7 +12,14 @@ import torch
 
 from fleetrl.models.loading import load_causal_lm
 from learner.batching import GlobalBatch
-from learner.packing import build_inputs, policy_forward, split_by_sequence
+from learner.packing import (
+    MIN_ROW_TOKENS,
+    build_inputs,
+    pack_rows,
+    packed_row_budget,
+    policy_forward,
+    split_by_sequence,
+)
 from learner.synthetic import synthetic_batch
 
 LENS = [3, 0, 7, 1, 5, 9]
@@ -24,8 +34,11 @@ def batch() -> GlobalBatch:
     return GlobalBatch.from_arrow(arrow)
 
 
-def logprobs(model, batch: GlobalBatch, indices, packing: bool) -> torch.Tensor:
-    mb = build_inputs(batch, np.asarray(indices), packing=packing, device=torch.device("cpu"))
+def logprobs(model, batch: GlobalBatch, indices, packing: bool, row_tokens=None) -> torch.Tensor:
+    mb = build_inputs(
+        batch, np.asarray(indices), packing=packing, device=torch.device("cpu"),
+        row_tokens=row_tokens,
+    )  # fmt: skip
     with torch.no_grad():
         return policy_forward(model, mb).logprobs
 
@@ -75,3 +88,52 @@ def test_split_by_sequence_right_pads_each_sequence(batch):
     assert out[0, :3].tolist() == [1, 2, 3] and out[0, 3:].abs().sum() == 0
     assert out[1].abs().sum() == 0
     assert out[2].tolist() == [4, 5, 6, 7, 8, 9, 10]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("row_tokens", [9, 13, 20])
+def test_packed_rows_under_a_budget_equal_padded(
+    arch, row_tokens, batch, tiny_model_dir, tiny_llama_dir
+):
+    """Several rows (tails padded with blocks of their own) give the padded logprobs."""
+    torch.set_num_threads(1)
+    model = load_causal_lm(tiny_model_dir if arch == "qwen2" else tiny_llama_dir).eval()
+    everything = list(range(batch.size))
+    mb = build_inputs(
+        batch, np.arange(batch.size), packing=True, device=torch.device("cpu"),
+        row_tokens=row_tokens,
+    )  # fmt: skip
+    assert mb.input_ids.shape[0] > 1  # the budget really split the micro-batch
+    assert mb.input_ids.shape[1] <= max(row_tokens, int(batch.seq_lens.max()))
+    got = logprobs(model, batch, everything, packing=True, row_tokens=row_tokens)
+    torch.testing.assert_close(
+        got, logprobs(model, batch, everything, packing=False), atol=1e-5, rtol=0
+    )
+
+
+def test_pack_rows_first_fit_longest_first():
+    lens = np.array([5, 9, 3, 7, 2, 12])
+    row_of, start_of, rows, width = pack_rows(lens, 12)
+    # longest first: 12 | 9, then 7 in a new row, 5 beside 7, 3 beside 9, 2 in a fourth row
+    fills = np.bincount(row_of, weights=lens, minlength=rows)
+    assert fills.max() <= 12 and width == 12 and rows == 4
+    for r in range(rows):  # sequences of a row are contiguous from column 0
+        mine = np.flatnonzero(row_of == r)
+        spans = sorted((start_of[j], start_of[j] + lens[j]) for j in mine)
+        assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+    one = pack_rows(lens, None)
+    assert one[2] == 1 and one[3] == lens.sum() and one[1].tolist() == [0, 5, 14, 17, 24, 26]
+
+
+def test_pack_rows_gives_a_longer_sequence_its_own_row():
+    row_of, _, rows, width = pack_rows(np.array([4, 30, 4]), 10)
+    assert width == 30 and row_of[1] != row_of[0] and row_of[0] == row_of[2] and rows == 2
+
+
+def test_row_budget_follows_the_attention():
+    lens = np.array([40, 300, 12])
+    assert packed_row_budget("flash_attention_2", 0, lens) is None  # varlen: one row is linear
+    assert packed_row_budget("sdpa", 0, lens, sp_size=2) is None  # Ulysses splits one row
+    assert packed_row_budget("sdpa", 0, lens) == 300  # the longest sequence
+    assert packed_row_budget("eager", 0, np.array([10, 20])) == MIN_ROW_TOKENS
+    assert packed_row_budget("sdpa", 64, lens) == 64  # configured
