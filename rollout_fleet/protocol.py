@@ -29,6 +29,11 @@ Generate response (one object per sample; a list for batched input or n > 1)::
 the output tokens, as spans over the output positions; an in-place weight update
 can land mid-sequence. ``weight_version`` is the last span's.
 
+A whole checkpoint from a folder both sides can read: ``/update_weights_from_disk``
+``{model_path, weight_version, abort_all_requests, ...}`` answers
+``{success, message, num_paused_requests}`` (400 when it fails; the served weights
+are then unchanged). It needs no update session.
+
 Weight updates (SGLang 0.5.23): every ``/update_weights_from_distributed`` runs
 between ``/begin_weight_update`` and ``/end_weight_update`` (400 outside, with
 SGLang's message); ``GET /model_info`` holds ``weight_version``;
@@ -227,3 +232,42 @@ class WeightUpdateSessionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_
     """``/begin_weight_update`` and ``/end_weight_update`` bodies (SGLang's take a ``selector``)."""
 
     selector: Literal["target", "draft", "all"] = "all"
+
+
+# load_format values the embedded engine reads from disk (SGLang's loader has more)
+DISK_LOAD_FORMATS = (None, "auto", "safetensors")
+
+
+class UpdateWeightsFromDiskRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Body of ``POST /update_weights_from_disk`` (SGLang ``UpdateWeightFromDiskReqInput``).
+
+    The embedded engine reads the folder's ``*.safetensors`` (``load_format`` None,
+    "auto" or "safetensors"); ``flush_cache``, ``keep_pause``, ``token_step``,
+    ``torch_empty_cache`` and ``recapture_cuda_graph`` are accepted for SGLang's
+    clients and have nothing to act on here (the prefix cache is always cleared, a
+    paused engine stays paused, there is no CUDA graph); ``is_async`` and ``manifest``
+    (SGLang's streamed loads) only at their defaults.
+    """
+
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+    manifest: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path is empty")
+        if self.load_format not in DISK_LOAD_FORMATS:
+            raise ValueError(
+                f"load_format {self.load_format!r} is not read by the embedded engine"
+                f" (one of {list(DISK_LOAD_FORMATS)})"
+            )
+        if self.is_async or self.manifest is not None:
+            raise ValueError("is_async and manifest (streamed loads) are not supported")

@@ -215,6 +215,17 @@ class EngineClient:
         """Unload adapter ``name``; SGLang answers once no running request uses it."""
         return self.call("/unload_lora_adapter", {"lora_name": name})
 
+    def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Load the checkpoint folder at ``model_path`` (a path the engine reads) in place;
+        with ``weight_version`` the engine reports it from then on. Running requests are not
+        aborted (SGLang lets them finish first)."""
+        payload: dict[str, Any] = {"model_path": model_path, "abort_all_requests": False}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return self.call("/update_weights_from_disk", payload, timeout_s=timeout_s)
+
     def weights_by_name(self, name: str, rows: int) -> list | None:
         """The first ``rows`` rows (or elements) of one tensor as floats, or None when the
         engine cannot report it (SGLang implements this for some architectures only)."""

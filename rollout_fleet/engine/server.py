@@ -12,7 +12,8 @@ pending), ``POST /update_weight_version``, ``GET /health``,
 ``GET /health_generate``, ``GET /model_info`` (with ``weight_version``),
 ``GET /get_server_info``; the weight-update routes (``/init_weights_update_group``,
 ``/begin_weight_update``, ``/end_weight_update``, ``/update_weights_from_distributed``,
-``/destroy_weights_update_group``, ``/get_weights_by_name``), handled by
+``/destroy_weights_update_group``, ``/get_weights_by_name``,
+``/update_weights_from_disk``), handled by
 ``weight_routes.WeightRoutes``; and for LoRA ``/load_lora_adapter`` and
 ``/unload_lora_adapter``, handled by ``adapter_routes.AdapterRoutes`` (which says
 how this engine's one merged adapter differs from SGLang's per-request adapters).
@@ -133,7 +134,11 @@ class EmbeddedEngine:
             device=self.runner.device,
         )
         self.weight_routes = WeightRoutes(
-            self.runner, self.scheduler, engine_id=engine_id, receiver_factory=receiver_factory
+            self.runner,
+            self.scheduler,
+            engine_id=engine_id,
+            receiver_factory=receiver_factory,
+            on_model_path=self._served_from,
         )
         self.adapter_routes = AdapterRoutes(
             self.scheduler, engine_id=engine_id, weight_call=self.weight_routes.call
@@ -177,6 +182,7 @@ class EmbeddedEngine:
         r.add_post("/end_weight_update", weights.end_weight_update)
         r.add_post("/update_weights_from_distributed", weights.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", weights.destroy_weights_update_group)
+        r.add_post("/update_weights_from_disk", weights.update_weights_from_disk)
         r.add_get("/get_weights_by_name", weights.get_weights_by_name)
         r.add_post("/get_weights_by_name", weights.get_weights_by_name)
         r.add_post("/load_lora_adapter", lora.load_lora_adapter)
@@ -231,6 +237,10 @@ class EmbeddedEngine:
         if self._runner_web is not None:
             await self._runner_web.cleanup()
             self._runner_web = None
+
+    def _served_from(self, model_path: str) -> None:
+        """After ``/update_weights_from_disk``: /model_info names the folder, as SGLang's does."""
+        self.model_path = model_path
 
     def stop(self) -> None:
         """Stop serving and the scheduler thread (in-flight requests finish as abort)."""

@@ -5,8 +5,10 @@ SGLang's endpoints for pushing new weights into a running server:
 ``POST /begin_weight_update`` / ``POST /end_weight_update`` (the update session:
 as in SGLang 0.5.23, an update outside it is refused with 400),
 ``POST /update_weights_from_distributed`` (receive named tensors over the group
-and load them), ``POST /destroy_weights_update_group`` and
-``GET|POST /get_weights_by_name`` (the leading rows of one tensor, to check a push).
+and load them), ``POST /destroy_weights_update_group``,
+``GET|POST /get_weights_by_name`` (the leading rows of one tensor, to check a push)
+and ``POST /update_weights_from_disk`` (a whole checkpoint folder, read by
+``disk_weights.read_checkpoint``; as in SGLang it needs no update session).
 
 ``WeightRoutes`` owns what those calls share: the weight receiver (built on the
 first ``/init_weights_update_group``; ``weight_sync.receiver.WeightReceiver``
@@ -47,8 +49,10 @@ class WeightRoutes:
         *,
         engine_id: str,
         receiver_factory: Callable[[], Any] | None = None,
+        on_model_path: Callable[[str], None] = lambda _: None,
     ) -> None:
         self.runner = runner
+        self._on_model_path = on_model_path  # /model_info reports the folder last loaded
         self.scheduler = scheduler
         self.engine_id = engine_id
         self._receiver_factory = receiver_factory
@@ -189,6 +193,48 @@ class WeightRoutes:
             )
         self._update_session = False
         return json_response({"success": True, "message": "Success"})
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """Load a checkpoint folder in place (SGLang's reply: success, message,
+        num_paused_requests; 400 and unchanged weights when it fails).
+
+        The load runs between two scheduler steps: requests in flight continue on the
+        new weights, their later tokens tagged with ``weight_version`` (SGLang waits
+        for them to finish instead; ``abort_all_requests`` stops them first).
+        """
+        from rollout_fleet.engine.disk_weights import read_checkpoint
+        from rollout_fleet.engine.runner import WeightLoadError
+
+        req = await read_body(request, P.UpdateWeightsFromDiskRequest)
+        try:
+            req.check()
+        except ValueError as err:
+            raise RequestError(str(err)) from err
+        if req.abort_all_requests:
+            await asyncio.wrap_future(self.scheduler.abort(abort_all=True))
+        try:
+            served = self.runner.named_weights()
+            tensors = await self.call(read_checkpoint, req.model_path, served)
+            count = await asyncio.wrap_future(
+                self.scheduler.load_weights(tensors, req.weight_version)
+            )
+        except (WeightLoadError, OSError, RuntimeError) as err:
+            log.error(
+                "%s: update_weights_from_disk %s failed: %s", self.engine_id, req.model_path, err
+            )
+            return json_response(
+                {
+                    "success": False,
+                    "message": f"Failed to update weights: {err}",
+                    "num_paused_requests": 0,
+                },
+                400,
+            )
+        self._on_model_path(req.model_path)
+        message = f"Succeeded to update model weights ({count} tensors)."
+        if req.weight_version is not None:
+            message += f" Weight version updated to {req.weight_version}."
+        return json_response({"success": True, "message": message, "num_paused_requests": 0})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         """The leading rows of one tensor as float lists (SGLang's reply shape), or 400."""

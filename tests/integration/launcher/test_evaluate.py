@@ -22,6 +22,7 @@ from launcher.config import load_run_config
 from launcher.evaluate import evaluate
 from launcher.evaluate import main as eval_main
 from learner.snapshot import WEIGHTS_FILE, snapshot_steps, write_hf_snapshot
+from weight_sync.engine_client import EngineCallError
 
 VAL_ROWS = 12
 
@@ -129,7 +130,12 @@ def test_eval_cli_scores_a_runs_snapshots_by_step_and_refuses_a_run_without_any(
     (tmp_path / "run.yaml").write_text(json.dumps({"data": {"val_files": cfg.data.val_files}}))
     overrides = [f"model.path={tiny_model_dir}", "rollout.max_new_tokens=8", "trainer.device=cpu"]
     args = argparse.Namespace(
-        config=str(tmp_path / "run.yaml"), overrides=overrides, model=[], snapshots=str(tmp_path)
+        config=str(tmp_path / "run.yaml"),
+        overrides=overrides,
+        model=[],
+        snapshots=str(tmp_path),
+        engine_url="",
+        api_key=None,
     )
     with pytest.raises(UsageError, match="no policy snapshots"):
         eval_main(args)
@@ -146,3 +152,70 @@ def test_eval_cli_scores_a_runs_snapshots_by_step_and_refuses_a_run_without_any(
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["model"].rsplit("/", 1)[-1] for line in lines] == ["step_2", "step_4"]
     assert lines[0]["val/score/mean"] == lines[1]["val/score/mean"]
+
+
+def _snapshot_of(model, tiny_model_dir, tmp_path, name):
+    write_hf_snapshot(
+        iter(model.state_dict().items()), model_path=tiny_model_dir, root=tmp_path, step=0, rank=0
+    )
+    return shutil.move(tmp_path / "step_0", tmp_path / name)
+
+
+def _ends_at_once(tiny_model_dir, tmp_path):
+    """A snapshot whose greedy answer is end-of-sequence at once: the last layer's attention
+    adds a large constant (v_proj weights 0, bias 1, o_proj one column), and the LM head
+    maps that constant's direction to the EOS token."""
+    from fleetrl.models.loading import load_tokenizer
+
+    model = _policy(tiny_model_dir)
+    attn = model.model.layers[-1].self_attn
+    with torch.no_grad():
+        attn.v_proj.weight.zero_()
+        attn.v_proj.bias.fill_(1.0)
+        attn.o_proj.weight.zero_()
+        attn.o_proj.weight[:, 0] = 1000.0
+        model.lm_head.weight[load_tokenizer(str(tiny_model_dir)).eos_token_id] = 100.0
+    return _snapshot_of(model, tiny_model_dir, tmp_path, "changed")
+
+
+def test_one_engine_scores_each_folder_with_that_folders_weights(tiny_model_dir, tmp_path):
+    """Folders after the first are loaded in place (/update_weights_from_disk): a different
+    policy scores differently, and going back to the first gives its score again."""
+    cfg = _cfg(tmp_path, tiny_model_dir)
+    changed = _ends_at_once(tiny_model_dir, tmp_path)
+    first, second, third = (
+        {k: v for k, v in r.items() if k != "model"}
+        for r in evaluate(cfg, [tiny_model_dir, changed, tiny_model_dir])
+    )
+    assert second["val/response_length/mean"] == 1.0 != first["val/response_length/mean"]
+    assert third == first
+
+
+def test_eval_on_a_running_server_loads_every_folder_there(tiny_model_dir, tmp_path):
+    from rollout_fleet.engine.server import EmbeddedEngine
+
+    cfg = _cfg(tmp_path, tiny_model_dir)
+    changed = _ends_at_once(tiny_model_dir, tmp_path)
+    local = [{k: v for k, v in r.items() if k != "model"} for r in evaluate(cfg, [tiny_model_dir])]
+    # the server starts on the changed weights: the first folder must be loaded there too
+    server = EmbeddedEngine(str(changed), engine_id="remote", api_key="k3y")
+    url = server.start_server()
+    try:
+        with pytest.raises(EngineCallError, match="HTTP 401"):
+            list(evaluate(cfg, [tiny_model_dir], engine_url=url))
+        remote = [
+            {k: v for k, v in r.items() if k != "model"}
+            for r in evaluate(cfg, [tiny_model_dir], engine_url=url, api_key="k3y")
+        ]
+    finally:
+        server.stop()
+    assert remote == local
+
+
+def test_eval_refuses_folders_whose_tokenizers_differ(tiny_model_dir, tmp_path):
+    cfg = _cfg(tmp_path, tiny_model_dir)
+    other = shutil.copytree(tiny_model_dir, tmp_path / "other")
+    tokenizer_file = next(other.glob("tokenizer*"))
+    tokenizer_file.write_bytes(tokenizer_file.read_bytes() + b" ")
+    with pytest.raises(ValueError, match="tokenizer of .*other differs"):
+        list(evaluate(cfg, [tiny_model_dir, other]))

@@ -1,0 +1,94 @@
+"""The embedded engine's HTTP surface against SGLang's own app and request types.
+
+Every route of ``EmbeddedEngine.app`` must be a route of SGLang's FastAPI app
+with the same method (the embedded engine has no route a real server lacks), and
+``/update_weights_from_disk`` must take the body SGLang's
+``UpdateWeightFromDiskReqInput`` describes and answer with the fields of
+``UpdateWeightFromDiskReqOutput`` (SGLang's route writes them as a JSON object).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import requests
+
+from rollout_fleet import protocol as P
+from rollout_fleet.engine.server import EmbeddedEngine
+
+# BaseReq's IPC routing fields: SGLang fills them inside the server, never from a body
+ROUTING_FIELDS = {"rid", "http_worker_ipc"}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    eng = EmbeddedEngine(tiny_model_dir, engine_id="routes", max_running_requests=4)
+    url = eng.start_server()
+    yield eng, url
+    eng.stop()
+
+
+def test_every_embedded_route_is_an_sglang_route_with_its_method(engine):
+    from sglang.srt.entrypoints import http_server
+
+    sglang_routes = {
+        (method, route.path)
+        for route in http_server.app.routes
+        for method in getattr(route, "methods", ()) or ()
+    }
+    ours = {
+        (route.method, route.resource.canonical)
+        for route in engine[0].app(None).router.routes()
+        if route.method != "HEAD"  # aiohttp adds HEAD beside every GET
+    }
+    assert ours and ours <= sglang_routes, sorted(ours - sglang_routes)
+    assert ("POST", "/update_weights_from_disk") in ours
+
+
+def test_disk_update_mirror_has_sglangs_fields_and_defaults():
+    from sglang.srt.managers import io_struct as io
+
+    theirs = {
+        f.name: f.default
+        for f in msgspec.structs.fields(io.UpdateWeightFromDiskReqInput)
+        if f.name not in ROUTING_FIELDS
+    }
+    ours = {f.name: f.default for f in msgspec.structs.fields(P.UpdateWeightsFromDiskRequest)}
+    assert ours == theirs
+
+
+def _as_sglang_output(reply: dict):
+    """SGLang's output struct from our reply: the same field names, each of its type."""
+    from sglang.srt.managers import io_struct as io
+
+    fields = {f.name: f.type for f in msgspec.structs.fields(io.UpdateWeightFromDiskReqOutput)}
+    assert set(reply) == set(fields) - ROUTING_FIELDS
+    out = io.UpdateWeightFromDiskReqOutput(**reply)
+    assert isinstance(out.success, bool) and isinstance(out.message, str)
+    assert isinstance(out.num_paused_requests, int)
+    return out
+
+
+def test_sglangs_request_body_is_taken_and_the_reply_parses_as_sglangs_output(
+    engine, tiny_model_dir
+):
+    from sglang.srt.managers import io_struct as io
+
+    _, url = engine
+    request = io.UpdateWeightFromDiskReqInput(model_path=str(tiny_model_dir), weight_version="3")
+    body = {
+        f.name: getattr(request, f.name)
+        for f in msgspec.structs.fields(request)
+        if f.name not in ROUTING_FIELDS
+    }
+    reply = requests.post(f"{url}/update_weights_from_disk", json=body, timeout=30)
+    assert reply.status_code == 200, reply.text
+    out = _as_sglang_output(reply.json())
+    assert out.success is True and "Weight version updated to 3" in out.message
+    assert requests.get(f"{url}/model_info", timeout=5).json()["weight_version"] == "3"
+    failed = requests.post(
+        f"{url}/update_weights_from_disk", json={**body, "model_path": "/no/such"}, timeout=30
+    )
+    assert failed.status_code == 400
+    refused = _as_sglang_output(failed.json())
+    assert refused.success is False and "/no/such" in refused.message
