@@ -92,3 +92,29 @@ def test_sglangs_request_body_is_taken_and_the_reply_parses_as_sglangs_output(
     assert failed.status_code == 400
     refused = _as_sglang_output(failed.json())
     assert refused.success is False and "/no/such" in refused.message
+
+
+def test_our_clients_disk_update_body_is_valid_for_sglangs_route(monkeypatch):
+    """What ``EngineClient.update_weights_from_disk`` sends, parsed as SGLang's route parses it
+    (pydantic over ``UpdateWeightFromDiskReqInput``; it ignores unknown keys, so the keys are
+    checked against its fields too)."""
+    import pydantic
+    from sglang.srt.managers import io_struct as io
+
+    from weight_sync.engine_client import EngineClient, EngineEndpoint
+
+    sent: list[tuple[str, dict]] = []
+    monkeypatch.setattr(
+        EngineClient, "call", lambda self, path, payload=None, **_: sent.append((path, payload))
+    )
+    client = EngineClient(EngineEndpoint("e", "http://127.0.0.1:1"), timeout_s=1)
+    client.update_weights_from_disk("/ckpt/step_8", weight_version="8")
+    client.update_weights_from_disk("/ckpt/step_9")
+    fields = {f.name for f in msgspec.structs.fields(io.UpdateWeightFromDiskReqInput)}
+    adapter = pydantic.TypeAdapter(io.UpdateWeightFromDiskReqInput)
+    for path, body in sent:
+        assert path == "/update_weights_from_disk" and set(body) <= fields - ROUTING_FIELDS
+        parsed = adapter.validate_python(body)
+        assert parsed.model_path == body["model_path"] and parsed.abort_all_requests is False
+    assert adapter.validate_python(sent[0][1]).weight_version == "8"
+    assert adapter.validate_python(sent[1][1]).weight_version is None
