@@ -82,6 +82,10 @@ class Trajectory(msgspec.Struct, array_like=True, kw_only=True):
     reward_metrics: dict[str, float] = {}
     timings: dict[str, float] = {}  # e.g. {"generate_s": ..., "reward_s": ...}
     temperature: float = 1.0  # the learner recomputes logprobs at this temperature
+    # uint8, one per response token: 1 = the policy's own token (trained), 0 = a token the
+    # policy did not sample (a tool's or environment's reply inside a multi-turn response:
+    # context for the tokens after it, no loss). None = every token is the policy's.
+    loss_mask: Array | None = None
 
     def min_version(self) -> int:
         versions = self.token_versions.numpy()
@@ -97,6 +101,14 @@ class Trajectory(msgspec.Struct, array_like=True, kw_only=True):
                 f"trajectory {self.uid}: response has {n} tokens but "
                 f"{len(self.behavior_logprobs)} logprobs and {len(self.token_versions)} versions"
             )
+        if self.loss_mask is not None:
+            if self.loss_mask.dtype != "uint8" or len(self.loss_mask) != n:
+                raise WireError(
+                    f"trajectory {self.uid}: loss_mask must be uint8 with one entry per response"
+                    f" token ({n}), got {self.loss_mask.dtype} x {len(self.loss_mask)}"
+                )
+            if int(self.loss_mask.numpy().max(initial=0)) > 1:
+                raise WireError(f"trajectory {self.uid}: loss_mask holds values other than 0/1")
         if self.group_size < 1:
             raise WireError(f"trajectory {self.uid}: group_size {self.group_size} < 1")
         if len(self.prompt_ids) == 0:
