@@ -18,6 +18,15 @@ that failed; 2 for bad arguments.
 
 The group's store listens on ``--master-address`` (default: the local address
 that reaches the first engine; 127.0.0.1 for engines on loopback).
+
+A LoRA checkpoint is pushed merged into full weights by default. With
+``--adapter-dir DIR`` it is pushed as what a LoRA run publishes instead: the
+adapter is written as a PEFT folder under DIR (a folder every engine can read:
+shared storage on a cluster) and loaded with ``/load_lora_adapter`` under the
+version's name, then ``/update_weight_version`` (``AdapterSender``, the LoRA
+run's publisher); the engines must serve LoRA (SGLang ``--enable-lora`` with a
+``--max-lora-rank`` at least the adapter's), and requests name the adapter
+(``fleetrl-policy-v<V>``) in ``lora_path``.
 """
 
 from __future__ import annotations
@@ -45,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mb", type=float, default=512.0)
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--master-address", default=None)
+    p.add_argument(
+        "--adapter-dir",
+        default=None,
+        help="LoRA checkpoint: push its adapter (not merged weights) as a PEFT folder under"
+        " this folder, which every engine must be able to read, via /load_lora_adapter",
+    )
 
 
 def load_source(path: str) -> tuple[list[tuple[str, Any]], int]:
@@ -89,15 +104,10 @@ def master_address_for(url: str) -> str:
         return probe.getsockname()[0]
 
 
-def push(args: argparse.Namespace) -> int:
-    from weight_sync.config import WeightSyncConfig
-    from weight_sync.sender import EngineEndpoint, WeightSender, WeightSyncError
+def _endpoints(args: argparse.Namespace) -> list[Any]:
+    from weight_sync.engine_client import EngineEndpoint
 
-    tensors, checkpoint_version = load_source(args.model)
-    version = checkpoint_version if args.version is None else args.version
-    if version < 0:
-        raise ValueError(f"--version must be >= 0, got {version}")
-    endpoints = [
+    return [
         EngineEndpoint(
             name=url,
             url=url,
@@ -106,6 +116,56 @@ def push(args: argparse.Namespace) -> int:
         )
         for url in args.engine
     ]
+
+
+def _version(args: argparse.Namespace, checkpoint_version: int) -> int:
+    version = checkpoint_version if args.version is None else args.version
+    if version < 0:
+        raise ValueError(f"--version must be >= 0, got {version}")
+    return version
+
+
+def push_adapter(args: argparse.Namespace) -> int:
+    """Publish a LoRA checkpoint's adapter to the engines (``--adapter-dir``)."""
+    from learner import lora
+    from learner.checkpoint import read_meta
+    from learner.export import load_lora_policy
+    from weight_sync.adapter_sender import AdapterSender
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.errors import WeightSyncError
+
+    if (Path(args.model) / "config.json").is_file():
+        raise ValueError(
+            f"--adapter-dir pushes a LoRA learner checkpoint's adapter; {args.model} is a"
+            " Hugging Face folder (push it without --adapter-dir)"
+        )
+    model, step_dir = load_lora_policy(args.model, with_base=False)
+    version = _version(args, int(read_meta(step_dir).get("policy_version", 0) or 0))
+    config = WeightSyncConfig(timeout_s=args.timeout_s, verify=True)
+    try:
+        with AdapterSender(
+            config, adapter_dir=args.adapter_dir, adapter_config=lora.adapter_config(model)
+        ) as sender:
+            sender.connect(_endpoints(args))
+            metrics = sender.publish(lora.named_adapter_tensors(model), version)
+    except WeightSyncError as err:
+        print(f"fleetrl: weights push failed: {err}", file=sys.stderr)
+        return 1
+    log.info("%s", metrics.summary())
+    print(
+        f"pushed adapter version {version} ({metrics.bytes / 1e6:.2f} MB, from {step_dir}) to"
+        f" {len(args.engine)} engine(s): " + ", ".join(args.engine)
+    )
+    return 0
+
+
+def push(args: argparse.Namespace) -> int:
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.sender import WeightSender, WeightSyncError
+
+    tensors, checkpoint_version = load_source(args.model)
+    version = _version(args, checkpoint_version)
+    endpoints = _endpoints(args)
     config = WeightSyncConfig(
         backend=args.backend,
         bucket_mb=args.bucket_mb,
@@ -132,4 +192,4 @@ def push(args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """Handler of ``fleetrl weights push``."""
-    return push(args)
+    return push_adapter(args) if args.adapter_dir else push(args)
