@@ -125,14 +125,13 @@ def _version(args: argparse.Namespace, checkpoint_version: int) -> int:
     return version
 
 
-def push_adapter(args: argparse.Namespace) -> int:
+def push_adapter(args: argparse.Namespace) -> tuple[Any, str]:
     """Publish a LoRA checkpoint's adapter to the engines (``--adapter-dir``)."""
     from learner import lora
     from learner.checkpoint import read_meta
     from learner.export import load_lora_policy
     from weight_sync.adapter_sender import AdapterSender
     from weight_sync.config import WeightSyncConfig
-    from weight_sync.errors import WeightSyncError
 
     if (Path(args.model) / "config.json").is_file():
         raise ValueError(
@@ -142,30 +141,21 @@ def push_adapter(args: argparse.Namespace) -> int:
     model, step_dir = load_lora_policy(args.model, with_base=False)
     version = _version(args, int(read_meta(step_dir).get("policy_version", 0) or 0))
     config = WeightSyncConfig(timeout_s=args.timeout_s, verify=True)
-    try:
-        with AdapterSender(
-            config, adapter_dir=args.adapter_dir, adapter_config=lora.adapter_config(model)
-        ) as sender:
-            sender.connect(_endpoints(args))
-            metrics = sender.publish(lora.named_adapter_tensors(model), version)
-    except WeightSyncError as err:
-        print(f"fleetrl: weights push failed: {err}", file=sys.stderr)
-        return 1
-    log.info("%s", metrics.summary())
-    print(
-        f"pushed adapter version {version} ({metrics.bytes / 1e6:.2f} MB, from {step_dir}) to"
-        f" {len(args.engine)} engine(s): " + ", ".join(args.engine)
-    )
-    return 0
+    with AdapterSender(
+        config, adapter_dir=args.adapter_dir, adapter_config=lora.adapter_config(model)
+    ) as sender:
+        sender.connect(_endpoints(args))
+        metrics = sender.publish(lora.named_adapter_tensors(model), version)
+    return metrics, f"adapter version {version} (from {step_dir})"
 
 
-def push(args: argparse.Namespace) -> int:
+def push(args: argparse.Namespace) -> tuple[Any, str]:
+    """Publish a model folder's or a checkpoint's full weights to the engines."""
     from weight_sync.config import WeightSyncConfig
-    from weight_sync.sender import WeightSender, WeightSyncError
+    from weight_sync.sender import WeightSender
 
     tensors, checkpoint_version = load_source(args.model)
     version = _version(args, checkpoint_version)
-    endpoints = _endpoints(args)
     config = WeightSyncConfig(
         backend=args.backend,
         bucket_mb=args.bucket_mb,
@@ -175,21 +165,24 @@ def push(args: argparse.Namespace) -> int:
     )
     device = "cuda" if args.backend == "nccl" else "cpu"
     master = args.master_address or master_address_for(args.engine[0])
+    with WeightSender(config, master_address=master, device=device) as sender:
+        sender.connect(_endpoints(args))
+        metrics = sender.publish(((n, t.to(device)) for n, t in tensors), version)
+    return metrics, f"version {version}"
+
+
+def main(args: argparse.Namespace) -> int:
+    """Handler of ``fleetrl weights push``."""
+    from weight_sync.errors import WeightSyncError
+
     try:
-        with WeightSender(config, master_address=master, device=device) as sender:
-            sender.connect(endpoints)
-            metrics = sender.publish(((n, t.to(device)) for n, t in tensors), version)
+        metrics, what = (push_adapter if args.adapter_dir else push)(args)
     except WeightSyncError as err:
         print(f"fleetrl: weights push failed: {err}", file=sys.stderr)
         return 1
     log.info("%s", metrics.summary())
     print(
-        f"pushed version {version} ({metrics.bytes / 1e6:.1f} MB) to {len(endpoints)} engine(s): "
+        f"pushed {what} ({metrics.bytes / 1e6:.2f} MB) to {len(args.engine)} engine(s): "
         + ", ".join(args.engine)
     )
     return 0
-
-
-def main(args: argparse.Namespace) -> int:
-    """Handler of ``fleetrl weights push``."""
-    return push_adapter(args) if args.adapter_dir else push(args)
