@@ -4,6 +4,13 @@ A batch is one ``pyarrow.RecordBatch`` whose token columns are ``list<int32>`` /
 ``list<float32>``; the learner reads ``.values`` and ``.offsets`` as numpy
 views, so no per-token Python object is ever made. Over a socket a batch
 travels as Arrow IPC stream bytes (``to_ipc`` / ``from_ipc``).
+
+``loss_mask`` (``list<uint8>``, one entry per response token, 1 = the policy's own
+token, 0 = a tool's or environment's reply inside a multi-turn response) is
+written for every row, all ones when the trajectory's mask is None. It is the
+one optional column: batches and bank segments written before it existed read
+as all ones (``loss_mask_column``), and an all-ones row reads back as None, so
+an unmasked trajectory round-trips unchanged.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from buffer.wire import Array, Trajectory
+from buffer.wire import Array, Trajectory, WireError
 
 SCHEMA = pa.schema(
     [
@@ -30,8 +37,12 @@ SCHEMA = pa.schema(
         ("engine_id", pa.string()),
         ("prompt_index", pa.int64()),
         ("temperature", pa.float32()),
+        ("loss_mask", pa.list_(pa.uint8())),
     ]
 )
+# Columns a reader may find missing (written before they existed); each has a default.
+OPTIONAL_COLUMNS = frozenset({"loss_mask"})
+REQUIRED_COLUMNS = tuple(name for name in SCHEMA.names if name not in OPTIONAL_COLUMNS)
 
 
 def _list_column(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
@@ -62,8 +73,15 @@ def trajectories_to_arrow(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
         "engine_id": pa.array([t.engine_id for t in trajs], pa.string()),
         "prompt_index": pa.array([t.prompt_index for t in trajs], pa.int64()),
         "temperature": pa.array([t.temperature for t in trajs], pa.float32()),
+        "loss_mask": _list_column([_loss_mask(t) for t in trajs], pa.uint8()),
     }
     return pa.RecordBatch.from_pydict(cols, schema=SCHEMA)
+
+
+def _loss_mask(traj: Trajectory) -> np.ndarray:
+    if traj.loss_mask is None:
+        return np.ones(len(traj.response_ids), dtype=np.uint8)
+    return traj.loss_mask.numpy()
 
 
 def list_column_numpy(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -75,6 +93,28 @@ def list_column_numpy(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, np.
         values = values[offsets[0] : offsets[-1]]
         offsets = offsets - offsets[0]
     return values, offsets
+
+
+def loss_mask_column(batch: pa.RecordBatch) -> np.ndarray:
+    """The flat uint8 loss mask, aligned with ``response_ids`` (all ones if the column is absent).
+
+    Raises WireError when a row's mask length differs from its response's, or a
+    value is not 0/1.
+    """
+    responses, response_offsets = list_column_numpy(batch, "response_ids")
+    if "loss_mask" not in batch.schema.names:
+        return np.ones(len(responses), dtype=np.uint8)
+    mask, mask_offsets = list_column_numpy(batch, "loss_mask")
+    if not np.array_equal(mask_offsets, response_offsets):
+        row = int(np.argmax(np.diff(mask_offsets) != np.diff(response_offsets)))
+        raise WireError(
+            f"row {row}: loss_mask has {int(mask_offsets[row + 1] - mask_offsets[row])} entries"
+            f" for {int(response_offsets[row + 1] - response_offsets[row])} response tokens"
+        )
+    mask = mask.astype(np.uint8, copy=False)
+    if int(mask.max(initial=0)) > 1:
+        raise WireError("loss_mask holds values other than 0/1")
+    return mask
 
 
 def to_ipc(batch: pa.RecordBatch) -> bytes:
@@ -96,7 +136,8 @@ def arrow_to_trajectories(batch: pa.RecordBatch) -> list[Trajectory]:
     """Inverse of ``trajectories_to_arrow`` (also reads the bank's extra map columns).
 
     ``score`` and ``temperature`` come back as float32-rounded values: the precision the
-    learner sees anyway.
+    learner sees anyway. ``loss_mask`` comes back None for a row that trains every token
+    (or a batch written without the column). Raises WireError for a malformed mask.
     """
 
     def lists(name: str, dtype: str) -> list[Array]:
@@ -108,6 +149,8 @@ def arrow_to_trajectories(batch: pa.RecordBatch) -> list[Trajectory]:
     response_ids = lists("response_ids", "int32")
     logprobs = lists("behavior_logprobs", "float32")
     versions = lists("token_versions", "int32")
+    _, response_offsets = list_column_numpy(batch, "response_ids")
+    masks = _row_masks(loss_mask_column(batch), response_offsets)
     names = set(batch.schema.names)
     metrics = _maps(batch, "reward_metrics") if "reward_metrics" in names else None
     timings = _maps(batch, "timings") if "timings" in names else None
@@ -128,9 +171,16 @@ def arrow_to_trajectories(batch: pa.RecordBatch) -> list[Trajectory]:
             reward_metrics=metrics[i] if metrics else {},
             timings=timings[i] if timings else {},
             temperature=cols["temperature"][i],
+            loss_mask=masks[i],
         )
         for i in range(batch.num_rows)
     ]
+
+
+def _row_masks(flat: np.ndarray, offsets: np.ndarray) -> list[Array | None]:
+    """Per row: None when every token is trained (the wire's default), else the mask."""
+    rows = (flat[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1))
+    return [None if row.all() else Array.of(row, "uint8") for row in rows]
 
 
 _SCALAR_COLUMNS = (

@@ -2,9 +2,10 @@
 
 Prints counts (segments, samples, groups complete/partial, hand-outs, commits,
 refusals, filter drops), the score, response-length and finish-reason
-distributions, and staleness at hand-out (learner version of the batch minus
-the oldest token version of the sample), read from the bank's segments and its
-ledger. It never writes to the bank (a torn tail is reported, not repaired).
+distributions, the share of response tokens the policy produced itself (a
+multi-turn response holds tool tokens, loss mask 0), and staleness at hand-out
+(learner version of the batch minus the oldest token version of the sample),
+read from the bank's segments and its ledger. It never writes to the bank (a torn tail is reported, not repaired).
 CLI output, so it prints. Left out: per-data-source breakdowns and plots.
 """
 
@@ -19,7 +20,7 @@ from typing import Any, TextIO
 import numpy as np
 import pyarrow as pa
 
-from buffer.arrow_batch import list_column_numpy
+from buffer.arrow_batch import list_column_numpy, loss_mask_column
 from buffer.bank import (
     LEDGER_NAME,
     CommitMark,
@@ -50,14 +51,14 @@ def summarize(bank_dir: str | Path) -> dict[str, Any]:
     group_size: dict[str, int] = {}
     group_count: Counter[str] = Counter()
     group_min_version: dict[str, int] = {}
-    scores, lengths, prompt_lengths, spans = [], [], [], []
+    scores, lengths, trained, prompt_lengths, spans = [], [], [], [], []
     finish: Counter[str] = Counter()
     duplicates = 0
     for _, path in segments:
         for batch in read_segment(path):
             duplicates += _collect_batch(
                 batch, seen, group_size, group_count, group_min_version,
-                scores, lengths, prompt_lengths, spans, finish,
+                scores, lengths, trained, prompt_lengths, spans, finish,
             )  # fmt: skip
     complete = sum(1 for g, n in group_count.items() if n >= group_size[g])
     ledger = read_ledger(root / LEDGER_NAME)
@@ -112,6 +113,8 @@ def summarize(bank_dir: str | Path) -> dict[str, Any]:
         "policy_version": policy_version,
         "score": _describe(scores),
         "response_length": _describe(lengths),
+        # multi-turn: the share of response tokens that are the policy's own (loss mask 1)
+        "trained_token_fraction": sum(trained) / max(sum(lengths), 1),
         "prompt_length": _describe(prompt_lengths),
         "finish_reason": dict(finish),
         "staleness_at_handout": _describe(staleness),
@@ -128,6 +131,7 @@ def _collect_batch(
     group_min_version: dict[str, int],
     scores: list[float],
     lengths: list[int],
+    trained: list[int],
     prompt_lengths: list[int],
     spans: list[int],
     finish: Counter[str],
@@ -139,6 +143,7 @@ def _collect_batch(
     reasons = batch.column("finish_reason").to_pylist()
     versions, v_off = list_column_numpy(batch, "token_versions")
     _, p_off = list_column_numpy(batch, "prompt_ids")
+    loss_mask = loss_mask_column(batch)  # aligned with token_versions (one per response token)
     duplicates = 0
     for i, uid in enumerate(uids):
         if uid in seen:
@@ -151,6 +156,7 @@ def _collect_batch(
         scores.append(batch_scores[i])
         finish[reasons[i]] += 1
         lengths.append(int(v_off[i + 1] - v_off[i]))
+        trained.append(int(loss_mask[v_off[i] : v_off[i + 1]].sum()))
         prompt_lengths.append(int(p_off[i + 1] - p_off[i]))
         tokens = versions[v_off[i] : v_off[i + 1]]
         if len(tokens):
@@ -199,6 +205,7 @@ def render(summary: dict[str, Any], out: TextIO) -> None:
     )
     stat("score", s["score"])
     stat("response length", s["response_length"])
+    out.write(f"  {'trained token fraction':<24} {s['trained_token_fraction']:.3f}\n")
     stat("prompt length", s["prompt_length"])
     out.write(f"  {'finish reasons':<24} {s['finish_reason']}\n")
     stat("staleness at hand-out", s["staleness_at_handout"])

@@ -1,7 +1,11 @@
 """The tensor math of PPO/GRPO with off-policy corrections: advantages and losses.
 
 Pure functions on ``[batch, response_len]`` tensors with a ``response_mask`` (1 for
-real response tokens, 0 for padding or tokens excluded from training). Names and
+real response tokens, 0 for padding or tokens excluded from training: a tool's or
+environment's reply inside a multi-turn response). Whatever a masked position
+holds (a meaningless behaviour logprob, a very negative policy logprob) never
+reaches a loss, a gradient or a metric: log-ratios are masked before ``exp``
+and ``agg_loss`` selects instead of multiplying. Names and
 semantics follow verl's ``verl/trainer/ppo/core_algos.py`` so results can be
 checked against it; where this module differs (padding handling, degenerate
 groups), the function's docstring says so. Decoupled PPO follows AReaL
@@ -100,8 +104,12 @@ def _float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Outcome reward as token rewards: ``scores[i]`` on the last token of row i where mask = 1.
 
-    ``[B] -> [B, T]``, zeros elsewhere. A row with no response token gets no
-    reward (nothing in it is trained on).
+    ``[B] -> [B, T]``, zeros elsewhere. The last *trained* token: verl puts the
+    score on the last response token, which is the same token whenever the
+    response ends with the policy's own token; a multi-turn response that ends on
+    a tool's reply (mask 0) still gets its reward, on the policy's last token
+    before it, where verl's masked GAE would pass over it and lose it. A row with
+    no trained token gets no reward (nothing in it is trained on).
     """
     if scores.ndim != 1 or response_mask.ndim != 2 or scores.shape[0] != response_mask.shape[0]:
         raise ValueError(
@@ -346,7 +354,10 @@ def policy_loss(
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"policy_loss: clip_ratio_c must be > 1 (dual clip), got {clip_ratio_c}")
 
-    log_ratio = torch.clamp(logprob - old_logprob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    # Masked before exp: a tool/env token's behaviour logprob is 0.0 and its policy logprob
+    # can be very negative, and an overflow there would turn its 0 weight into NaN.
+    trained = response_mask > 0
+    log_ratio = _masked_log_ratio(logprob, old_logprob, trained)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
@@ -363,11 +374,7 @@ def policy_loss(
         per_token = per_token * is_weights.detach()
     behavior_active = torch.zeros_like(clip_active)
     if behavior_logprob is not None:
-        behavior_ratio = torch.exp(
-            torch.clamp(
-                logprob - behavior_logprob.detach(), min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP
-            )
-        )
+        behavior_ratio = torch.exp(_masked_log_ratio(logprob, behavior_logprob.detach(), trained))
         bound = -advantages * torch.clamp(behavior_ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
         past = ((advantages > 0) & (behavior_ratio > 1 + clip_ratio_high)) | (
             (advantages < 0) & (behavior_ratio < 1 - clip_ratio_low)
@@ -396,6 +403,14 @@ def policy_loss(
             "pg_loss": loss.detach(),
         }
     return loss, metrics
+
+
+def _masked_log_ratio(
+    logprob: torch.Tensor, reference: torch.Tensor, trained: torch.Tensor
+) -> torch.Tensor:
+    """clamp(logprob − reference, ±20) on trained tokens, 0 elsewhere (no gradient there)."""
+    difference = torch.where(trained, logprob - reference, torch.zeros_like(logprob))
+    return torch.clamp(difference, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
 
 
 def value_loss(

@@ -17,7 +17,12 @@ so every rank computes the *same* plan locally, with no extra collective:
 
 Loss normalisation: the global token and sequence counts of a mini-batch are
 read off the global batch (identical on every rank, so equal to an all-reduce
-of the per-rank counts), which makes token-mean exact under any split.
+of the per-rank counts), which makes token-mean exact under any split. They
+count *trained* tokens: ``loss_mask`` (multi-turn responses) is 0 on a tool's or
+environment's reply, which the model reads as context but is not trained on;
+``response_mask`` is within-length AND the loss mask, the mask of every loss.
+Costs (rank balance, micro-batch budgets) count every token: the forward pass
+computes them all.
 
 Left out: shuffling mini-batches between epochs (verl's actor default is no
 shuffle), and splitting one sequence across micro-batches.
@@ -30,7 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from buffer.arrow_batch import SCHEMA, list_column_numpy
+from buffer.arrow_batch import REQUIRED_COLUMNS, list_column_numpy, loss_mask_column
+from buffer.wire import WireError
 
 
 class BatchError(ValueError):
@@ -47,6 +53,7 @@ class GlobalBatch:
     response_offsets: np.ndarray  # [B+1]
     behavior_logprobs: np.ndarray  # float32, aligned with response_values
     token_versions: np.ndarray  # int32, aligned with response_values
+    loss_mask: np.ndarray  # uint8, aligned with response_values: 1 trained, 0 tool/env token
     scores: np.ndarray  # float32 [B]
     group_index: np.ndarray  # int64 [B], groups numbered by first appearance
     temperature: np.ndarray  # float32 [B]
@@ -54,7 +61,7 @@ class GlobalBatch:
 
     @classmethod
     def from_arrow(cls, batch: pa.RecordBatch) -> GlobalBatch:
-        missing = [name for name in SCHEMA.names if name not in batch.schema.names]
+        missing = [name for name in REQUIRED_COLUMNS if name not in batch.schema.names]
         if missing:
             raise BatchError(f"learner batch lacks columns {missing} of buffer.arrow_batch.SCHEMA")
         if batch.num_rows == 0:
@@ -71,6 +78,10 @@ class GlobalBatch:
                 "learner batch: response_ids, behavior_logprobs and token_versions "
                 "have different per-row lengths"
             )
+        try:
+            loss_mask = loss_mask_column(batch)
+        except WireError as err:
+            raise BatchError(f"learner batch: {err}") from None
         if np.any(np.diff(prompt_offsets) == 0):
             row = int(np.argmax(np.diff(prompt_offsets) == 0))
             raise BatchError(f"learner batch row {row} has an empty prompt")
@@ -91,6 +102,7 @@ class GlobalBatch:
             response_offsets=response_offsets.astype(np.int64),
             behavior_logprobs=behavior.astype(np.float32, copy=False),
             token_versions=versions.astype(np.int64, copy=False),
+            loss_mask=loss_mask,
             scores=batch.column("score").to_numpy(zero_copy_only=False).astype(np.float32),
             group_index=group_index,
             temperature=temperature.astype(np.float32),
@@ -108,6 +120,12 @@ class GlobalBatch:
     @property
     def response_lens(self) -> np.ndarray:
         return np.diff(self.response_offsets)
+
+    @property
+    def trained_lens(self) -> np.ndarray:
+        """Per sequence, its response tokens with loss mask 1."""
+        cumulative = np.concatenate([[0], np.cumsum(self.loss_mask, dtype=np.int64)])
+        return cumulative[self.response_offsets[1:]] - cumulative[self.response_offsets[:-1]]
 
     @property
     def seq_lens(self) -> np.ndarray:
@@ -132,9 +150,8 @@ def padded(flat: np.ndarray, offsets: np.ndarray, width: int | None = None) -> n
 
 
 def response_mask(batch: GlobalBatch) -> np.ndarray:
-    lens = batch.response_lens
-    width = max(int(lens.max(initial=0)), 1)
-    return (np.arange(width)[None, :] < lens[:, None]).astype(np.float32)
+    """``[B, T]`` float32: 1 where a response token exists AND is trained (loss mask 1)."""
+    return padded(batch.loss_mask, batch.response_offsets).astype(np.float32)
 
 
 def mini_batches(group_index: np.ndarray, groups_per_mini_batch: int) -> list[np.ndarray]:
@@ -235,6 +252,6 @@ def plan_ranks(
 
 
 def global_counts(batch: GlobalBatch, indices: np.ndarray) -> tuple[int, int]:
-    """(response tokens, sequences with ≥1 response token) of a mini-batch, over all ranks."""
-    lens = batch.response_lens[indices]
+    """(trained tokens, sequences with ≥1 trained token) of a mini-batch, over all ranks."""
+    lens = batch.trained_lens[indices]
     return int(lens.sum()), int((lens > 0).sum())

@@ -21,8 +21,11 @@ With Δ_t = log π_prox − log π_behav and ρ_t = exp(clamp(Δ_t, ±20)):
 * ``seq_mis_geo``: as ``seq_mis`` with ρ_geo.
 
 Weights are computed under ``no_grad`` and detached: they are never
-differentiated. They are 0 on padding. A masked token keeps its place in the
-loss denominator (its contribution is 0), as AReaL.
+differentiated. They are 0 on padding and on tokens outside the response mask
+(a tool's or environment's reply inside a multi-turn response: its behaviour
+logprob is never read, and it takes no part in a sequence ratio). A token whose
+weight a MIS bound or ``decoupled_cap`` sets to 0 keeps its place in the loss
+denominator (its contribution is 0), as AReaL.
 
 The decoupled loss's second trust region, around π_behav (a stale token already
 past the PPO clip in its advantage's direction gets no gradient), lives in
@@ -95,9 +98,10 @@ def compute_importance_weights(
         dtype = torch.promote_types(proximal_logprob.dtype, torch.float32)
         mask = response_mask.to(dtype)
         valid = mask > 0
-        log_ratio = (
-            proximal_logprob.detach().to(dtype) - behavior_logprob.detach().to(dtype)
-        ) * mask
+        # masked before exp: a tool/env token's behaviour logprob (0.0 by convention) is
+        # meaningless, and its weight must be exactly 0, not exp(overflow) · 0 = NaN
+        difference = proximal_logprob.detach().to(dtype) - behavior_logprob.detach().to(dtype)
+        log_ratio = torch.where(valid, difference * mask, torch.zeros_like(mask))
         zeros = torch.zeros_like(mask)
         clipped = torch.zeros_like(valid)
         masked = torch.zeros_like(valid)

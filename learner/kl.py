@@ -46,8 +46,18 @@ K3_CLAMP: Final[float] = 10.0
 ADAPTIVE_KL_MAX_ERROR: Final[float] = 0.2
 
 
-def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate between the policy and the reference (formulas: module doc)."""
+def kl_penalty(
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    kind: str,
+    *,
+    response_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token KL estimate between the policy and the reference (formulas: module doc).
+
+    With ``response_mask``, Δ is 0 where the mask is 0 (the estimate there is 0 and
+    takes no gradient, whatever the logprobs hold).
+    """
     if logprob.shape != ref_logprob.shape:
         raise ValueError(
             f"kl_penalty: logprob shape {tuple(logprob.shape)} != "
@@ -57,6 +67,8 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> t
     if canonical is None:
         raise ValueError(f"kl_penalty: unknown kind {kind!r}; expected one of {sorted(KL_KINDS)}")
     log_ratio = logprob - ref_logprob
+    if response_mask is not None:
+        log_ratio = torch.where(response_mask > 0, log_ratio, torch.zeros_like(log_ratio))
     if canonical == "k1":
         return log_ratio
     if canonical == "abs":
@@ -84,9 +96,11 @@ def kl_loss(
 
     Not multiplied by ``kl_loss_coef``: the caller does that. Gradient flows
     through ``logprob`` only if the caller did not detach it; ``ref_logprob`` is
-    a frozen model's output.
+    a frozen model's output. Masked positions (padding, a multi-turn response's
+    tool/env tokens) take Δ = 0, so no value there, however extreme, reaches the
+    estimator or its gradient.
     """
-    per_token = kl_penalty(logprob, ref_logprob, kind)
+    per_token = kl_penalty(logprob, ref_logprob, kind, response_mask=response_mask)
     return agg_loss(
         per_token,
         response_mask,
@@ -167,7 +181,8 @@ def apply_kl_penalty_to_rewards(
 
     ``logprob`` is the policy's logprob of the sampled tokens before the update
     (verl uses ``old_log_probs``: π_prox in decoupled PPO). The KL fed to the
-    controller is the batch mean of per-sequence masked means, and the
+    controller is the mean of per-sequence masked means over the sequences with
+    at least one masked-in token (verl averages an empty one in as 0), and the
     controller is stepped with n = batch size (verl). Metrics are python floats
     (this runs once per batch, and the controller needs a host value anyway):
     ``actor/reward_kl_penalty`` (that KL) and ``actor/reward_kl_penalty_coeff``
@@ -180,10 +195,13 @@ def apply_kl_penalty_to_rewards(
         )
     with torch.no_grad():
         mask = response_mask.to(token_level_scores.dtype)
-        kld = kl_penalty(logprob.detach(), ref_logprob.detach(), kind).to(mask.dtype) * mask
+        kld = kl_penalty(logprob.detach(), ref_logprob.detach(), kind, response_mask=mask)
+        kld = kld.to(mask.dtype) * mask
         beta = kl_ctrl.value
         token_rewards = token_level_scores - beta * kld
-        current_kl = float(masked_mean(kld, mask, dim=-1).mean().item())
+        # sequences with no trained token (empty, or tool tokens only) have no KL to measure
+        has_tokens = (mask.sum(dim=-1) > 0).to(mask.dtype)
+        current_kl = float(masked_mean(masked_mean(kld, mask, dim=-1), has_tokens).item())
     if update_controller:
         kl_ctrl.update(current_kl=current_kl, n_steps=int(token_level_scores.shape[0]))
     metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}

@@ -1,7 +1,8 @@
 """Masked statistics and loss aggregation over ``[batch, response_len]`` tensors.
 
 Every learner loss is a per-token matrix reduced under a ``response_mask`` (1 for
-real response tokens, 0 for padding). This module holds the reductions:
+trained response tokens, 0 for padding and for a tool's or environment's reply
+inside a multi-turn response). This module holds the reductions:
 ``masked_mean``, ``masked_var``, ``masked_whiten`` (verl semantics: unbiased
 variance) and ``agg_loss``, the four loss aggregation modes of verl.
 
@@ -57,7 +58,7 @@ def _check_same_shape(x: torch.Tensor, mask: torch.Tensor, where: str) -> None:
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Σ x·mask over ``dim`` (all elements when ``dim`` is None)."""
     _check_same_shape(x, mask, "masked_sum")
-    prod = x * mask
+    prod = torch.where(mask > 0, x * mask, torch.zeros_like(x))  # a masked inf/NaN stays out
     return prod.sum() if dim is None else prod.sum(dim=dim)
 
 
@@ -142,12 +143,16 @@ def agg_loss(
     Every mode is then multiplied by ``dp_size`` (see the module docstring: pass
     the FSDP data-parallel world size together with global counts; leave 1 for a
     plain local mean). Sequences with no response tokens are excluded from |S|
-    (verl's newer behaviour; the old one averaged them in as 0 or NaN).
+    (verl's newer behaviour; the old one averaged them in as 0 or NaN); so are
+    sequences whose every token is masked (a multi-turn response of tool tokens only).
     """
     _check_same_shape(loss_mat, response_mask, "agg_loss")
     if dp_size < 1:
         raise ValueError(f"agg_loss: dp_size must be >= 1, got {dp_size}")
     mask = response_mask.to(loss_mat.dtype)
+    # select, not only multiply: an inf or NaN on a masked position (a tool token's
+    # meaningless value) would survive ``x · 0``
+    loss_mat = torch.where(mask > 0, loss_mat, torch.zeros_like(loss_mat))
     if mode == "token-mean":
         total = (loss_mat * mask).sum()
         if global_token_count is None:

@@ -8,8 +8,21 @@ global batch exactly as a single process would, whatever the number of ranks.
 Tensors are right-padded ``[B, T]`` over response tokens (``T`` = the longest
 response), the layout of ``learner.algorithms``.
 
-Left out: process rewards (one score per step); multi-turn loss masks (every
-response token is trained on).
+Multi-turn responses: ``Targets.mask`` is ``batching.response_mask``, 0 on
+padding and on a tool's or environment's reply inside a response (loss mask 0).
+Every per-token quantity here is taken under it: such a token has advantage 0,
+IS weight 0 and no KL penalty, and its behaviour logprob (0.0 by convention,
+meaningless) is never read. The sequence score goes on the last *trained* token
+(``alg.scores_to_token_rewards``): verl's placement (the last response token)
+whenever the response ends with the policy's own token, and one that keeps the
+reward when a response ends on a tool reply (verl's masked GAE would drop a
+reward placed on a masked step). GRPO/RLOO broadcast each sequence's advantage
+over its trained tokens; GAE and REINFORCE++ pass masked steps through as verl
+does (``alg.compute_gae``, ``alg.compute_reinforce_pp_advantages``). A sequence
+with no trained token keeps its score in its group's statistics (it is an
+outcome of the prompt) but has no token to train.
+
+Left out: process rewards (one score per step).
 """
 
 from __future__ import annotations
@@ -93,7 +106,7 @@ def prepare_targets(
             token_rewards, values, mask, algo.gamma, algo.lam, whiten=algo.whiten_advantages
         )
     elif algo.adv_estimator in ("grpo", "drgrpo"):
-        sequence_rewards = (token_rewards * mask).sum(dim=-1)
+        sequence_rewards = _sequence_rewards(token_rewards, scores, mask)
         advantages = alg.compute_grpo_advantages(
             sequence_rewards,
             group,
@@ -101,7 +114,7 @@ def prepare_targets(
             norm_by_std=algo.norm_by_std and algo.adv_estimator == "grpo",
         )
     elif algo.adv_estimator == "rloo":
-        sequence_rewards = (token_rewards * mask).sum(dim=-1)
+        sequence_rewards = _sequence_rewards(token_rewards, scores, mask)
         advantages = alg.compute_rloo_advantages(sequence_rewards, group, mask)
     elif algo.adv_estimator == "reinforce_pp":
         advantages = alg.compute_reinforce_pp_advantages(token_rewards, mask, algo.gamma)
@@ -126,8 +139,10 @@ def prepare_targets(
 
     behavior_clip = corr.mode == "decoupled" and corr.decoupled_behavior_clip
     metrics["critic/advantages/mean"] = float(alg.masked_mean(advantages, mask))
-    metrics["critic/advantages/max"] = float(advantages.masked_fill(mask == 0, -1e30).max())
-    metrics["critic/advantages/min"] = float(advantages.masked_fill(mask == 0, 1e30).min())
+    trained = mask > 0
+    if bool(trained.any()):
+        metrics["critic/advantages/max"] = float(advantages[trained].max())
+        metrics["critic/advantages/min"] = float(advantages[trained].min())
     ret = returns if returns is not None else token_rewards.flip(-1).cumsum(-1).flip(-1)
     metrics["critic/returns/mean"] = float(alg.masked_mean(ret, mask))
     if values is not None:
@@ -147,6 +162,14 @@ def prepare_targets(
     )
 
 
+def _sequence_rewards(
+    token_rewards: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Per sequence, Σ of its trained tokens' rewards (score − β·ΣKL); its score if it has none."""
+    summed = (token_rewards * mask).sum(dim=-1)
+    return torch.where(mask.sum(dim=-1) > 0, summed, scores.to(summed.dtype))
+
+
 def batch_metrics(batch: GlobalBatch, policy_version: int) -> dict[str, float]:
     """Scores, lengths and staleness of the global batch (verl metric names)."""
     response_lens = batch.response_lens
@@ -162,6 +185,9 @@ def batch_metrics(batch: GlobalBatch, policy_version: int) -> dict[str, float]:
         "prompt_length/max": float(batch.prompt_lens.max()),
         "perf/tokens": float(batch.seq_lens.sum()),
         "perf/response_tokens": float(response_lens.sum()),
+        # multi-turn: the share of response tokens that are the policy's own (loss mask 1)
+        "response/trained_token_fraction": float(batch.loss_mask.sum())
+        / max(int(response_lens.sum()), 1),
     }
     has_tokens = response_lens > 0
     if has_tokens.any():

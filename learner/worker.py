@@ -26,8 +26,9 @@ One ``step`` (every rank runs the same code on the same global batch):
       -> LR schedulers step once; metrics reduced over ranks (token-weighted)
 
 Metric names follow verl (``actor/pg_loss``, ``critic/vf_loss``, ...), plus
-``staleness/*``, ``is/*``, ``timing_s/*``; ``actor/skipped_nonfinite`` counts
-mini-batches whose update was skipped (the driver stops after too many in a row).
+``staleness/*``, ``is/*``, ``timing_s/*``, ``response/*``; ``actor/skipped_nonfinite``
+counts mini-batches whose update was skipped (the driver stops after too many in a row).
+Losses and per-token metrics count trained tokens only (``batching.response_mask``).
 
 Models are built on the meta device and each rank reads only its shards
 (``learner.model_build`` over ``learner.sharded_load``). With
@@ -367,9 +368,8 @@ class LearnerWorker:
                 loss = loss + self.cfg.kl.kl_loss_coef * kl
                 kl_loss_local += kl.detach()
             (loss + out.anchor).backward()
-            tokens = float(mb.num_tokens) * self._report
-            entropy_sum = float((entropy.detach() * mask).sum())
-            sums.add("actor/entropy", entropy_sum / max(tokens, 1.0), tokens)
+            tokens = float(mask.sum()) * self._report  # trained tokens: metrics are over them
+            sums.add("actor/entropy", float(alg.masked_mean(entropy.detach(), mask)), tokens)
             sums.add("actor/pg_clipfrac", float(m["pg_clipfrac"]), tokens)
             sums.add("actor/pg_clipfrac_lower", float(m["pg_clipfrac_lower"]), tokens)
             sums.add("actor/pg_clipfrac_behavior", float(m["pg_clipfrac_behavior"]), tokens)
@@ -401,14 +401,15 @@ class LearnerWorker:
             flat_values, anchor = value_forward(self.critic, mb, sp=self.sp)
             values = split_by_sequence(flat_values, mb)
             width = values.shape[1]
+            mask = targets.mask[indices, :width]
             loss, m = alg.value_loss(
                 values, targets.old_values[indices, :width], targets.returns[indices, :width],
-                targets.mask[indices, :width], cc.cliprange_value, cc.loss_agg_mode,
-                counts[0], counts[1], dp_size=ws,
+                mask, cc.cliprange_value, cc.loss_agg_mode, counts[0], counts[1], dp_size=ws,
             )  # fmt: skip
             (loss + anchor).backward()
             vf_loss_local += loss.detach()
-            sums.add("critic/vf_clipfrac", float(m["vf_clipfrac"]), mb.num_tokens * self._report)
+            tokens = float(mask.sum()) * self._report  # trained tokens: metrics are over them
+            sums.add("critic/vf_clipfrac", float(m["vf_clipfrac"]), tokens)
         sums.add("critic/vf_loss", float(vf_loss_local) / self.sp_size, self._report / ws)
         self._optimizer_step(
             "critic", self.critic, self.critic_optimizer, cc.optim.grad_clip, vf_loss_local

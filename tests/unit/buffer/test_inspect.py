@@ -8,7 +8,7 @@ import io
 from buffer.config import BufferConfig
 from buffer.core import BufferCore
 from buffer.inspect import main, render, summarize
-from buffer.synthetic import make_group
+from buffer.synthetic import make_group, make_trajectory
 
 
 def test_summary_counts_groups_handouts_and_staleness(tmp_path, capsys):
@@ -40,3 +40,21 @@ def test_summary_counts_groups_handouts_and_staleness(tmp_path, capsys):
 def test_missing_folder_exits_2_with_a_message(tmp_path, capsys):
     assert main(argparse.Namespace(dir=str(tmp_path / "nope"))) == 2
     assert "is not a folder" in capsys.readouterr().err
+
+
+def test_trained_token_fraction_counts_the_policys_own_tokens(tmp_path):
+    core = BufferCore(
+        BufferConfig(max_staleness=2), bank_dir=tmp_path, groups_per_version=1,
+        max_concurrent_groups=4,
+    )  # fmt: skip
+    core.ingest(
+        [
+            make_trajectory("t", 0, 2, response_len=4, loss_mask=[1, 0, 0, 1]),
+            make_trajectory("t", 1, 2, response_len=4),
+        ]
+    )
+    summary = summarize(tmp_path)
+    assert summary["trained_token_fraction"] == 6 / 8
+    out = io.StringIO()
+    render(summary, out)
+    assert "trained token fraction   0.750" in out.getvalue()
