@@ -18,19 +18,21 @@ This module is the one import the learner needs: it also re-exports
   ``apply_kl_penalty_to_rewards``                                 (learner.kl)
 * ``compute_importance_weights``                                  (learner.corrections)
 * ``logprobs_from_logits``, ``entropy_from_logits``               (learner.logits_ops)
+* ``gspo_policy_loss``, ``GSPO_AGG_MODE``                          (learner.gspo)
 
 A step of the learner, in these terms: scores → ``scores_to_token_rewards``
 (optionally ``apply_kl_penalty_to_rewards``) → advantages (``compute_gae`` /
 ``compute_grpo_advantages`` / ``compute_rloo_advantages`` /
 ``compute_reinforce_pp_advantages``) → per micro-batch ``logprobs_from_logits``
-→ ``compute_importance_weights`` → ``policy_loss`` (+ ``value_loss``,
+→ ``compute_importance_weights`` → ``policy_loss`` or ``gspo_policy_loss``
+(``learner.policy_loss.loss_mode``) (+ ``value_loss``,
 + ``kl_loss``·coef, − entropy·coef) with global counts for split invariance.
 
 Advantage estimators run under ``no_grad`` and return tensors that are 0 on
 padding. Loss metrics are 0-dim detached tensors (no host sync per micro-batch;
 call ``.item()`` once per step).
 
-Left out: GSPO/GMPO/clip-cov loss variants, ReMax, pass@k advantages, value
+Left out: GMPO/clip-cov/SAPO loss variants, ReMax, pass@k advantages, value
 heads and critics themselves (the learner owns the models).
 """
 
@@ -44,6 +46,8 @@ import torch
 
 from learner.config import CORRECTION_MODES
 from learner.corrections import compute_importance_weights
+from learner.gspo import AGG_MODE as GSPO_AGG_MODE
+from learner.gspo import gspo_policy_loss
 from learner.kl import (
     KL_KINDS,
     AdaptiveKLController,
@@ -61,6 +65,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "AdaptiveKLController",
     "FixedKLController",
+    "GSPO_AGG_MODE",
     "agg_loss",
     "apply_kl_penalty_to_rewards",
     "compute_gae",
@@ -69,6 +74,7 @@ __all__ = [
     "compute_reinforce_pp_advantages",
     "compute_rloo_advantages",
     "entropy_from_logits",
+    "gspo_policy_loss",
     "kl_loss",
     "kl_penalty",
     "logprobs_from_logits",

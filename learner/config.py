@@ -28,6 +28,7 @@ CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
 # masked importance sampling: weights outside [is_low, is_high] are masked
 MIS_MODES: tuple[str, ...] = tuple(m for m in CORRECTION_MODES if m.endswith(("_mis", "_mis_geo")))
 KLKind = Literal["k1", "k2", "k3", "low_var_kl", "kl", "abs", "mse"]
+PolicyLossMode = Literal["vanilla", "gspo"]
 LossAggMode = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 ]
@@ -73,6 +74,12 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class PolicyLossConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    loss_mode: Annotated[
+        PolicyLossMode,
+        Meta(
+            description="Policy loss (verl's actor.policy_loss.loss_mode). vanilla: PPO clip on per-token ratios. gspo: GSPO (arXiv 2507.18071), one ratio per sequence, the geometric mean of its trained tokens' π_θ/π_old, clipped with clip_ratio_low/high (the paper: 3e-4 / 4e-4; set them, the defaults are PPO's); its policy loss is always seq-mean-token-mean, as in verl, and loss_agg_mode then reduces only the entropy bonus and the KL loss. With a correction, the ratio is against π_prox and the per-token π_prox/π_behav weights multiply the loss as in vanilla; decoupled_behavior_clip bounds π_θ/π_behav per sequence with the GSPO ranges (learner/gspo.py).",
+        ),
+    ] = "vanilla"
     clip_ratio_low: Annotated[float, Meta(ge=0, description="PPO clip ε_low.")] = 0.2
     clip_ratio_high: Annotated[float, Meta(ge=0, description="PPO clip ε_high.")] = 0.2
     clip_ratio_c: Annotated[
@@ -106,7 +113,7 @@ class CorrectionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     decoupled_behavior_clip: Annotated[
         bool,
         Meta(
-            description="Decoupled: also clip π_θ/π_behav with the PPO bounds, so a stale token the policy has already moved past the trust region in its advantage's direction gets no gradient. With one mini-batch per step π_prox = π_θ and the π_prox clip never binds; without this bound a token pushed up since it was sampled is pushed again with weight π_prox/π_behav (up to the cap).",
+            description="Decoupled: also clip π_θ/π_behav with the PPO bounds, so a stale token the policy has already moved past the trust region in its advantage's direction gets no gradient. With one mini-batch per step π_prox = π_θ and the π_prox clip never binds; without this bound a token pushed up since it was sampled is pushed again with weight π_prox/π_behav (up to the cap). With policy_loss.loss_mode=gspo the bound is per sequence (geometric-mean π_θ/π_behav against the GSPO ranges).",
         ),
     ] = True
 

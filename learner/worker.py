@@ -20,7 +20,8 @@ One ``step`` (every rank runs the same code on the same global batch):
          rank's share, all-reduced into global per-token tensors
       -> prepare_targets: rewards (+KL), advantages, IS weights over the global batch
       -> for epoch, for mini-batch (whole groups): micro-batches of this rank's share;
-         loss = policy_loss(global counts, dp_size) − c_H·H + c_KL·KL; backward (summed)
+         loss = policy_loss (PPO clip or GSPO: policy_loss.loss_mode)(global counts, dp_size)
+                − c_H·H + c_KL·KL; backward (summed)
          -> clip grad norm; optimizer step unless loss or norm is non-finite
          -> critic: the same with value_loss
       -> LR schedulers step once; metrics reduced over ranks (token-weighted)
@@ -149,6 +150,13 @@ class LearnerWorker:
         """Join the group, then load, shard and build optimizers for every model."""
         if self.cfg.algorithm.adv_estimator == "gae" and not self.uses_critic:
             raise ValueError("learner.algorithm.adv_estimator=gae needs learner.critic.enabled")
+        pl = self.cfg.policy_loss
+        if self.rank == 0 and pl.loss_mode == "gspo" and pl.loss_agg_mode != alg.GSPO_AGG_MODE:
+            log.info(
+                "learner.policy_loss.loss_mode=gspo aggregates the policy loss %s (as verl); "
+                "learner.policy_loss.loss_agg_mode=%s reduces only the entropy bonus and KL loss",
+                alg.GSPO_AGG_MODE, pl.loss_agg_mode,
+            )  # fmt: skip
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -347,13 +355,23 @@ class LearnerWorker:
             width = logprob.shape[1]
             mask = targets.mask[indices, :width]
             pick = _slicer(indices, width)
-            loss, m = alg.policy_loss(
-                logprob, pick(targets.old_logprob), pick(targets.advantages), mask,
+            loss_inputs = (logprob, pick(targets.old_logprob), pick(targets.advantages), mask)
+            clip_kwargs = dict(
                 clip_ratio_low=pl.clip_ratio_low, clip_ratio_high=pl.clip_ratio_high,
                 clip_ratio_c=pl.clip_ratio_c, is_weights=pick(targets.is_weights),
                 behavior_logprob=pick(targets.behavior_logprob),
-                loss_agg_mode=pl.loss_agg_mode, **count_kwargs,
             )  # fmt: skip
+            if pl.loss_mode == "gspo":  # always seq-mean-token-mean (learner.gspo)
+                loss, m = alg.gspo_policy_loss(
+                    *loss_inputs, **clip_kwargs, global_seq_count=counts[1], dp_size=ws
+                )
+                seqs = float((mask > 0).any(dim=-1).sum()) * self._report
+                for key in ("seq_ratio_mean", "seq_ratio_abs_dev"):
+                    sums.add(f"actor/{key}", float(m[key]), seqs)
+            else:
+                loss, m = alg.policy_loss(
+                    *loss_inputs, **clip_kwargs, loss_agg_mode=pl.loss_agg_mode, **count_kwargs
+                )
             pg_loss_local += m["pg_loss"]
             entropy = split_by_sequence(out.entropy, mb)
             if pl.entropy_coeff > 0:
