@@ -8,6 +8,7 @@ Every comparison is against an independent computation of the same quantity.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -177,3 +178,43 @@ def test_packed_rows_under_a_budget_train_as_one_row(tiny_model_dir, monkeypatch
         one_metrics[0]["actor/pg_loss"], abs=ATOL
     )
     assert_weights_close(rows_weights[0], one_weights[0])
+
+
+GSPO = {
+    "algorithm": {"adv_estimator": "grpo"},
+    "policy_loss": {"loss_mode": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4},
+    "kl": {"use_kl_loss": False},
+}
+
+
+def test_gspo_steps_are_finite_move_the_weights_and_ignore_the_micro_batch_split(
+    tiny_model_dir,
+):
+    """loss_mode=gspo through the worker: decoupled correction, 6 mini-batches per step (so
+    π_θ drifts from π_prox and the sequence clip binds), seq-mean-token-mean with the global
+    sequence count: many small micro-batches train exactly as one big one."""
+    from fleetrl.models.loading import load_causal_lm
+
+    small_metrics, small_weights = one_rank_steps(tiny_model_dir, 2, GSPO)
+    for metrics in small_metrics:
+        assert metrics["actor/skipped_nonfinite"] == 0.0
+        assert all(math.isfinite(v) for v in metrics.values()), metrics
+        assert 0.9 < metrics["actor/seq_ratio_mean"] < 1.1
+    assert small_metrics[1]["actor/pg_clipfrac"] > 0  # the GSPO clip is active
+    start = dict(load_causal_lm(tiny_model_dir).named_parameters())
+    moved = max((small_weights[0][n] - start[n]).abs().max().item() for n in start)
+    assert moved > 1e-4
+    big_metrics, big_weights = one_rank_steps(
+        tiny_model_dir, 2, {**GSPO, "max_tokens_per_micro_batch": 100000}
+    )
+    for step in range(2):
+        assert big_metrics[step]["actor/pg_loss"] == pytest.approx(
+            small_metrics[step]["actor/pg_loss"], abs=ATOL
+        )
+        assert_weights_close(big_weights[step], small_weights[step])
+    vanilla_metrics, vanilla_weights = one_rank_steps(
+        tiny_model_dir, 1, {**GSPO, "policy_loss": {"loss_mode": "vanilla"}}
+    )
+    assert "actor/seq_ratio_mean" not in vanilla_metrics[0]
+    apart = max((vanilla_weights[0][n] - small_weights[0][n]).abs().max().item() for n in start)
+    assert apart > 1e-5  # not vacuous: GSPO trains to other weights than PPO

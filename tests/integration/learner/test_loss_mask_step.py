@@ -51,6 +51,12 @@ SCENARIOS = {
         "correction": {"mode": "bypass"},
         "kl": {"use_kl_loss": False},
     },
+    # sequence ratios: a tool token must stay out of every sequence mean
+    "grpo_gspo_decoupled": {
+        "algorithm": {"adv_estimator": "grpo"},
+        "policy_loss": {"loss_mode": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4},
+        "kl": {"use_kl_loss": False},
+    },
 }
 
 
