@@ -100,6 +100,14 @@ def shifted(deltas):
     ]
 
 
+def masked_filled(rows, value):
+    """``rows`` with ``value`` on every position outside ``MASK``."""
+    return [
+        [x if m else value for x, m in zip(row, row_mask, strict=True)]
+        for row, row_mask in zip(rows, MASK, strict=True)
+    ]
+
+
 def per_sequence(values):
     return [[v] * 5 for v in values]
 
@@ -259,10 +267,7 @@ def test_single_token_sequences_equal_vanilla_ppo_with_corrections():
 
 def test_on_policy_gspo_equals_vanilla_seq_mean_token_mean():
     """π_θ = π_old: s_i = r_t = 1 and both gradients are −A·w·∇log π_θ per token."""
-    lp = [
-        [o if m else NEG for o, m in zip(r, mr, strict=True)]
-        for r, mr in zip(OLD, MASK, strict=True)
-    ]
+    lp = masked_filled(OLD, NEG)
     adv = [[1.0, 0, -0.5, 0.3, 0], [-1.0, 0.4, 0, 0, 0], [0.2, -0.2, 0.9, 0, 0]]
     weights = torch.tensor([[1.3, 0, 0.0, 1.1, 0], [0.9, 0.8, 0, 0, 0], [1.0, 2.0, 0.5, 0, 0]])
     (g_loss, g_grad, _), (v_loss, v_grad, _) = run_both(
@@ -277,26 +282,9 @@ def test_on_policy_gspo_equals_vanilla_seq_mean_token_mean():
 def test_masked_tokens_with_extreme_values_change_nothing_and_give_no_nan():
     case = dict(CASES["clipped on both sides"])
     lp, adv = shifted(case.pop("deltas")), case.pop("adv")
-    benign = [
-        [x if m else -1.0 for x, m in zip(r, mr, strict=True)]
-        for r, mr in zip(lp, MASK, strict=True)
-    ]
-    hostile = [
-        [x if m else -math.inf for x, m in zip(r, mr, strict=True)]
-        for r, mr in zip(lp, MASK, strict=True)
-    ]
-    hostile_old = [
-        [x if m else math.inf for x, m in zip(r, mr, strict=True)]
-        for r, mr in zip(OLD, MASK, strict=True)
-    ]
-    hostile_behavior = [
-        [x if m else math.nan for x, m in zip(r, mr, strict=True)]
-        for r, mr in zip(OLD, MASK, strict=True)
-    ]
-    behavior = [
-        [x if m else 0.0 for x, m in zip(r, mr, strict=True)]
-        for r, mr in zip(OLD, MASK, strict=True)
-    ]
+    benign, hostile = masked_filled(lp, -1.0), masked_filled(lp, -math.inf)
+    hostile_old = masked_filled(OLD, math.inf)
+    behavior, hostile_behavior = masked_filled(OLD, 0.0), masked_filled(OLD, math.nan)
     weights = [[1.0] * 5 for _ in MASK]
     calm = run(benign, OLD, adv, MASK, weights=weights, behavior=behavior, **case)
     wild = run(hostile, hostile_old, adv, MASK, weights=weights, behavior=hostile_behavior, **case)
