@@ -159,6 +159,19 @@ def equal_score_filter_has_groups(cfg: RunConfig) -> Iterator[ConfigError]:
 
 
 @rule
+def overlong_buffer_fits_the_response_cap(cfg: RunConfig) -> Iterator[ConfigError]:
+    buffer_len = cfg.learner.algorithm.overlong_buffer_len
+    if buffer_len and buffer_len >= cfg.rollout.max_new_tokens:
+        yield refuse(
+            "learner.algorithm.overlong_buffer_len",
+            "rollout.max_new_tokens",
+            f"{buffer_len} >= {cfg.rollout.max_new_tokens}",
+            "the punishment starts max_new_tokens - overlong_buffer_len tokens in, so the"
+            " buffer must be shorter than the cap (DAPO: 4096 of 20480)",
+        )
+
+
+@rule
 def masked_is_window_is_open(cfg: RunConfig) -> Iterator[ConfigError]:
     corr = cfg.learner.correction
     if corr.mode in MIS_MODES and corr.is_low >= corr.is_high:

@@ -152,6 +152,7 @@ class LearnerRole:
             seed=self.cfg.trainer.seed,
             device=self.device,
             total_steps=self.cfg.trainer.total_steps,
+            max_response_length=self.cfg.rollout.max_new_tokens,
         )
         self.worker.setup()
         from launcher.plan import learner_gb

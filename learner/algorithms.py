@@ -107,6 +107,22 @@ def _float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- rewards
 
 
+def overlong_penalty(
+    response_lens: torch.Tensor, max_response_length: int, buffer_len: int, factor: float
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment per sequence (``[B]``, ≤ 0), as verl's DAPO reward
+    manager computes it: with ``expected = max_response_length − buffer_len``, a response of
+    length L gets ``min(−(L − expected) / buffer_len × factor, 0)``."""
+    if not 0 < buffer_len < max_response_length:
+        raise ValueError(
+            f"overlong_penalty: buffer_len must be in (0, max_response_length={max_response_length}),"
+            f" got {buffer_len}"
+        )
+    expected = max_response_length - buffer_len
+    excess = response_lens.to(torch.float64) - expected
+    return torch.clamp(-excess / buffer_len * factor, max=0.0)
+
+
 def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Outcome reward as token rewards: ``scores[i]`` on the last token of row i where mask = 1.
 

@@ -71,6 +71,17 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     whiten_advantages: Annotated[
         bool, Meta(description="GAE: whiten advantages over the global batch.")
     ] = True
+    overlong_buffer_len: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="DAPO's soft overlong punishment (verl's reward_model.overlong_buffer.len): a response longer than rollout.max_new_tokens minus this many tokens loses overlong_penalty_factor × (excess ÷ this) from its score, up to the whole factor at the cap; its length counts every response token (tool replies included, as verl's). Applied by the learner before advantages; the buffer's equal-score filter sees the unpenalised score (DAPO's default filter metric, accuracy). 0 = off.",
+        ),
+    ] = 0
+    overlong_penalty_factor: Annotated[
+        float,
+        Meta(ge=0, description="The most the overlong punishment takes from a score."),
+    ] = 1.0
 
 
 class PolicyLossConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

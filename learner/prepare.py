@@ -22,6 +22,9 @@ does (``alg.compute_gae``, ``alg.compute_reinforce_pp_advantages``). A sequence
 with no trained token keeps its score in its group's statistics (it is an
 outcome of the prompt) but has no token to train.
 
+DAPO's overlong punishment (``algorithm.overlong_buffer_len``) is added to each
+score here, before advantages, from the response's length.
+
 Left out: process rewards (one score per step).
 """
 
@@ -76,8 +79,13 @@ def prepare_targets(
     values: torch.Tensor | None,
     kl_ctrl: alg.FixedKLController | alg.AdaptiveKLController,
     device: torch.device,
+    max_response_length: int = 0,
 ) -> tuple[Targets, dict[str, float]]:
-    """Targets from the global batch; the three model outputs are ``[B, T]`` or None."""
+    """Targets from the global batch; the three model outputs are ``[B, T]`` or None.
+
+    ``max_response_length`` (rollout.max_new_tokens) is needed only by the overlong
+    punishment (``algorithm.overlong_buffer_len`` > 0).
+    """
     mask = torch.from_numpy(response_mask(batch)).to(device)
     width = mask.shape[1]
     behavior = torch.from_numpy(padded(batch.behavior_logprobs, batch.response_offsets, width)).to(
@@ -86,6 +94,17 @@ def prepare_targets(
     old_logprob = behavior if prox_logprob is None else prox_logprob
     scores = torch.from_numpy(batch.scores).to(device)
     metrics: dict[str, float] = {}
+    algo = cfg.algorithm
+    if algo.overlong_buffer_len > 0:
+        penalty = alg.overlong_penalty(
+            torch.from_numpy(batch.response_lens).to(device),
+            max_response_length,
+            algo.overlong_buffer_len,
+            algo.overlong_penalty_factor,
+        ).to(scores.dtype)
+        scores = scores + penalty
+        metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
+        metrics["reward/overlong_frac"] = float((penalty < 0).float().mean())
 
     token_rewards = alg.scores_to_token_rewards(scores, mask)
     if cfg.kl.use_kl_in_reward:
@@ -96,7 +115,6 @@ def prepare_targets(
         )
         metrics.update(kl_metrics)
 
-    algo = cfg.algorithm
     group = torch.from_numpy(batch.group_index).to(device)
     returns = None
     if algo.adv_estimator == "gae":

@@ -106,8 +106,15 @@ class LearnerWorker:
         seed: int,
         device: str = "cpu",
         total_steps: int = 0,
+        max_response_length: int = 0,
     ) -> None:
+        if learner_cfg.algorithm.overlong_buffer_len and max_response_length <= 0:
+            raise ValueError(
+                "learner.algorithm.overlong_buffer_len needs the response cap: pass"
+                " max_response_length (rollout.max_new_tokens)"
+            )
         self.cfg = learner_cfg
+        self.max_response_length = max_response_length
         self.model_cfg = model_cfg
         self.rank = rank
         self.world_size = world_size
@@ -299,7 +306,7 @@ class LearnerWorker:
         metrics["timing_s/forward_no_grad"] = time.perf_counter() - tick
         targets, target_metrics = prepare_targets(
             gb, self.cfg, prox_logprob=prox, ref_logprob=ref, values=values,
-            kl_ctrl=self.kl_ctrl, device=self.device,
+            kl_ctrl=self.kl_ctrl, device=self.device, max_response_length=self.max_response_length,
         )  # fmt: skip
         metrics.update(target_metrics)
 
