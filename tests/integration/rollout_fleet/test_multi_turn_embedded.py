@@ -21,22 +21,15 @@ import time
 import numpy as np
 import pytest
 
-from buffer.wire import AdmissionState
 from fleetrl.data.reader import PromptItem
-from rollout_fleet.client import EngineClient
-from rollout_fleet.config import RolloutConfig
 from rollout_fleet.engine.server import EmbeddedEngine
 from rollout_fleet.multi_turn.config import MultiTurnConfig
-from rollout_fleet.rewards.runner import RewardRunner
-from rollout_fleet.router import Router
-from rollout_fleet.worker import RolloutWorker
 from tests.integration.rollout_fleet.test_worker_embedded import (
-    Sink,
     abort_and_update,
-    parity_reward,
     run_then_close,
     run_with_midway_action,
 )
+from tests.integration.rollout_fleet.test_worker_embedded import make_worker as make_embedded_worker
 
 REPLIES = 2  # the scripted environment answers the first two turns, then says done
 _calls: dict[str, list[list[dict]]] = {}  # prompt text -> the messages of every call
@@ -109,34 +102,14 @@ def prompts(tokenizer, texts):
 
 
 def make_worker(engine, tokenizer, items, *, env, max_new_tokens, n=1, **multi_turn):
-    router = Router()
-    router.membership.launch(engine.engine_id, engine.base_url)
-    router.membership.weights_loaded(engine.engine_id, 0)
-    sink = Sink()
-    cfg = RolloutConfig(
+    worker, _, sink = make_embedded_worker(
+        [engine],
+        tokenizer,
         n=n,
+        items=items,
         max_new_tokens=max_new_tokens,
-        retry_backoff_s=0.05,
-        admission_poll_interval_s=0.02,
-        request_timeout_s=60,
-        multi_turn=MultiTurnConfig(env=f"{__name__}:{env}", **multi_turn),
-    )
-    worker = RolloutWorker(
-        cfg,
-        engines={engine.engine_id: EngineClient(engine.base_url, timeout_s=60)},
-        router=router,
-        reader=iter(items),
-        sender=sink,
-        admission_source=lambda: AdmissionState(
-            policy_version=0,
-            accepted_groups=0,
-            max_staleness=0,
-            groups_per_version=1000,
-            max_concurrent=cfg.max_concurrent_groups,
-        ),
-        reward_runner=RewardRunner(timeout_s=5, max_workers=2, custom_fn=parity_reward),
-        tokenizer=tokenizer,
         stop_token_ids=stop_ids(tokenizer),
+        multi_turn=MultiTurnConfig(env=f"{__name__}:{env}", **multi_turn),
     )
     return worker, sink
 

@@ -78,7 +78,18 @@ def prompts(tokenizer, count):
     return items
 
 
-def make_worker(engines, tokenizer, *, n, count, **config):
+def make_worker(
+    engines,
+    tokenizer,
+    *,
+    n,
+    count=0,
+    items=None,
+    max_new_tokens=MAX_NEW_TOKENS,
+    stop_token_ids=None,
+    **config,
+):
+    """A worker on ``engines`` over ``items`` (default: ``count`` addition prompts)."""
     router = Router()
     for engine in engines:
         router.membership.launch(engine.engine_id, engine.base_url)
@@ -86,7 +97,7 @@ def make_worker(engines, tokenizer, *, n, count, **config):
     sink = Sink()
     cfg = RolloutConfig(
         n=n,
-        max_new_tokens=MAX_NEW_TOKENS,
+        max_new_tokens=max_new_tokens,
         retry_backoff_s=0.05,
         admission_poll_interval_s=0.02,
         request_timeout_s=60,
@@ -96,7 +107,7 @@ def make_worker(engines, tokenizer, *, n, count, **config):
         cfg,
         engines={e.engine_id: EngineClient(e.base_url, timeout_s=60) for e in engines},
         router=router,
-        reader=iter(prompts(tokenizer, count)),
+        reader=iter(items if items is not None else prompts(tokenizer, count)),
         sender=sink,
         admission_source=lambda: AdmissionState(  # as the buffer reports it: nothing accepted
             policy_version=0,
@@ -107,6 +118,7 @@ def make_worker(engines, tokenizer, *, n, count, **config):
         ),
         reward_runner=RewardRunner(timeout_s=5, max_workers=2, custom_fn=parity_reward),
         tokenizer=tokenizer,
+        stop_token_ids=stop_token_ids,
     )
     return worker, router, sink
 
