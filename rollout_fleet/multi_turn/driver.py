@@ -46,10 +46,9 @@ from rollout_fleet.trajectory import SampleProgress
 
 @dataclass
 class Conversation:
-    """A finished multi-turn sample: the response and the messages it renders."""
+    """A finished multi-turn sample: the response, its generated turns, its environment time."""
 
     sample: SampleProgress
-    messages: list[dict[str, Any]]
     turns: int
     env_s: float
 
@@ -118,7 +117,7 @@ class MultiTurnDriver:
         self.samples += 1
         self.turns += turns
         self.env_tokens += response.num_env_tokens
-        return Conversation(response, messages, turns, env_s)
+        return Conversation(response, turns, env_s)
 
     def stats(self) -> dict[str, float]:
         samples = max(1, self.samples)
