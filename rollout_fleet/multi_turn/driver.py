@@ -26,8 +26,8 @@ decoded whole response (special tokens skipped, environment text included,
 as verl passes it) with the row's ``extra_info``.
 
 Left out: a per-turn token limit, tool-call parsing (the environment reads
-the text), and environment-side state across samples (the environment sees
-the whole conversation each time instead).
+the text), and environment objects holding state between turns (an
+environment is a function of the conversation so far, which it gets whole).
 """
 
 from __future__ import annotations
