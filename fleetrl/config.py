@@ -132,6 +132,8 @@ def _explain(cls: type, raw: Any, text: str, prefix: str) -> ConfigError:
         )
     if m := _MISSING_RE.match(body):
         return ConfigError(join(prefix, where, m.group("key")), "required key is missing")
+    if not body.startswith(("Expected ", "Invalid ")):  # a struct's own check said why
+        return ConfigError(join(prefix, where), body.strip())
     given = _lookup(raw, where)
     expected = body.removeprefix("Expected ").split(", got ")[0].replace("`", "")
     info = _type_at(cls, where)

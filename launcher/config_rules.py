@@ -184,6 +184,20 @@ def masked_is_window_is_open(cfg: RunConfig) -> Iterator[ConfigError]:
         )
 
 
+@rule
+def multi_turn_prompts_are_chat_rendered(cfg: RunConfig) -> Iterator[ConfigError]:
+    # the environment's replies are appended as chat-template deltas over the prompt's
+    # rendering: a prompt of joined contents has no template rendering to extend
+    if cfg.rollout.multi_turn.enabled and not cfg.data.apply_chat_template:
+        yield refuse(
+            "rollout.multi_turn.env",
+            "data.apply_chat_template",
+            f"{cfg.rollout.multi_turn.env!r} with false",
+            "environment replies are tokenized as the chat template renders them after the "
+            "prompt, so the prompt must be chat-rendered too; set data.apply_chat_template=true",
+        )
+
+
 @training_rule
 def data_to_train_on(cfg: RunConfig) -> Iterator[ConfigError]:
     data = cfg.data

@@ -1,4 +1,4 @@
-"""Rollout section of the run config: sampling, engines and workers."""
+"""Rollout section of the run config: sampling, engines, workers and multi-turn conversations."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
+
+from rollout_fleet.multi_turn.config import MultiTurnConfig
 
 
 class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -31,9 +33,13 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = 1.0
     top_p: Annotated[float, Meta(gt=0, le=1, description="Nucleus sampling mass.")] = 1.0
     top_k: Annotated[int, Meta(ge=-1, description="Top-k sampling (-1 = off).")] = -1
-    max_new_tokens: Annotated[int, Meta(ge=1, description="Maximum response length in tokens.")] = (
-        64
-    )
+    max_new_tokens: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Maximum response length in tokens (with multi_turn: generated and environment tokens together).",
+        ),
+    ] = 64
     val_temperature: Annotated[
         float, Meta(ge=0, description="Temperature for validation (0 = greedy).")
     ] = 0.0
@@ -139,6 +145,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             description="On stop, groups in flight get this long to finish (and be sent) before they are aborted.",
         ),
     ] = 30.0
+    multi_turn: MultiTurnConfig = msgspec.field(default_factory=MultiTurnConfig)
 
     @property
     def tp_size(self) -> int:

@@ -9,6 +9,13 @@ policy version that produced it, so a trajectory spanning a weight update
 stays exact. ``build_trajectory`` turns a finished sample into the wire
 ``Trajectory``.
 
+A multi-turn response (``rollout_fleet.multi_turn``) is one ``SampleProgress``
+too: each generated turn is run as a sample of its own and appended with
+``add_turn``; the environment's reply between turns is appended with
+``add_env_tokens`` (``loss_mask`` 0, behaviour logprob 0.0, the policy version
+of the token before it, so ``min(token_versions)`` is unchanged), and
+``finish`` sets the response's finish reason.
+
 Left out: retract-mode bookkeeping (the engine re-runs the prefill itself and
 returns the whole sequence in one response, so nothing differs here).
 """
@@ -51,6 +58,8 @@ class SampleProgress:
     pieces: int = 0
     aborted_pieces: int = 0
     engines: list[str] = field(default_factory=list)  # engine of each piece, in order
+    # one per response token once an environment's tokens were added (1 = generated); None before
+    loss_mask: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -61,6 +70,11 @@ class SampleProgress:
     @property
     def num_generated(self) -> int:
         return len(self.output_ids)
+
+    @property
+    def num_env_tokens(self) -> int:
+        """Response tokens an environment added (``loss_mask`` 0)."""
+        return 0 if self.loss_mask is None else self.loss_mask.count(0)
 
     @property
     def remaining_tokens(self) -> int:
@@ -106,7 +120,56 @@ class SampleProgress:
         self.pieces += 1
         self.aborted_pieces += reason == ABORT
         self.engines.append(engine_id)
+        if self.loss_mask is not None:
+            self.loss_mask.extend([1] * take)
         return take
+
+    def add_turn(self, turn: SampleProgress) -> None:
+        """Append a finished generated turn of a multi-turn response (the policy's tokens).
+
+        The response's own ``finish_reason`` is left as it is: the caller decides
+        with ``finish`` whether the conversation goes on.
+        """
+        if not turn.finished:
+            raise ValueError("SampleProgress.add_turn: the turn is unfinished")
+        if len(turn.output_ids) > self.remaining_tokens:
+            raise ValueError(
+                f"SampleProgress.add_turn: a turn of {len(turn.output_ids)} tokens exceeds the "
+                f"{self.remaining_tokens} left in the response"
+            )
+        self.output_ids.extend(turn.output_ids)
+        self.logprobs.extend(turn.logprobs)
+        self.token_versions.extend(turn.token_versions)
+        self.pieces += turn.pieces
+        self.aborted_pieces += turn.aborted_pieces
+        self.engines.extend(turn.engines)
+        if self.loss_mask is not None:
+            self.loss_mask.extend([1] * len(turn.output_ids))
+
+    def add_env_tokens(self, token_ids: Sequence[int]) -> int:
+        """Append an environment's tokens (cut to the budget); returns how many were taken.
+
+        They are context, not the policy's: ``loss_mask`` 0, logprob 0.0, and the
+        version of the generated token before them.
+        """
+        if not self.output_ids:
+            raise ValueError(
+                "SampleProgress.add_env_tokens: a response starts with a generated turn"
+            )
+        take = min(len(token_ids), self.remaining_tokens)
+        if self.loss_mask is None:
+            self.loss_mask = [1] * len(self.output_ids)
+        self.output_ids.extend(int(t) for t in token_ids[:take])
+        self.logprobs.extend([0.0] * take)
+        self.token_versions.extend([self.token_versions[-1]] * take)
+        self.loss_mask.extend([0] * take)
+        return take
+
+    def finish(self, reason: str) -> None:
+        """End a multi-turn response as ``stop`` or ``length``."""
+        if reason not in FINISHED_REASONS:
+            raise ValueError(f"finish reason {reason!r}; accepted: {', '.join(FINISHED_REASONS)}")
+        self.finish_reason = reason
 
 
 def build_trajectory(
@@ -143,6 +206,7 @@ def build_trajectory(
         reward_metrics=dict(reward_metrics or {}),
         timings=dict(timings or {}),
         temperature=float(temperature),
+        loss_mask=Array.of(sample.loss_mask, "uint8") if sample.num_env_tokens else None,
     )
     traj.validate()
     return traj

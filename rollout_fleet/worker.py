@@ -22,8 +22,15 @@ loop, and the group counts as *running* until it is sent, so backpressure
 reaches admission. A group is sent once and whole; if one sample exhausts its
 attempts the group is dropped and counted (``groups_failed``).
 
+With ``rollout.multi_turn.env`` set, a sample is a conversation instead of one
+completion: ``rollout_fleet.multi_turn.driver`` runs its turns on the same
+``SampleRunner`` and the environment's replies between them; the reward scores
+the whole decoded response. A failing environment fails its sample as an
+engine failure does (the group is dropped and counted).
+
 ``validate(prompts)`` runs a validation set through the same machinery (one
-greedy sample per prompt by default) and returns mean scores per data source.
+greedy sample per prompt by default, multi-turn too when it is on) and returns
+mean scores per data source.
 
 Staleness: ``running_groups`` counts groups from start until fully sent, plus
 (with a ``ledger``, rollout_fleet/delivery.py) those sent whole that the buffer
@@ -54,6 +61,7 @@ from fleetrl.log import get_logger
 from rollout_fleet.adapters import AdapterNames
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.delivery import group_id_for
+from rollout_fleet.multi_turn.driver import MultiTurnDriver
 from rollout_fleet.router import Router
 from rollout_fleet.sample_runner import GenerateClient, SampleFailed, SampleRunner
 from rollout_fleet.trajectory import SampleProgress, build_trajectory
@@ -97,6 +105,9 @@ class Scorer(Protocol):
 
 
 class Detokenizer(Protocol):
+    """The worker's tokenizer; with multi-turn on it must also have ``apply_chat_template``
+    and ``encode`` (``rollout_fleet.multi_turn.chat_turns.ChatTokenizer``)."""
+
     eos_token_id: int | None
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
@@ -109,6 +120,8 @@ class _Scored:
     reward_metrics: dict[str, float] = field(default_factory=dict)
     generate_s: float = 0.0
     reward_s: float = 0.0
+    turns: int = 1
+    env_s: float | None = None  # multi-turn: seconds in environment steps
 
 
 @dataclass
@@ -159,6 +172,11 @@ class RolloutWorker:
             eos = getattr(tokenizer, "eos_token_id", None)
             stop_token_ids = [] if eos is None else [int(eos)]
         self.stop_token_ids = stop_token_ids
+        self.multi_turn = (
+            MultiTurnDriver(config.multi_turn, self.runner, tokenizer)
+            if config.multi_turn.enabled
+            else None
+        )
         self._groups: dict[str, _Group] = {}
         self._wake = asyncio.Event()
         self._stopping = False
@@ -301,6 +319,8 @@ class RolloutWorker:
             out["val/response_length/mean"] = statistics.fmean(
                 s.sample.num_generated for _, s in results
             )
+            if self.multi_turn is not None:
+                out["val/turns/mean"] = statistics.fmean(s.turns for _, s in results)
             versions = [v for _, s in results for v in s.sample.token_versions]
             if versions:  # which weights validated: should be the version just published
                 out["val/policy_version/min"] = float(min(versions))
@@ -332,6 +352,8 @@ class RolloutWorker:
         }
         if self.runner.adapters is not None:  # LoRA: times an engine was asked for its adapter
             out["rollout/adapter_refreshes"] = self.runner.adapters.refreshes
+        if self.multi_turn is not None:
+            out.update(self.multi_turn.stats())
         reward_stats = getattr(self._reward, "stats", None)
         if callable(reward_stats):
             out.update(reward_stats())
@@ -438,9 +460,15 @@ class RolloutWorker:
     async def _run_sample(
         self, group_id: str, index: int, prompt: PromptItem, sampling: dict[str, Any]
     ) -> _Scored:
-        sample = SampleProgress([int(t) for t in prompt.prompt_ids], sampling["max_new_tokens"])
+        uid = f"{group_id}/{index}"
         t0 = time.monotonic()
-        await self.runner.generate(group_id, f"{group_id}/{index}", sample, sampling)
+        turns, env_s = 1, None
+        if self.multi_turn is not None:
+            conversation = await self.multi_turn.generate(group_id, uid, prompt, sampling)
+            sample, turns, env_s = conversation.sample, conversation.turns, conversation.env_s
+        else:
+            sample = SampleProgress([int(t) for t in prompt.prompt_ids], sampling["max_new_tokens"])
+            await self.runner.generate(group_id, uid, sample, sampling)
         t1 = time.monotonic()
         text = self._tokenizer.decode(sample.output_ids, skip_special_tokens=True)
         result = await self._reward.score(
@@ -452,6 +480,8 @@ class RolloutWorker:
             reward_metrics={k: float(v) for k, v in (result.metrics or {}).items()},
             generate_s=t1 - t0,
             reward_s=time.monotonic() - t1,
+            turns=turns,
+            env_s=env_s,
         )
 
     def _trajectory(
@@ -466,7 +496,11 @@ class RolloutWorker:
             data_source=group.prompt.data_source,
             prompt_index=group.prompt.index,
             reward_metrics=scored.reward_metrics,
-            timings={"generate_s": scored.generate_s, "reward_s": scored.reward_s},
+            timings={
+                "generate_s": scored.generate_s,
+                "reward_s": scored.reward_s,
+                **({"env_s": scored.env_s} if scored.env_s is not None else {}),
+            },
             temperature=temperature,
         )
 

@@ -10,6 +10,12 @@ project's character tokenizer, so ``max_new_tokens`` of 4 is enough):
                  moves in steps of 0.005, and a carry to learn).
 - ``copy_last``  "last:4172=" -> "2": the last digit of 2-4 digits, 11,100 instances.
 - ``count``      "count a:abba=" -> "2": the number of a's in 1-8 letters a/b, 510 instances.
+- ``calc``       "What is 47*86+3? ..." -> "4045": two two-digit numbers multiplied plus
+                 a digit, 81,000 instances. A multi-turn task: the prompt offers the
+                 ``calculator`` environment (``rollout.multi_turn.env: calculator``;
+                 the policy writes ``<calc>EXPR</calc>``, the tool replies) and asks
+                 for the answer after ``####``. Answers are up to 4 digits and a
+                 conversation needs room: give ``max_new_tokens`` 64 or more.
 
 Train/test split (the demo reports the held-out score): the instance space is
 shuffled with ``seed`` and ``HOLDOUT_FRACTION`` of it (at least one instance) is
@@ -22,6 +28,8 @@ exhausted (for ``add``, 80 train instances serve a 2,000-row train set).
 Scoring: ``data_source`` is ``synth/<task>``; the scorer in
 ``rollout_fleet.rewards.synth`` gives 1.0 when the completion, cut at its first
 end-of-turn marker and stripped of whitespace, equals the answer exactly.
+``synth/calc`` has its own (``rollout_fleet.rewards.synth_calc``): the number
+after the last ``####`` of the whole response.
 
 Run: ``fleetrl data synth --task add --out data/add --train-size 2000 --test-size 200 --seed 0``.
 """
@@ -85,6 +93,21 @@ def _count_instances() -> list[tuple[str, str]]:
     ]
 
 
+CALC_PROMPT = (
+    "What is {expression}? You may write <calc>EXPR</calc> to use a calculator. "
+    "End with #### followed by the answer."
+)
+
+
+def _calc_instances() -> list[tuple[str, str]]:
+    return [
+        (CALC_PROMPT.format(expression=f"{a}*{b}+{c}"), str(a * b + c))
+        for a in range(10, 100)
+        for b in range(10, 100)
+        for c in range(10)
+    ]
+
+
 TASKS: dict[str, SynthTask] = {
     task.name: task
     for task in (
@@ -92,6 +115,7 @@ TASKS: dict[str, SynthTask] = {
         SynthTask("add2", "a number below 100 plus a digit a+b=", _add2_instances),
         SynthTask("copy_last", "copy the last of 2-4 digits", _copy_last_instances),
         SynthTask("count", "count the a's in 1-8 letters a/b", _count_instances),
+        SynthTask("calc", "a*b+c with a calculator tool (multi-turn)", _calc_instances),
     )
 }
 

@@ -11,7 +11,8 @@ same source (as ``"score"``, with extra metrics): "openai/gsm8k" (verl's strict
 "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500" (verl's
 hendrycks-math rule on the last ``\\boxed{}``); and, under names of our own,
 "fleetrl/gsm8k-lenient" and "fleetrl/math-lenient" (numbers normalised, exact
-rationals) and "synth/*" (the synthetic tasks' exact match). A key
+rationals), "synth/*" (the synthetic tasks' exact match) and "synth/calc"
+(the answer after the last ``####``, for the multi-turn calculator task). A key
 ending in ``*`` matches every source with that prefix; an exact key wins over
 a prefix, and a longer prefix over a shorter one.
 
@@ -25,7 +26,14 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetrl.log import get_logger
-from rollout_fleet.rewards import gsm8k, gsm8k_lenient, math_answer, math_lenient, synth
+from rollout_fleet.rewards import (
+    gsm8k,
+    gsm8k_lenient,
+    math_answer,
+    math_lenient,
+    synth,
+    synth_calc,
+)
 
 log = get_logger(__name__)
 
@@ -36,6 +44,7 @@ MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "Hugging
 GSM8K_LENIENT_SOURCE = "fleetrl/gsm8k-lenient"
 MATH_LENIENT_SOURCE = "fleetrl/math-lenient"
 SYNTH_PATTERN = "synth/*"
+SYNTH_CALC_SOURCE = "synth/calc"
 
 
 class UnknownDataSourceError(ValueError):
@@ -60,6 +69,10 @@ def _math_lenient(data_source: str, solution_str: str, ground_truth: str, extra_
 
 def _synth(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None):
     return synth.compute_score(solution_str, ground_truth)
+
+
+def _synth_calc(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None):
+    return synth_calc.compute_score(solution_str, ground_truth)
 
 
 class RewardRegistry:
@@ -122,4 +135,5 @@ def default_registry() -> RewardRegistry:
     registry.register(GSM8K_LENIENT_SOURCE, _gsm8k_lenient)
     registry.register(MATH_LENIENT_SOURCE, _math_lenient)
     registry.register(SYNTH_PATTERN, _synth)
+    registry.register(SYNTH_CALC_SOURCE, _synth_calc)
     return registry

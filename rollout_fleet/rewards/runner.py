@@ -9,26 +9,17 @@ matching counter (``num_errors`` / ``num_timeouts``) goes up and a log line
 names the data source and the cause. Rollout workers can therefore await it
 inside a GRPO group without a try block.
 
-Hang protection, and its trade-off: each call runs in its own daemon thread,
-at most ``max_workers`` at a time. A timed-out call is abandoned: its slot is
-freed at once (a hung function cannot block the loop or starve later calls),
-but Python cannot kill a thread, so the hung thread keeps its CPU and memory
-until it returns or the process exits (daemon threads never block exit).
-``num_hung`` counts them. A process pool could kill hung work, but it needs
-picklable functions and arguments and costs a process round trip per score;
-reward functions here are short pure-Python checks, so threads win. Run
-untrusted or heavy scorers (code execution) behind their own sandbox service.
+Hang protection: each call runs in its own daemon thread, at most
+``max_workers`` at a time; a timed-out call is abandoned and ``num_hung``
+counts its thread until it returns (``rollout_fleet.threaded_call`` says why
+threads and not processes).
 
 Left out: batched scoring, reward models (a learned reward is a separate role).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import math
-import threading
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,6 +27,7 @@ import msgspec
 
 from fleetrl.log import get_logger
 from rollout_fleet.rewards.registry import RewardFn, RewardRegistry, default_registry
+from rollout_fleet.threaded_call import ThreadedCalls
 
 log = get_logger(__name__)
 
@@ -72,23 +64,6 @@ def to_result(value: Any, elapsed_s: float = 0.0) -> RewardResult:
     return RewardResult(score=score, metrics=metrics, elapsed_s=elapsed_s)
 
 
-def _deliver(future: asyncio.Future, outcome: tuple[Any, BaseException | None]) -> None:
-    if not future.done():  # a timed-out call was already answered
-        future.set_result(outcome)
-
-
-def _run_in_thread(
-    fn: RewardFn, kwargs: dict[str, Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future
-) -> None:
-    try:
-        outcome: tuple[Any, BaseException | None] = (fn(**kwargs), None)
-    except Exception as err:  # reported to the awaiting caller, counted and logged there
-        outcome = (None, err)
-    # RuntimeError: the loop closed while this (abandoned) call ran; nobody waits for it.
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(_deliver, future, outcome)
-
-
 class RewardRunner:
     """Async, timeout-bounded, never-raising reward scoring (see the module docstring)."""
 
@@ -110,15 +85,12 @@ class RewardRunner:
         self.num_scored = 0
         self.num_errors = 0
         self.num_timeouts = 0
-        self._abandoned: list[threading.Thread] = []
-        self._slots: asyncio.Semaphore | None = None
-        self._slots_loop: asyncio.AbstractEventLoop | None = None
+        self._calls = ThreadedCalls(max_workers)
 
     @property
     def num_hung(self) -> int:
         """Timed-out calls whose threads are still running."""
-        self._abandoned = [t for t in self._abandoned if t.is_alive()]
-        return len(self._abandoned)
+        return self._calls.num_hung
 
     def check_sources(self, data_sources: Iterable[str]) -> None:
         """Raise ``UnknownDataSourceError`` now if a dataset's source has no scorer."""
@@ -147,42 +119,29 @@ class RewardRunner:
             fn = self.custom_fn or self.registry.resolve(data_source)
         except ValueError as err:
             return self._failed("errors", data_source, str(err), 0.0)
-        loop = asyncio.get_running_loop()
-        if self._slots is None or self._slots_loop is not loop:  # a semaphore belongs to one loop
-            self._slots, self._slots_loop = asyncio.Semaphore(self.max_workers), loop
         kwargs = {
             "data_source": data_source,
             "solution_str": solution_str,
             "ground_truth": ground_truth,
             "extra_info": extra_info,
         }
-        async with self._slots:
-            future: asyncio.Future = loop.create_future()
-            thread = threading.Thread(
-                target=_run_in_thread,
-                args=(fn, kwargs, loop, future),
-                name=f"reward-{data_source}",
-                daemon=True,
-            )
-            start = time.perf_counter()
-            thread.start()
-            try:
-                value, raised = await asyncio.wait_for(future, self.timeout_s)
-            except TimeoutError:
-                self._abandoned.append(thread)
-                return self._failed(
-                    "timeouts",
-                    data_source,
-                    f"timed out after {self.timeout_s:g} s ({self.num_hung} hung reward threads)",
-                    time.perf_counter() - start,
-                )
-        elapsed = time.perf_counter() - start
-        if raised is not None:
-            return self._failed("errors", data_source, f"raised {raised!r}", elapsed)
         try:
-            return to_result(value, elapsed)
+            outcome = await self._calls.call(fn, kwargs, self.timeout_s, f"reward-{data_source}")
+        except TimeoutError:
+            return self._failed(
+                "timeouts",
+                data_source,
+                f"timed out after {self.timeout_s:g} s ({self.num_hung} hung reward threads)",
+                self.timeout_s,
+            )
+        if outcome.raised is not None:
+            return self._failed(
+                "errors", data_source, f"raised {outcome.raised!r}", outcome.elapsed_s
+            )
+        try:
+            return to_result(outcome.value, outcome.elapsed_s)
         except ValueError as err:
-            return self._failed("errors", data_source, str(err), elapsed)
+            return self._failed("errors", data_source, str(err), outcome.elapsed_s)
 
     def _failed(self, kind: str, data_source: str, error: str, elapsed_s: float) -> RewardResult:
         if kind == "timeouts":

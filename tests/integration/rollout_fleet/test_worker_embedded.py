@@ -78,7 +78,18 @@ def prompts(tokenizer, count):
     return items
 
 
-def make_worker(engines, tokenizer, *, n, count, **config):
+def make_worker(
+    engines,
+    tokenizer,
+    *,
+    n,
+    count=0,
+    items=None,
+    max_new_tokens=MAX_NEW_TOKENS,
+    stop_token_ids=None,
+    **config,
+):
+    """A worker on ``engines`` over ``items`` (default: ``count`` addition prompts)."""
     router = Router()
     for engine in engines:
         router.membership.launch(engine.engine_id, engine.base_url)
@@ -86,7 +97,7 @@ def make_worker(engines, tokenizer, *, n, count, **config):
     sink = Sink()
     cfg = RolloutConfig(
         n=n,
-        max_new_tokens=MAX_NEW_TOKENS,
+        max_new_tokens=max_new_tokens,
         retry_backoff_s=0.05,
         admission_poll_interval_s=0.02,
         request_timeout_s=60,
@@ -96,7 +107,7 @@ def make_worker(engines, tokenizer, *, n, count, **config):
         cfg,
         engines={e.engine_id: EngineClient(e.base_url, timeout_s=60) for e in engines},
         router=router,
-        reader=iter(prompts(tokenizer, count)),
+        reader=iter(items if items is not None else prompts(tokenizer, count)),
         sender=sink,
         admission_source=lambda: AdmissionState(  # as the buffer reports it: nothing accepted
             policy_version=0,
@@ -107,6 +118,7 @@ def make_worker(engines, tokenizer, *, n, count, **config):
         ),
         reward_runner=RewardRunner(timeout_s=5, max_workers=2, custom_fn=parity_reward),
         tokenizer=tokenizer,
+        stop_token_ids=stop_token_ids,
     )
     return worker, router, sink
 
@@ -154,6 +166,24 @@ def call_when_midway(engine, action, timeout_s=30.0):
         time.sleep(0.001)
 
 
+def abort_and_update(scheduler):
+    """An abort-mode weight update to version 1, as the scheduler runs one."""
+    scheduler._pause("abort")  # running requests return partial output, finish_reason abort
+    scheduler._set_version("1")
+    scheduler._resume()
+
+
+def run_with_midway_action(worker, engine, num_groups, action):
+    """Run ``num_groups`` groups; ``action`` hits ``engine`` while a sequence is midway."""
+
+    async def scenario():
+        task = asyncio.create_task(worker.run(num_groups=num_groups))
+        await asyncio.to_thread(call_when_midway, engine, action)
+        await task
+
+    run_then_close(worker, scenario())
+
+
 def test_worker_on_two_embedded_engines_sends_prompts_times_n_whole(engines, tokenizer):
     started = engines(2)
     worker, _, sink = make_worker(started, tokenizer, n=3, count=6)
@@ -180,12 +210,7 @@ def test_in_place_update_mid_sequence_tags_tokens_before_and_after(engines, toke
         scheduler._set_version("1")  # ... then the weight load of version 1
         scheduler._resume()
 
-    async def scenario():
-        task = asyncio.create_task(worker.run(num_groups=4))
-        await asyncio.to_thread(call_when_midway, engine, update)
-        await task
-
-    run_then_close(worker, scenario())
+    run_with_midway_action(worker, engine, 4, update)
     check_exact(sink.trajectories, 4, 4)
     mixed = 0
     for t in sink.trajectories:
@@ -200,17 +225,7 @@ def test_abort_mode_pause_resubmits_partials_and_keeps_counts_exact(engines, tok
     (engine,) = engines(1)
     worker, _, sink = make_worker([engine], tokenizer, n=4, count=4, max_concurrent_groups=4)
 
-    def abort_and_update(scheduler):
-        scheduler._pause("abort")  # running requests return partial output, finish_reason abort
-        scheduler._set_version("1")
-        scheduler._resume()
-
-    async def scenario():
-        task = asyncio.create_task(worker.run(num_groups=4))
-        await asyncio.to_thread(call_when_midway, engine, abort_and_update)
-        await task
-
-    run_then_close(worker, scenario())
+    run_with_midway_action(worker, engine, 4, abort_and_update)
     check_exact(sink.trajectories, 4, 4)
     assert worker.metrics()["rollout/abort_resubmits"] >= 1
     straddling = [t for t in sink.trajectories if set(t.token_versions.numpy().tolist()) == {0, 1}]

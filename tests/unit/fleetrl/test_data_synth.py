@@ -18,6 +18,11 @@ def _pairs(rows):
     return [(r["prompt"][0]["content"], r["reward_model"]["ground_truth"]) for r in rows]
 
 
+def _solution(task, answer):
+    """A right response in the task's answer format (``synth/calc`` reads it after ####)."""
+    return f"<calc>1+1</calc>2 #### {answer}" if task == "calc" else answer
+
+
 def test_every_task_answer_is_right_and_short():
     instances = {name: task.instances() for name, task in synth.TASKS.items()}
     assert ("3+5=", "8") in instances["add"] and len(instances["add"]) == 100
@@ -29,9 +34,16 @@ def test_every_task_answer_is_right_and_short():
         assert int(answer) == int(a) + int(b)
     for content, answer in instances["count"]:
         assert int(answer) == content.removeprefix("count a:").removesuffix("=").count("a")
+    for content, answer in instances["calc"]:
+        expression = content.removeprefix("What is ").split("?")[0]
+        a, rest = expression.split("*")
+        b, c = rest.split("+")
+        assert int(answer) == int(a) * int(b) + int(c) and "<calc>EXPR</calc>" in content
+    assert len(instances["calc"]) == 81000
     for name, pairs in instances.items():
         assert len(set(pairs)) == len(pairs), name
-        assert all(1 <= len(answer) <= 3 for _, answer in pairs), name
+        longest = 4 if name == "calc" else 3  # calc: up to 99*99+9
+        assert all(1 <= len(answer) <= longest for _, answer in pairs), name
 
 
 @pytest.mark.parametrize("task", sorted(synth.TASKS))
@@ -44,7 +56,9 @@ def test_test_split_holds_only_instances_absent_from_train(tmp_path, task):
     assert [r["extra_info"]["index"] for r in test] == list(range(50))
     # Every row scores 1.0 with its own answer under the registered scorer.
     for content, answer in _pairs(test):
-        assert compute_score(f"synth/{task}", answer, answer)["score"] == 1.0, content
+        assert compute_score(f"synth/{task}", _solution(task, answer), answer)["score"] == 1.0, (
+            content
+        )
 
 
 def test_add_train_rows_cover_its_instances_evenly_and_test_rows_are_distinct(tmp_path):

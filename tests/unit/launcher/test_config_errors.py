@@ -35,6 +35,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
         ("learner.optim.lr=fast", "learner.optim.lr", "got 'fast' (str); expected float"),
         ("rollout.n=0", "rollout.n", "got 0 (int); expected int >= 1"),
         ("rollout.backend=vllm", "rollout.backend", "expected one of 'embedded', 'sglang'"),
+        (
+            "rollout.multi_turn.env=calculatr",
+            "rollout.multi_turn",
+            "env 'calculatr' is neither a built-in environment (calculator) nor",
+        ),
+        ("rollout.multi_turn.max_turns=0", "rollout.multi_turn.max_turns", "expected int >= 1"),
     ],
 )
 def test_cli_config_error_is_one_line_naming_the_dotted_path(override, path, detail):
@@ -158,6 +164,12 @@ def test_missing_config_file_is_named():
             "learner.correction.is_low",
             "learner.correction.is_high",
             "every token would be masked",
+        ),
+        (
+            ["rollout.multi_turn.env=calculator", "data.apply_chat_template=false"],
+            "rollout.multi_turn.env",
+            "data.apply_chat_template",
+            "the prompt must be chat-rendered too",
         ),
     ],
 )
