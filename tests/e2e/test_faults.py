@@ -170,7 +170,11 @@ def test_engine_buffer_and_learner_deaths_then_resume_lose_and_repeat_nothing(tm
     assert all(r["staleness/max"] <= ETA for r in records_a)
 
     # ---- corrupt the newest checkpoint, then resume ------------------------------------
-    ckpts = sorted(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_[0-9]*"))
+    # complete checkpoints only: the learner's kill may leave an interrupted step_<N>.tmp,
+    # which resume skips (learner.checkpoint.latest_complete_checkpoint)
+    ckpts = sorted(
+        int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*") if p.name[5:].isdigit()
+    )
     assert len(ckpts) >= 2, ckpts
     newest, fallback = ckpts[-1], ckpts[-2]
     shard = next((run_dir / "checkpoints" / f"step_{newest}").glob("*.distcp"))
