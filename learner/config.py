@@ -124,9 +124,9 @@ class CorrectionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     decoupled_behavior_clip: Annotated[
         bool,
         Meta(
-            description="Decoupled: also clip π_θ/π_behav with the PPO bounds, so a stale token the policy has already moved past the trust region in its advantage's direction gets no gradient. With one mini-batch per step π_prox = π_θ and the π_prox clip never binds; without this bound a token pushed up since it was sampled is pushed again with weight π_prox/π_behav (up to the cap). With policy_loss.loss_mode=gspo the bound is per sequence (geometric-mean π_θ/π_behav against the GSPO ranges).",
+            description="Decoupled: also clip π_θ/π_behav with the PPO bounds, so a stale token the policy has already moved past the trust region in its advantage's direction gets no gradient. Off by default (AReaL's decoupled loss): on the accuracy bench (η = 4, 6 seeds, lr 1e-4) it cost 12 steps to the target and 0.024 of final held-out score, and off, η = 4 matched sync. With policy_loss.loss_mode=gspo the bound is per sequence (geometric-mean π_θ/π_behav against the GSPO ranges).",
         ),
-    ] = True
+    ] = False
 
 
 class KLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -145,8 +145,8 @@ def test_behavior_logprob_shape_is_checked():
 @pytest.mark.parametrize(
     ("correction", "handed"),
     [
-        ({"mode": "decoupled"}, True),
-        ({"mode": "decoupled", "decoupled_behavior_clip": False}, False),
+        ({"mode": "decoupled"}, False),  # off by default: AReaL's decoupled loss
+        ({"mode": "decoupled", "decoupled_behavior_clip": True}, True),
         ({"mode": "token_tis"}, False),
         ({"mode": "bypass"}, False),
     ],
