@@ -59,6 +59,7 @@ from bench.e2e import (
     E2ESizes,
     TrainFn,
     analyse_run,
+    apply_size_flags,
     default_train_fn,
     first_number,
     prepare_workload,
@@ -259,8 +260,19 @@ def run(
     train_fn: TrainFn | None = None,
     sizes: AccuracySizes | None = None,
     score_fn: ScoreFn | None = None,
+    hidden: int | Sequence[int] | None = None,
+    layers: int | None = None,
+    engines: int | None = None,
+    learner_ranks: int | None = None,
+    batch: int | None = None,
+    max_new_tokens: int | None = None,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Train the grid (settings × seeds), write ``accuracy.json``; ``reps`` = number of seeds.
+
+    The size flags (``fleetrl bench accuracy --device cuda --engines 4 ...``) change the
+    workload as in the e2e suite; ``target_score`` stays the one declared for the default
+    sizes, so with other sizes read the final scores first.
 
     ``score_fn(run_dir)`` gives a finished run's held-out score per snapshot step
     (default ``snapshot_scores``: its policy snapshots scored by ``fleetrl eval``).
@@ -272,6 +284,19 @@ def run(
     sizes = sizes or (QUICK_SIZES if quick else FULL_SIZES)
     if reps is not None and not quick:
         sizes = dataclasses.replace(sizes, seeds=tuple(range(max(1, reps))))
+    sizes = dataclasses.replace(
+        sizes,
+        workload=apply_size_flags(
+            sizes.workload,
+            hidden=hidden,
+            layers=layers,
+            engines=engines,
+            learner_ranks=learner_ranks,
+            batch=batch,
+            max_new_tokens=max_new_tokens,
+            device=device,
+        ),
+    )
     work_sizes = sizes.workload
     train = train_fn or default_train_fn()
     score = score_fn or snapshot_scores

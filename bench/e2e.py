@@ -139,7 +139,30 @@ def sizes_from_flags(
     device: str | None = None,
 ) -> E2ESizes:
     """The quick or full sizes with the harness's size flags applied (first hidden size only)."""
-    sizes = QUICK_SIZES if quick else FULL_SIZES
+    return apply_size_flags(
+        QUICK_SIZES if quick else FULL_SIZES,
+        hidden=hidden,
+        layers=layers,
+        engines=engines,
+        learner_ranks=learner_ranks,
+        batch=batch,
+        max_new_tokens=max_new_tokens,
+        device=device,
+    )
+
+
+def apply_size_flags(
+    sizes: E2ESizes,
+    *,
+    hidden: int | Sequence[int] | None = None,
+    layers: int | None = None,
+    engines: int | None = None,
+    learner_ranks: int | None = None,
+    batch: int | None = None,
+    max_new_tokens: int | None = None,
+    device: str | None = None,
+) -> E2ESizes:
+    """``sizes`` with the harness's size flags that are set (first hidden size only)."""
     if isinstance(hidden, Sequence):
         hidden = hidden[0] if hidden else None
     changes = {

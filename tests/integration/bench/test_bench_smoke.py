@@ -162,3 +162,27 @@ def test_accuracy_trains_sync_and_async_at_its_smallest_size(tmp_path):
         assert [p["step"] for p in run["curve"]] == [0, 2, 4]
         assert all(0.0 <= p["score"] <= 1.0 and p["wall_s"] >= 0.0 for p in run["curve"])
     assert set(out["results"]["settings"]) == {"eta0", "eta1", "eta1_bypass"}
+
+
+def test_accuracy_size_flags_reach_every_run(tmp_path):
+    """``fleetrl bench accuracy --device ... --engines ... --batch ...`` sizes the runs the
+    way the e2e suite's flags do (here on CPU; on a GPU the same flags say cuda)."""
+    seen: list[tuple[str, int, int]] = []
+    seen_tokens: list[int] = []
+
+    def recording_train(cfg):
+        seen.append((cfg.trainer.device, cfg.rollout.num_engines, cfg.data.train_batch_size))
+        seen_tokens.append(cfg.rollout.max_new_tokens)
+        return _scripted_train(cfg)
+
+    sizes = _accuracy_sizes((0,))
+    sizes = dataclasses.replace(
+        sizes, workload=dataclasses.replace(sizes.workload, warmstart_steps=0)
+    )
+    accuracy.run(
+        tmp_path, etas=(0, 4), bypass_eta=None, sizes=sizes, train_fn=recording_train,
+        score_fn=_scripted_scores, device="cpu", engines=2, batch=3, max_new_tokens=6,
+    )  # fmt: skip
+    assert seen == [("cpu", 2, 3), ("cpu", 2, 3)] and seen_tokens == [6, 6]
+    record = read_json(tmp_path / "accuracy.json")
+    assert record["config"]["sizes"]["engines"] == 2
