@@ -81,6 +81,14 @@ def _steps_logged(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
+def _buffer_restarts_logged(run_dir: Path) -> float:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0.0
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    return max((r.get("supervision/buffer_restarts", 0.0) for r in rows), default=0.0)
+
+
 def _roster(run_dir: Path) -> dict[str, int]:
     return json.loads((run_dir / "roles.json").read_text())
 
@@ -140,8 +148,14 @@ def test_engine_buffer_and_learner_deaths_then_resume_lose_and_repeat_nothing(tm
         # 3. the buffer dies
         _wait_for_step(proc, run_dir, 6, 180)
         os.kill(_roster(run_dir)["buffer"], signal.SIGKILL)
-        # 4. the learner dies
+        # 4. the learner dies, once a step has recorded the buffer's restart: the learner can
+        # train a step or two on batches fetched before the buffer died
         _wait_for_step(proc, run_dir, KILL_LEARNER_AT, 240)
+        deadline = time.monotonic() + 120
+        while _buffer_restarts_logged(run_dir) < 1:
+            assert proc.poll() is None, "run ended early waiting for the buffer's restart"
+            assert time.monotonic() < deadline, "no step recorded the buffer's restart in 120 s"
+            time.sleep(0.5)
         roster = _roster(run_dir)
         os.kill(roster["learner rank 0"], signal.SIGKILL)
         rc = proc.wait(timeout=180)
