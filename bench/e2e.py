@@ -127,30 +127,6 @@ FULL_SIZES = dataclasses.replace(
 )
 
 
-def sizes_from_flags(
-    quick: bool,
-    *,
-    hidden: int | Sequence[int] | None = None,
-    layers: int | None = None,
-    engines: int | None = None,
-    learner_ranks: int | None = None,
-    batch: int | None = None,
-    max_new_tokens: int | None = None,
-    device: str | None = None,
-) -> E2ESizes:
-    """The quick or full sizes with the harness's size flags applied (first hidden size only)."""
-    return apply_size_flags(
-        QUICK_SIZES if quick else FULL_SIZES,
-        hidden=hidden,
-        layers=layers,
-        engines=engines,
-        learner_ranks=learner_ranks,
-        batch=batch,
-        max_new_tokens=max_new_tokens,
-        device=device,
-    )
-
-
 def apply_size_flags(
     sizes: E2ESizes,
     *,
@@ -475,8 +451,8 @@ def run(
             f" got {headline_eta}"
         )
     started = time.monotonic()
-    sizes = sizes or sizes_from_flags(
-        quick,
+    sizes = sizes or apply_size_flags(
+        QUICK_SIZES if quick else FULL_SIZES,
         hidden=hidden,
         layers=layers,
         engines=engines,

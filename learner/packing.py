@@ -157,9 +157,8 @@ def build_inputs(
             r, c = row_of[j], start_of[j]
             ids[r, c : c + len(s)] = s
             positions[r, c : c + len(s)] = np.arange(len(s))
-        for r in range(num_rows):
-            fill = int(lens[row_of == r].sum())
-            positions[r, fill:] = np.arange(width - fill)
+        for r, fill in enumerate(np.bincount(row_of, weights=lens, minlength=num_rows)):
+            positions[r, int(fill) :] = np.arange(width - int(fill))
         rows = row_of[seq_of_token]
         cols = start_of[seq_of_token] + within
         attention_mask = None
