@@ -20,6 +20,7 @@ from fleetrl.data.config import DataConfig
 from fleetrl.models.config import ModelConfig
 from learner.config import LearnerConfig
 from rollout_fleet.config import RolloutConfig
+from rollout_fleet.rewards.config import RewardConfig
 from weight_sync.config import WeightSyncConfig
 
 
@@ -112,6 +113,9 @@ class RayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     learner_resource: Annotated[
         str, Meta(description="Custom resource that marks learner nodes.")
     ] = "learner"
+    reward_resource: Annotated[
+        str, Meta(description="Custom resource that marks reward-model server nodes.")
+    ] = "reward"
     placement_timeout_s: Annotated[
         float,
         Meta(
@@ -131,6 +135,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)

@@ -85,10 +85,17 @@ def make_tiny_model(
     max_positions: int = 512,
     seed: int = 0,
     alphabet: str = DEFAULT_ALPHABET,
+    reward_model: bool = False,
 ) -> Path:
-    """Write a random-init causal LM folder (config, safetensors weights, tokenizer)."""
+    """Write a random-init model folder (config, safetensors weights, tokenizer): a causal LM,
+    or with ``reward_model`` a one-label ``*ForSequenceClassification`` (a reward model)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        LlamaConfig,
+        Qwen2Config,
+    )
 
     if arch not in ("qwen2", "llama"):
         raise ValueError(f"--arch {arch!r} is not supported; accepted: qwen2, llama")
@@ -113,9 +120,13 @@ def make_tiny_model(
     )
     config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
+    if reward_model:
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+        model.generation_config.pad_token_id = tok.pad_token_id
+        model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
