@@ -119,6 +119,11 @@ class EmbeddedEngine(HttpService):
         self.scheduler.start()
 
     @property
+    def alive(self) -> bool:
+        """Whether the scheduler thread still runs (the actor's ping reports it)."""
+        return self.scheduler.alive
+
+    @property
     def adapters(self) -> dict[str, str]:
         """LoRA: the adapter held (name -> path), at most one."""
         return self.adapter_routes.adapters
