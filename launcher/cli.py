@@ -182,7 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "suite",
-        choices=["transport", "weight-sync", "rollout", "learner", "e2e", "accuracy", "all"],
+        choices=[
+            "transport",
+            "weight-sync",
+            "rollout",
+            "learner",
+            "e2e",
+            "accuracy",
+            "reward",
+            "all",
+        ],
     )
     p.add_argument("--out", required=True)
     p.add_argument(
