@@ -95,7 +95,12 @@ def test_a_local_run_counts_the_reward_servers_cpus_and_offers_the_reward_resour
 
 
 def test_sglang_reward_servers_on_this_cpu_machine_are_refused(tmp_path, rm_dir):
-    cfg = _cfg(tmp_path, f"reward.model.path={rm_dir}", "reward.model.backend=sglang")
+    cfg = _cfg(
+        tmp_path,
+        f"reward.model.path={rm_dir}",
+        "reward.model.backend=sglang",
+        "reward.model.gpus_per_engine=1",
+    )
     findings = check_backend(cfg, _probes(), local=True)
     assert keys(findings) == ["reward.model.backend"] and "need CUDA" in findings[0].problem
     auto = _cfg(tmp_path, f"reward.model.path={rm_dir}")  # auto: the embedded rollout backend
