@@ -54,6 +54,7 @@ SUITE_MODULES: dict[str, str] = {
     "learner": "bench.learner",
     "e2e": "bench.e2e",
     "accuracy": "bench.accuracy",
+    "reward": "bench.reward",
 }
 # harness flag -> parameter names a suite's ``run`` may use for it (first match wins)
 SIZE_PARAMETERS: dict[str, tuple[str, ...]] = {
@@ -75,6 +76,7 @@ QUICK_BUDGET_S: dict[str, float] = {
     "learner": 80.0,
     "e2e": 600.0,
     "accuracy": 540.0,
+    "reward": 120.0,  # a server process plus 256 samples x (5 reps + warm-up) x 2 arms
 }
 
 

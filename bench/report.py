@@ -96,6 +96,14 @@ HEADLINES: dict[str, list[tuple[str, str, str]]] = {
             "synchronous trainer (verl default)",
         ),
     ],
+    "reward": [
+        (
+            "batched_vs_per_sample",
+            "reward-model samples/s, batched /classify ÷ one /classify request per sample,"
+            " same server (median of alternated rounds)",
+            "verl's reward loop (one HTTP request per sample)",
+        ),
+    ],
 }
 SUITES: tuple[str, ...] = tuple(HEADLINES)
 

@@ -47,6 +47,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rollout_fleet.engine.cli_args import add_engine_arguments  # argparse only
+
     parser = argparse.ArgumentParser(
         prog="fleetrl", description="Asynchronous actor-learner RL (PPO/GRPO) for language models."
     )
@@ -117,19 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--heads", type=int, default=4)
     t.add_argument("--max-positions", type=int, default=256)
     t.add_argument("--seed", type=int, default=0)
-
-    p = sub.add_parser("engine", help="serve the embedded SGLang-compatible engine over HTTP")
-    p.add_argument("--model", required=True, help="local Hugging Face model folder")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help="bearer key (required when --host is not loopback; or FLEETRL_API_KEY)",
+    t.add_argument(
+        "--reward-model",
+        action="store_true",
+        help="a one-label *ForSequenceClassification folder (a random reward model)",
     )
-    p.add_argument("--engine-id", default="engine-0")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-running-requests", type=int, default=64)
+
+    p = sub.add_parser(
+        "engine",
+        help="serve the embedded SGLang-compatible engine over HTTP (a reward-model folder: /classify)",
+    )
+    add_engine_arguments(p)
 
     p = sub.add_parser("buffer", help="run the replay buffer service standalone")
     p.add_argument(
@@ -182,7 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "suite",
-        choices=["transport", "weight-sync", "rollout", "learner", "e2e", "accuracy", "all"],
+        choices=[
+            "transport",
+            "weight-sync",
+            "rollout",
+            "learner",
+            "e2e",
+            "accuracy",
+            "reward",
+            "all",
+        ],
     )
     p.add_argument("--out", required=True)
     p.add_argument(

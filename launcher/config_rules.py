@@ -133,6 +133,23 @@ def sglang_needs_a_gpu(cfg: RunConfig) -> Iterator[ConfigError]:
 
 
 @rule
+def sglang_reward_servers_need_a_gpu(cfg: RunConfig) -> Iterator[ConfigError]:
+    from rollout_fleet.rewards.fleet import reward_backend
+
+    model = cfg.reward.model
+    if not cfg.reward.places_fleet or reward_backend(model, cfg.rollout) != "sglang":
+        return
+    if model.gpus_per_engine <= 0:
+        yield refuse(
+            "reward.model.gpus_per_engine",
+            "reward.model.backend",
+            f"{model.gpus_per_engine} with 'sglang' ({model.backend})",
+            "an SGLang reward server runs on a GPU; set reward.model.gpus_per_engine > 0 "
+            "(its tensor-parallel size when >= 1), or reward.model.backend=embedded",
+        )
+
+
+@rule
 def cuda_learner_gets_a_gpu(cfg: RunConfig) -> Iterator[ConfigError]:
     # Ray hides every GPU from an actor that reserved none: CUDA fails inside it
     if cfg.trainer.device == "cuda" and cfg.learner.gpus_per_rank <= 0:

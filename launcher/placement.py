@@ -1,7 +1,7 @@
 """Ray placement: start or join Ray, and place each role on its kind of node.
 
 Local runs (no address, no RAY_ADDRESS) start a Ray instance in this process
-that declares the ``rollout`` and ``learner`` custom resources itself, so the
+that declares the ``rollout``, ``learner`` and ``reward`` custom resources itself, so the
 placement code is the same as on a cluster, where nodes declare them (see
 configs/cluster/ and docs/cluster.md). A local instance gets at least as many
 logical CPUs as the run asks for: a laptop with fewer cores oversubscribes
@@ -9,8 +9,9 @@ logical CPUs as the run asks for: a laptop with fewer cores oversubscribes
 
 Placement: the learner group is one placement group of ``learner.num_ranks``
 bundles on ``learner`` nodes (PACK: ranks close together for collectives);
-engines go on ``rollout`` nodes (the fleet places them); the buffer and the
-rollout supervisor need no CPU of their own (their work is I/O).
+engines go on ``rollout`` nodes and reward-model servers on ``reward`` nodes (their
+fleets place them); the buffer and the rollout supervisor need no CPU of their own
+(their work is I/O).
 
 Waiting is bounded and explained: ``wait_for_learner_group`` and
 ``wait_for_engine_room`` log, every ``PLACEMENT_PROGRESS_S``, what the cluster
@@ -44,9 +45,11 @@ class PlacementTimeout(TrainingStopped):
 
 
 def requested_cpus(cfg: RunConfig) -> float:
+    reward = cfg.reward.model
     return (
         cfg.learner.num_ranks * cfg.learner.cpus_per_rank
         + cfg.rollout.num_engines * cfg.rollout.cpus_per_engine
+        + (reward.num_engines * reward.cpus_per_engine if cfg.reward.places_fleet else 0.0)
     )
 
 
@@ -85,6 +88,7 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
         resources={
             cfg.ray.rollout_resource: LOCAL_CUSTOM_UNITS,
             cfg.ray.learner_resource: LOCAL_CUSTOM_UNITS,
+            cfg.ray.reward_resource: LOCAL_CUSTOM_UNITS,
         },
         include_dashboard=False,
         runtime_env=env,
@@ -136,11 +140,11 @@ def free_nodes() -> list[Any]:
     ]
 
 
-def missing(cfg: RunConfig, part: str) -> str:
-    """What the free resources lack for ``part`` ("learner" or "rollout"), per node."""
+def missing(cfg: RunConfig, parts: tuple[str, ...]) -> str:
+    """What the free resources lack for ``parts`` ("learner", "rollout", "reward"), per node."""
     from launcher.preflight_resources import check_resources
 
-    findings = check_resources(cfg, free_nodes(), local=False, parts=(part,))
+    findings = check_resources(cfg, free_nodes(), local=False, parts=parts)
     if not findings:
         return "the resources are free now but not yet granted (see `ray status`)"
     return "; ".join(f"{f.problem} ({f.key})" for f in findings)
@@ -149,7 +153,7 @@ def missing(cfg: RunConfig, part: str) -> str:
 def _wait(
     cfg: RunConfig,
     what: str,
-    part: str,
+    parts: tuple[str, ...],
     done: Callable[[float], bool],
     on_timeout: Callable[[], None] | None = None,
 ) -> None:
@@ -163,11 +167,11 @@ def _wait(
                 on_timeout()
             raise PlacementTimeout(
                 f"{what} was not placed within {limit:.0f}s (ray.placement_timeout_s): "
-                f"{missing(cfg, part)}"
+                f"{missing(cfg, parts)}"
             )
         if now - last_line >= PLACEMENT_PROGRESS_S:
             last_line = now
-            log.info("waiting %.0fs of %.0fs to place %s: %s", now - started, limit, what, missing(cfg, part))  # fmt: skip
+            log.info("waiting %.0fs of %.0fs to place %s: %s", now - started, limit, what, missing(cfg, parts))  # fmt: skip
 
 
 def wait_for_learner_group(pg: Any, cfg: RunConfig) -> None:
@@ -180,21 +184,24 @@ def wait_for_learner_group(pg: Any, cfg: RunConfig) -> None:
     def placed(timeout_s: float) -> bool:
         return bool(ray.wait([ready], timeout=timeout_s)[0])
 
-    _wait(cfg, "the learner group", "learner", placed, lambda: remove_placement_group(pg))
+    _wait(cfg, "the learner group", ("learner",), placed, lambda: remove_placement_group(pg))
 
 
 def wait_for_engine_room(cfg: RunConfig) -> None:
-    """Block until the free resources fit every engine, or raise ``PlacementTimeout``.
+    """Block until the free resources fit every engine and reward server, or raise
+    ``PlacementTimeout``.
 
-    Engines are placed by the fleet (one actor each); waiting here first, where the
+    Engines are placed by the fleets (one actor each); waiting here first, where the
     driver can say what is missing, keeps their own start-up timeout for start-up.
     """
     from launcher.preflight_resources import check_resources
 
+    parts = ("rollout", "reward") if cfg.reward.places_fleet else ("rollout",)
+
     def room(timeout_s: float) -> bool:
-        if not check_resources(cfg, free_nodes(), local=False, parts=("rollout",)):
+        if not check_resources(cfg, free_nodes(), local=False, parts=parts):
             return True
         time.sleep(timeout_s)
         return False
 
-    _wait(cfg, "the rollout fleet", "rollout", room)
+    _wait(cfg, "the rollout fleet" + (" and the reward fleet" if len(parts) > 1 else ""), parts, room)  # fmt: skip

@@ -9,7 +9,9 @@ weight is loaded and nothing is started. Learner devices hold one FSDP rank of
 the policy, the reference and the critic (``learner.memory``); engine devices
 hold one tensor-parallel slice of an engine: its weights in ``model.dtype`` and
 the KV cache its ``max_running_requests`` full-length requests need, against
-SGLang's static pool (``mem_fraction_static`` × device memory − weights). The
+SGLang's static pool (``mem_fraction_static`` × device memory − weights); a placed
+reward server holds the classifier's weights and one forward of ``reward.model.batch_size``
+inputs (``reward_plan``). The
 verdict compares each device's total with the device memory; the what-if table
 says which single change (offload, more ranks, gradient checkpointing, sequence
 parallelism, a smaller token budget) moves it. The learner logs
@@ -57,6 +59,78 @@ class EnginePlan:
 
     def total_gb(self, on_gpu: bool) -> float:
         return self.static_gb if on_gpu else self.weights_gb + self.kv_needed_gb
+
+
+@dataclass
+class RewardServerPlan:
+    """One reward server's device: the classifier's weights and one forward's transients."""
+
+    backend: str
+    tp: int
+    weights_gb: float
+    forward_gb: float  # activations of the largest forward (one layer at a time)
+    static_gb: float  # SGLang's pool (mem_fraction_static × device); 0 for the embedded engine
+
+    def total_gb(self) -> float:
+        return self.static_gb if self.backend == "sglang" else self.weights_gb + self.forward_gb
+
+
+def reward_plan(cfg: RunConfig, gpu_mem_gb: float) -> RewardServerPlan | None:
+    """The plan of one placed reward server (None when the run places none).
+
+    Weights: the classifier's parameters (no LM head; a one-value score head) in
+    ``model.dtype`` over its tensor-parallel ranks. One forward reads ``batch_size`` inputs
+    of ``reward.model.max_length`` tokens (else prompt + response); the embedded engine cuts
+    it at ``MAX_BATCH_TOKENS`` padded tokens and, without a fused attention kernel on the
+    CPU, holds one layer's hidden and MLP states and its attention scores at a time.
+    """
+    from rollout_fleet.engine.score_runner import MAX_BATCH_TOKENS
+    from rollout_fleet.rewards.fleet import reward_backend
+
+    if not cfg.reward.places_fleet:
+        return None
+    model = cfg.reward.model
+    shape = ModelShape.from_config_dict(json.loads((Path(model.path) / "config.json").read_text()))
+    db = DTYPE_BYTES[cfg.model.dtype]
+    backend = reward_backend(model, cfg.rollout)
+    tp = max(1, int(model.gpus_per_engine)) if backend == "sglang" else 1
+    length = model.max_length or cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    if backend == "sglang":
+        tokens, scores = model.batch_size * length, 0.0  # flash attention: no T × T scores
+        static = model.mem_fraction_static * gpu_mem_gb * GB
+    else:
+        rows = max(1, min(model.batch_size, MAX_BATCH_TOKENS // length))
+        tokens, scores = rows * length, rows * shape.heads * length**2 * 4.0
+        static = 0.0
+    forward = tokens * (shape.hidden + shape.intermediate) * db / tp + scores / tp
+    return RewardServerPlan(
+        backend=backend,
+        tp=tp,
+        weights_gb=shape.params(lm_head=False) * db / tp / GB,
+        forward_gb=forward / GB,
+        static_gb=static / GB,
+    )
+
+
+def _reward_lines(cfg: RunConfig, plan: RewardServerPlan) -> tuple[str, str, bool]:
+    """The reward server's table row, its verdict line, and whether it fits."""
+    row = (
+        f"| reward server (TP {plan.tp}) | weights + one forward | {plan.weights_gb:.3f} | | | | "
+        f"forward {plan.forward_gb:.3f} | | **{plan.total_gb():.3f}** | |"
+    )
+    if plan.backend != "sglang":
+        line = (
+            f"reward servers on CPU: {plan.total_gb():.3f} GiB of host memory each "
+            f"({cfg.reward.model.num_engines} placed on 'reward' nodes)"
+        )
+        return row, line, True
+    ok = plan.weights_gb + plan.forward_gb < plan.static_gb
+    line = (
+        f"reward server device: SGLang reserves mem_fraction_static {cfg.reward.model.mem_fraction_static} "
+        f"× device = {plan.static_gb:.2f} GiB; weights {plan.weights_gb:.2f} + one forward "
+        f"{plan.forward_gb:.2f}: {'fits' if ok else 'DOES NOT FIT'}"
+    )
+    return row, line, ok
 
 
 def learner_on_gpu(cfg: RunConfig) -> bool:
@@ -171,6 +245,10 @@ def render(cfg: RunConfig, gpu_mem_gb: float, model_config: str | None = None) -
         f"| engine (TP {eng.tp}) | weights + KV | {eng.weights_gb:.3f} | | | | "
         f"KV needed {eng.kv_needed_gb:.3f} | | **{eng.total_gb(engine_gpu):.3f}** | |"
     )
+    reward = reward_plan(cfg, gpu_mem_gb)
+    if reward is not None:
+        reward_row, reward_line, reward_fits = _reward_lines(cfg, reward)
+        lines.append(reward_row)
     lines.append("")
     fits = True
     if on_gpu:
@@ -199,6 +277,9 @@ def render(cfg: RunConfig, gpu_mem_gb: float, model_config: str | None = None) -
             f"KV pool {eng.kv_pool_gb:.2f} vs {eng.kv_needed_gb:.2f} needed: "
             f"{'fits' if ok else 'DOES NOT FIT (weights exceed the static pool)'}; {kv_note}"
         )
+    if reward is not None:
+        lines.append(reward_line)
+        fits &= reward_fits
     lines += ["", "| change (one at a time) | learner GiB per device |", "|---|---|"]
     lines.append(f"| as configured | {total_learner:.3f} |")
     lines += [f"| {label} | {gb:.3f} |" for label, gb in what_ifs(cfg, shape)]

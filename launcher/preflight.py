@@ -11,13 +11,16 @@ user learns all that is missing in one attempt instead of after a model build, a
 
 What is checked:
 - data files and the model folder (what ``launcher.prepare`` cannot make);
-- resources: the learner group's bundles and the engines against what Ray offers,
+- the reward model: ``reward.model.path`` is a one-label reward-model folder,
+  ``reward.model.urls`` answer (and have their key when off this machine);
+- resources: the learner group's bundles, the engines and the reward servers the run
+  places against what Ray offers,
   per node (a rank or an engine fits on one node or not at all). Locally: the
   instance ``fleetrl train`` would start (this machine's CPUs, the GPUs torch
   sees); on a cluster: ``ray.nodes()``. With ``ray.autoscaling`` a shortfall is a
   warning (nodes may still come) and ``ray.placement_timeout_s`` bounds the wait;
-- the rollout backend where engines run locally: SGLang installed at a tested
-  version, CUDA present; ``trainer.device=cuda`` with CUDA;
+- the rollout and reward backends where engines or reward servers run locally: SGLang
+  installed at a tested version, CUDA present; ``trainer.device=cuda`` with CUDA;
 - tracking: wandb logged in, offline, or off;
 - the run directory: writable, with free disk for the checkpoints and the bank;
 - the Ray address the run pins: something answers there.
@@ -98,50 +101,93 @@ def check_model(cfg: RunConfig) -> list[Finding]:
 
 
 def check_backend(cfg: RunConfig, probes: Probes, *, local: bool) -> list[Finding]:
-    """SGLang at a tested version and CUDA, where engines (and the learner) run on this machine."""
+    """SGLang at a tested version and CUDA, where engines, reward servers or the learner run
+    on this machine."""
     if not local:
         return []
-    out = []
-    cuda = None
-    if cfg.rollout.backend == "sglang":
-        from packaging.specifiers import SpecifierSet
+    from rollout_fleet.rewards.fleet import reward_backend
 
-        version = probes.package_version("sglang")
-        if version is None:
+    out = []
+    uses_sglang = []
+    if cfg.rollout.backend == "sglang":
+        uses_sglang.append(("rollout.backend", "SGLang engines", "rollout.backend=embedded"))
+    if cfg.reward.places_fleet and reward_backend(cfg.reward.model, cfg.rollout) == "sglang":
+        uses_sglang.append(("reward.model.backend", "SGLang reward servers", "reward.model.backend=embedded"))  # fmt: skip
+    cuda = probes.cuda_devices() if uses_sglang or cfg.trainer.device == "cuda" else 0
+    for key, what, instead in uses_sglang:
+        out += _sglang_findings(key, what, instead, probes, cuda)
+    if cfg.trainer.device == "cuda" and not cuda:
+        out.append(
+            Finding(
+                key="trainer.device",
+                problem="cuda, but torch sees no CUDA device here",
+                fix="run on GPU nodes (--address), or trainer.device=cpu or auto",
+            )
+        )
+    return out
+
+
+def _sglang_findings(key: str, what: str, instead: str, probes: Probes, cuda: int) -> list[Finding]:  # fmt: skip
+    from packaging.specifiers import SpecifierSet
+
+    out = []
+    version = probes.package_version("sglang")
+    if version is None:
+        out.append(
+            Finding(
+                key=key,
+                problem="backend sglang, but SGLang is not installed",
+                fix=f'pip install "fleetrl[sglang]" on the machines that run them, or {instead}',
+            )
+        )
+    elif version not in SpecifierSet(SGLANG_SUPPORTED):
+        out.append(
+            Finding(
+                key=key,
+                problem=f"SGLang {version} is installed; fleetrl is tested with sglang{SGLANG_SUPPORTED}",
+                fix=f'pip install "sglang[srt]{SGLANG_SUPPORTED}" (or "fleetrl[sglang]")',
+            )
+        )
+    if not cuda:
+        out.append(
+            Finding(
+                key=key,
+                problem=f"{what} need CUDA; torch sees no CUDA device here",
+                fix=f"run on GPU nodes (--address), or {instead} on CPU",
+            )
+        )
+    return out
+
+
+def check_reward_model(cfg: RunConfig, probes: Probes) -> list[Finding]:
+    """``reward.model.path`` is a one-label reward-model folder; ``reward.model.urls`` are
+    http URLs that answer; their key is set when they are off this machine."""
+    model = cfg.reward.model
+    out = []
+    if model.path:
+        from fleetrl.models.reward_folder import RewardFolderError, check_reward_folder
+
+        try:
+            check_reward_folder(model.path)
+        except RewardFolderError as err:
             out.append(
                 Finding(
-                    key="rollout.backend",
-                    problem="backend sglang, but SGLang is not installed",
-                    fix='pip install "fleetrl[sglang]" on the rollout machines, or rollout.backend=embedded',
+                    key="reward.model.path",
+                    problem=str(err),
+                    fix="point it at a reward-model folder (`fleetrl rm train` writes <trainer.output_dir>/reward_model), or leave it empty",  # fmt: skip
                 )
             )
-        elif version not in SpecifierSet(SGLANG_SUPPORTED):
-            out.append(
-                Finding(
-                    key="rollout.backend",
-                    problem=f"SGLang {version} is installed; fleetrl is tested with sglang{SGLANG_SUPPORTED}",
-                    fix=f'pip install "sglang[srt]{SGLANG_SUPPORTED}" (or "fleetrl[sglang]")',
-                )
-            )
-        cuda = probes.cuda_devices()
-        if not cuda:
-            out.append(
-                Finding(
-                    key="rollout.backend",
-                    problem="SGLang engines need CUDA; torch sees no CUDA device here",
-                    fix="run on GPU nodes (--address), or rollout.backend=embedded on CPU",
-                )
-            )
-    if cfg.trainer.device == "cuda":
-        cuda = probes.cuda_devices() if cuda is None else cuda
-        if not cuda:
-            out.append(
-                Finding(
-                    key="trainer.device",
-                    problem="cuda, but torch sees no CUDA device here",
-                    fix="run on GPU nodes (--address), or trainer.device=cpu or auto",
-                )
-            )
+    for i, url in enumerate(model.urls):
+        parsed = urlparse(url)
+        key = f"reward.model.urls[{i}]"
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            out.append(Finding(key=key, problem=f"{url!r} is not an http(s)://HOST:PORT URL", fix="give the server's base URL, e.g. http://10.0.0.5:30000"))  # fmt: skip
+            continue
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        if not probes.reachable(parsed.hostname, port):
+            out.append(Finding(key=key, problem=f"nothing answers at {parsed.hostname}:{port}", fix="start the reward server (`fleetrl engine --model RM_DIR`, or SGLang with --is-embedding), or fix the URL"))  # fmt: skip
+        elif parsed.hostname not in ("127.0.0.1", "localhost", "::1") and not probes.env.get(model.api_key_env):  # fmt: skip
+            out.append(Finding(key="reward.model.api_key_env", problem=f"{url} is off this machine and ${model.api_key_env} is empty: the client sends no key", fix=f"export {model.api_key_env}=<the server's --api-key>", fatal=False))  # fmt: skip
     return out
 
 
@@ -312,7 +358,7 @@ def run_checks(
     """Every check; every finding (warnings included), in the order a user fixes them."""
     probes = probes or Probes()
     target = resolve_address(cfg, address, probes.env)
-    findings = check_data(cfg) + check_model(cfg)
+    findings = check_data(cfg) + check_model(cfg) + check_reward_model(cfg, probes)
     if target:
         cluster_findings, nodes = check_cluster(cfg, target, probes)
         findings += cluster_findings

@@ -1,4 +1,5 @@
-"""Preflight's resource check: the learner group's bundles, then the engines, placed per node.
+"""Preflight's resource check: the learner group's bundles, the engines, then the reward
+servers (when the run places them), placed per node.
 
 A rank or an engine fits on one node or not at all, so demand is placed first-fit node by
 node on what Ray offers (this machine's local instance, or ``ray.nodes()`` of a cluster),
@@ -36,8 +37,18 @@ def engine_demand(cfg: RunConfig) -> dict[str, float]:
     return demand
 
 
+def reward_server_demand(cfg: RunConfig) -> dict[str, float]:
+    """One reward server's resources, as rollout_fleet.rewards.fleet asks for them."""
+    model = cfg.reward.model
+    demand = {"CPU": model.cpus_per_engine, cfg.ray.reward_resource: NODE_MARKER_SHARE}
+    if model.gpus_per_engine:
+        demand["GPU"] = model.gpus_per_engine
+    return demand
+
+
 def needs_gpus(cfg: RunConfig) -> bool:
-    return bool(cfg.learner.gpus_per_rank or cfg.rollout.gpus_per_engine)
+    reward_gpus = cfg.reward.places_fleet and cfg.reward.model.gpus_per_engine
+    return bool(cfg.learner.gpus_per_rank or cfg.rollout.gpus_per_engine or reward_gpus)
 
 
 def local_node(cfg: RunConfig, probes: Probes) -> Node:
@@ -51,6 +62,7 @@ def local_node(cfg: RunConfig, probes: Probes) -> Node:
             "GPU": float(gpus),
             cfg.ray.rollout_resource: float(LOCAL_CUSTOM_UNITS),
             cfg.ray.learner_resource: float(LOCAL_CUSTOM_UNITS),
+            cfg.ray.reward_resource: float(LOCAL_CUSTOM_UNITS),
         },
     )
 
@@ -131,25 +143,29 @@ def check_resources(
     *,
     local: bool,
     autoscaling: bool = False,
-    parts: tuple[str, ...] = ("learner", "rollout"),
+    parts: tuple[str, ...] = ("learner", "rollout", "reward"),
 ) -> list[Finding]:
-    """The learner group, then the engines, placed per node on what ``nodes`` offer."""
+    """The learner group, the engines, then the reward servers (when the run places them),
+    placed per node on what ``nodes`` offer."""
     free = [dict(n.resources) for n in nodes]
     found = []
-    groups = (
-        ("the learner group", "ranks", learner_bundle(cfg), cfg.learner.num_ranks, "learner", "rank"),
-        ("the rollout fleet", "engines", engine_demand(cfg), cfg.rollout.num_engines, "rollout", "engine"),
-    )  # fmt: skip
-    for what, unit, demand, count, section, per in groups:
-        if section not in parts:
+    # (part, what, unit, demand, count, key of each resource, key of the count, marker)
+    groups = [
+        ("learner", "the learner group", "ranks", learner_bundle(cfg), cfg.learner.num_ranks,
+         "learner.{}_per_rank", "learner.num_ranks", cfg.ray.learner_resource, "ray.learner_resource"),
+        ("rollout", "the rollout fleet", "engines", engine_demand(cfg), cfg.rollout.num_engines,
+         "rollout.{}_per_engine", "rollout.num_engines", cfg.ray.rollout_resource, "ray.rollout_resource"),
+    ]  # fmt: skip
+    if cfg.reward.places_fleet:
+        groups.append(
+            ("reward", "the reward fleet", "servers", reward_server_demand(cfg),
+             cfg.reward.model.num_engines, "reward.model.{}_per_engine",
+             "reward.model.num_engines", cfg.ray.reward_resource, "ray.reward_resource")
+        )  # fmt: skip
+    for part, what, unit, demand, count, per_key, count_key, marker, marker_key in groups:
+        if part not in parts:
             continue
-        marker = cfg.ray.learner_resource if section == "learner" else cfg.ray.rollout_resource
-        count_key = "learner.num_ranks" if section == "learner" else "rollout.num_engines"
-        keys = {
-            "GPU": f"{section}.gpus_per_{per}",
-            "CPU": f"{section}.cpus_per_{per}",
-            "marker": f"ray.{section}_resource",
-        }
+        keys = {"GPU": per_key.format("gpus"), "CPU": per_key.format("cpus"), "marker": marker_key}
         if local:
             fixes = {
                 "GPU": f"run on GPU machines (--address), set ray.num_gpus if Ray misses GPUs, or {keys['GPU']}=0 for a CPU run",  # fmt: skip
@@ -163,8 +179,8 @@ def check_resources(
                 for k in ("GPU", "CPU")
             }
             fixes["marker"] = (
-                f"start {section} nodes with ray start --resources '{{\"{marker}\": N}}', "
-                f"or set ray.{section}_resource to the name your nodes declare{later}"
+                f"start {part} nodes with ray start --resources '{{\"{marker}\": N}}', "
+                f"or set {marker_key} to the name your nodes declare{later}"
             )
         finding = shortfall(what, unit, demand, count, nodes, free, keys, fixes)
         if finding is not None:

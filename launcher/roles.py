@@ -9,7 +9,10 @@
 - ``RolloutRole``  an async actor hosting the engine ``Membership`` (the one owner of
                    "may engine-1 take requests?", rollout_fleet/membership.py), the engine
                    fleet (engine actors of its own), the router and the asyncio
-                   ``RolloutWorker`` that streams trajectories to the buffer.
+                   ``RolloutWorker`` that streams trajectories to the buffer; with
+                   ``reward.model``, its ``RewardServers`` (the urls, or a reward fleet
+                   placed here) and their ``reward_client``
+                   (rollout_fleet/rewards/servers.py).
 
 The classes are plain Python; ``remote_class(cls)`` applies ``ray.remote`` on demand so
 importing this module needs no running Ray. Every actor receives the run config as
@@ -414,14 +417,34 @@ class RolloutRole:
         self.rewards = RewardRunner(
             timeout_s=cfg.rollout.reward_timeout_s, max_workers=cfg.rollout.reward_workers
         )
+        self.reward_servers = self._reward_servers(run_dir, local)
+        self.reward_client = self.reward_servers.client if self.reward_servers else None
+        self._reward_watch: asyncio.Task | None = None
         self.worker: Any = None
         self._task: asyncio.Task | None = None
+
+    def _reward_servers(self, run_dir: str, local: bool) -> Any:
+        """``reward.model``'s servers: its urls, or a reward fleet placed here (None without)."""
+        from rollout_fleet.rewards.servers import RewardServers
+
+        return RewardServers.for_run(
+            self.cfg.reward,
+            self.cfg.rollout,
+            api_key=self.api_key,
+            dtype=self.cfg.model.dtype,
+            expose_on_node_ip=not local,
+            resource_name=self.cfg.ray.reward_resource,
+            log_dir=str(Path(run_dir) / "logs"),
+        )
+
+    async def _start_reward_servers(self) -> dict[str, str]:
+        return await self.reward_servers.start() if self.reward_servers else {}
 
     async def start_engines(self) -> dict[str, str]:
         from rollout_fleet.client import EngineClient
         from rollout_fleet.worker import RolloutWorker
 
-        urls = await self.fleet.start()
+        urls, _ = await asyncio.gather(self.fleet.start(), self._start_reward_servers())
         cfg = self.cfg
         self.worker = RolloutWorker(
             cfg.rollout,
@@ -447,6 +470,8 @@ class RolloutRole:
         self._task = asyncio.create_task(self.worker.run())
         self._health_task = asyncio.create_task(self._watch_engines())
         self._reconcile_task = asyncio.create_task(self._reconcile_loop())
+        if self.reward_servers is not None:
+            self._reward_watch = asyncio.create_task(self.reward_servers.watch())
 
     async def _watch_engines(self) -> None:
         """The fleet's health checks: dead or hung engines are replaced (see fleet.py)."""
@@ -482,6 +507,12 @@ class RolloutRole:
 
     async def engine_urls(self) -> dict[str, str]:
         return self.fleet.urls()
+
+    async def reward_urls(self) -> dict[str, str]:
+        """The reward servers this role placed and scores on now (name -> URL; empty with
+        reward.model.urls or without a reward model)."""
+        fleet = self.reward_servers.fleet if self.reward_servers is not None else None
+        return fleet.servers() if fleet is not None else {}
 
     async def check(self) -> None:
         """Raise if the generation loop died."""
@@ -534,6 +565,8 @@ class RolloutRole:
         out = dict(self.worker.metrics()) if self.worker else {}
         out.update(self.fleet.metrics())
         out.update(self.delivery.metrics())
+        if self.reward_servers is not None:
+            out.update(self.reward_servers.metrics())
         return out
 
     async def validate(self) -> dict[str, float]:
@@ -558,7 +591,7 @@ class RolloutRole:
         self.delivery.load_state_dict(state)
 
     async def stop(self, deadline_s: float = 5.0) -> None:
-        for task in (self._health_task, self._reconcile_task):
+        for task in (self._health_task, self._reconcile_task, self._reward_watch):
             if task is not None:
                 task.cancel()
         if self.worker is not None:
@@ -567,6 +600,8 @@ class RolloutRole:
                 await asyncio.gather(self._task, return_exceptions=True)
             await self.worker.aclose()
         await self.fleet.stop()
+        if self.reward_servers is not None:
+            await self.reward_servers.stop()
         self.sender.close()
         self.control.close()
 

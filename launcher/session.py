@@ -296,13 +296,16 @@ class Run:
         log.warning("starting afresh: the earlier rollout bank was moved to %s", aside)
 
     def write_roster(self) -> None:
-        """roles.json: role -> pid (engines too, on a local instance) for tests and the soak."""
+        """roles.json: role -> pid (engines and reward servers too, on a local instance) for
+        tests and the soak."""
         import ray
 
         roster: dict[str, Any] = dict(self.supervisor.pids())
         roster["driver"] = os.getpid()
         if self.local and self.rollout is not None:
-            for name, url in ray.get(self.rollout.engine_urls.remote()).items():
+            urls = ray.get(self.rollout.engine_urls.remote())
+            urls.update(ray.get(self.rollout.reward_urls.remote()))  # placed reward servers
+            for name, url in urls.items():
                 pid = listening_pid(int(url.rstrip("/").rsplit(":", 1)[1]))
                 if pid is not None:
                     roster[name] = pid

@@ -1,4 +1,6 @@
-"""The Ray actor that hosts one rollout engine (embedded engine or SGLang server).
+"""The Ray actor that hosts one engine (embedded engine or SGLang server): a rollout engine,
+or a reward-model server (``is_embedding``; the embedded engine picks its reward engine
+from the folder).
 
 ``EngineActor`` is a plain class; ``engine_actor_class()`` applies ``ray.remote``
 on demand, so importing this module needs neither a running Ray nor the ray
@@ -26,6 +28,7 @@ log = get_logger(__name__)
 
 LOOPBACK = "127.0.0.1"
 NODE_MARKER_SHARE = 0.001  # of the node-kind custom resource taken by one engine
+DEFAULT_RUNNING_REQUESTS = 64  # an embedded engine whose spec leaves it to the server
 
 
 @dataclass
@@ -37,7 +40,7 @@ class EngineSpec:
     backend: Literal["embedded", "sglang"] = "embedded"
     device: str = "cpu"
     dtype: str = "float32"
-    max_running_requests: int = 64
+    max_running_requests: int | None = 64  # None: SGLang sizes it from memory
     expose_on_node_ip: bool = False
     api_key: str | None = None
     port: int = 0
@@ -49,6 +52,7 @@ class EngineSpec:
     disable_radix_cache: bool = False
     lora_rank: int = 0  # learner.lora.rank: > 0 launches SGLang with LoRA on
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    is_embedding: bool = False  # a reward model: SGLang's --is-embedding (/classify)
     extra_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 600.0
     log_dir: str | None = None
@@ -135,7 +139,7 @@ class EngineActor:
         if self._engine is not None and self.spec.backend == "sglang":
             alive = alive and self._engine.alive()
         elif self._engine is not None:
-            alive = alive and self._engine.scheduler.alive
+            alive = alive and self._engine.alive
         return {"name": self.spec.name, "pid": os.getpid(), "url": self._url, "alive": alive}
 
     def stop(self) -> None:
@@ -152,13 +156,13 @@ class EngineActor:
         return ray.util.get_node_ip_address()
 
     def _start_embedded(self, host: str) -> str:
-        from rollout_fleet.engine.server import EmbeddedEngine
+        from rollout_fleet.engine.kinds import open_engine
 
-        engine = EmbeddedEngine(
+        engine = open_engine(  # a reward-model folder gets the reward engine
             self.spec.model_path,
             engine_id=self.spec.name,
             device=self.spec.device,
-            max_running_requests=self.spec.max_running_requests,
+            max_running_requests=self.spec.max_running_requests or DEFAULT_RUNNING_REQUESTS,
             dtype=self.spec.dtype,
             api_key=self.spec.api_key,
             require_api_key=self.spec.expose_on_node_ip,
@@ -204,6 +208,7 @@ def sglang_server_spec(spec: EngineSpec, host: str = LOOPBACK) -> Any:
         disable_radix_cache=spec.disable_radix_cache,
         lora_rank=spec.lora_rank,
         lora_target_modules=list(spec.lora_target_modules),
+        is_embedding=spec.is_embedding,
         extra_args=list(spec.extra_args),
     )
 

@@ -22,8 +22,14 @@ used up ``max_engine_restarts`` stays DEAD; the run goes on with the others
 (``fleet/engines_alive`` says how many).
 
 All methods are coroutines on the caller's event loop (Ray object refs are
-awaitable), so the health loop runs beside the rollout worker. Left out:
-elastic scale-up/down at runtime (the membership supports drain and remove; the fleet keeps N).
+awaitable), so the health loop runs beside the rollout worker.
+
+The same supervision serves any pool of engine actors: ``EngineFleet(rollout_config, ...)``
+builds the rollout engines' specs from the rollout section, ``EngineFleet.of_specs(specs,
+FleetSettings(...))`` takes them ready-made (the reward-model servers of
+``rollout_fleet.rewards.fleet``, which never take weight pushes and report
+``reward_fleet/*`` metrics). Left out: elastic scale-up/down at runtime (the membership
+supports drain and remove; the fleet keeps N).
 """
 
 from __future__ import annotations
@@ -57,8 +63,42 @@ class _Slot:
     given_up: bool = False
 
 
+@dataclass(frozen=True)
+class FleetSettings:
+    """What supervising a fleet needs, whatever its engines serve (rollout or reward)."""
+
+    num_engines: int
+    cpus_per_engine: float
+    gpus_per_engine: float
+    health_check_interval_s: float
+    health_check_timeout_s: float
+    health_failures_before_dead: int
+    max_engine_restarts: int
+    engine_startup_timeout_s: float
+    weights_from_disk: bool  # a fresh engine serves real (version 0) weights before any push
+    metrics_prefix: str = "fleet"
+
+    @classmethod
+    def of_rollout(cls, config: RolloutConfig) -> FleetSettings:
+        return cls(
+            num_engines=config.num_engines,
+            cpus_per_engine=config.cpus_per_engine,
+            gpus_per_engine=config.gpus_per_engine,
+            health_check_interval_s=config.health_check_interval_s,
+            health_check_timeout_s=config.health_check_timeout_s,
+            health_failures_before_dead=config.health_failures_before_dead,
+            max_engine_restarts=config.max_engine_restarts,
+            engine_startup_timeout_s=config.engine_startup_timeout_s,
+            weights_from_disk=config.backend == "embedded" or config.sglang_load_format == "auto",
+        )
+
+
 class EngineFleet:
-    """N engine actors, health-checked and replaced; see the module docstring."""
+    """N engine actors, health-checked and replaced; see the module docstring.
+
+    ``EngineFleet(rollout_config, model_path, ...)`` is the rollout fleet;
+    ``EngineFleet.of_specs(specs, settings, ...)`` any other (the reward servers).
+    """
 
     def __init__(
         self,
@@ -80,7 +120,57 @@ class EngineFleet:
         lora_rank: int = 0,
         lora_target_modules: list[str] | None = None,
     ):
-        self.config = config
+        specs = [
+            engine_spec(
+                config,
+                name,
+                model_path,
+                device=device,
+                dtype=dtype,
+                api_key=api_key,
+                expose_on_node_ip=expose_on_node_ip,
+                log_dir=log_dir,
+                pause_mode=pause_mode,
+                lora_rank=lora_rank,
+                lora_target_modules=lora_target_modules,
+            )
+            for name in (f"{name_prefix}-{i}" for i in range(config.num_engines))
+        ]
+        self._setup(
+            specs,
+            FleetSettings.of_rollout(config),
+            membership=membership,
+            api_key=api_key,
+            resource_name=resource_name,
+            weights_pushed=weights_pushed,
+            health_probe=health_probe,
+            actor_factory=actor_factory,
+        )
+
+    @classmethod
+    def of_specs(
+        cls, specs: list[EngineSpec], settings: FleetSettings, **options: Any
+    ) -> EngineFleet:
+        """A fleet of one engine per spec (their names are the slots); ``options`` are the
+        constructor's ``membership``, ``api_key``, ``resource_name``, ``weights_pushed``,
+        ``health_probe`` and ``actor_factory``."""
+        fleet = cls.__new__(cls)
+        fleet._setup(specs, settings, **options)
+        return fleet
+
+    def _setup(
+        self,
+        specs: list[EngineSpec],
+        settings: FleetSettings,
+        *,
+        membership: Membership,
+        api_key: str | None = None,
+        resource_name: str | None = None,
+        weights_pushed: bool = False,
+        health_probe: HealthProbe | None = None,
+        actor_factory: Callable[[EngineSpec], Any] | None = None,
+    ) -> None:
+        self.settings = settings
         self.membership = membership
         self.api_key = api_key
         self.weights_pushed = weights_pushed  # weight sync brings new engines up to date
@@ -88,30 +178,12 @@ class EngineFleet:
         self._actor_factory = actor_factory or (
             lambda spec: create_engine_actor(
                 spec,
-                num_cpus=config.cpus_per_engine,
-                num_gpus=config.gpus_per_engine,
+                num_cpus=settings.cpus_per_engine,
+                num_gpus=settings.gpus_per_engine,
                 resource_name=resource_name,
             )
         )
-        self._slots = {
-            name: _Slot(
-                name,
-                engine_spec(
-                    config,
-                    name,
-                    model_path,
-                    device=device,
-                    dtype=dtype,
-                    api_key=api_key,
-                    expose_on_node_ip=expose_on_node_ip,
-                    log_dir=log_dir,
-                    pause_mode=pause_mode,
-                    lora_rank=lora_rank,
-                    lora_target_modules=lora_target_modules,
-                ),
-            )
-            for name in (f"{name_prefix}-{i}" for i in range(config.num_engines))
-        }
+        self._slots = {spec.name: _Slot(spec.name, spec) for spec in specs}
         self._health_clients: dict[str, Any] = {}
         self._stopping = False
         self.health_failures = 0
@@ -120,7 +192,7 @@ class EngineFleet:
     @property
     def weights_from_disk(self) -> bool:
         """Whether a fresh engine serves real (version 0) weights before any broadcast."""
-        return self.config.backend == "embedded" or self.config.sglang_load_format == "auto"
+        return self.settings.weights_from_disk
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -164,15 +236,16 @@ class EngineFleet:
 
     def metrics(self) -> dict[str, float]:
         states = [self._state(name) for name in self._slots]
+        p = self.settings.metrics_prefix
         return {
-            "fleet/engines_alive": float(sum(s in SERVING for s in states)),
-            "fleet/engines_starting": float(sum(s is EngineStatus.STARTING for s in states)),
-            "fleet/engines_needing_weights": float(
+            f"{p}/engines_alive": float(sum(s in SERVING for s in states)),
+            f"{p}/engines_starting": float(sum(s is EngineStatus.STARTING for s in states)),
+            f"{p}/engines_needing_weights": float(
                 sum(s is EngineStatus.NEEDS_WEIGHTS for s in states)
             ),
-            "fleet/engines_dead": float(sum(s is EngineStatus.DEAD for s in states)),
-            "fleet/engine_restarts": float(self.engine_restarts),
-            "fleet/health_failures": float(self.health_failures),
+            f"{p}/engines_dead": float(sum(s is EngineStatus.DEAD for s in states)),
+            f"{p}/engine_restarts": float(self.engine_restarts),
+            f"{p}/health_failures": float(self.health_failures),
         }
 
     # ---- health ---------------------------------------------------------------------------
@@ -181,7 +254,7 @@ class EngineFleet:
         """Check every engine each ``health_check_interval_s`` until ``stop()``."""
         while not self._stopping:
             await self.check_once()
-            await asyncio.sleep(self.config.health_check_interval_s)
+            await asyncio.sleep(self.settings.health_check_interval_s)
 
     async def check_once(self) -> None:
         """One round of health checks over all slots (replacements run in the background)."""
@@ -204,7 +277,7 @@ class EngineFleet:
             return
         self.health_failures += 1
         slot.failures += 1
-        if fatal or slot.failures >= self.config.health_failures_before_dead:
+        if fatal or slot.failures >= self.settings.health_failures_before_dead:
             self._replace(slot, reason)
         else:
             log.warning(
@@ -215,7 +288,7 @@ class EngineFleet:
 
     async def _failure_reason(self, slot: _Slot) -> tuple[str | None, bool]:
         """(why the engine looks unhealthy, whether that is certainly fatal); (None, False) if fine."""
-        timeout = self.config.health_check_timeout_s
+        timeout = self.settings.health_check_timeout_s
         try:
             info = await asyncio.wait_for(_awaitable(slot.actor.ping.remote()), timeout)
         except TimeoutError:
@@ -236,7 +309,7 @@ class EngineFleet:
         client = self._health_clients.get(url)
         if client is None:
             client = self._health_clients[url] = EngineClient(
-                url, api_key=self.api_key, timeout_s=self.config.health_check_timeout_s, retries=0
+                url, api_key=self.api_key, timeout_s=self.settings.health_check_timeout_s, retries=0
             )
         return bool(await client.health())
 
@@ -252,13 +325,13 @@ class EngineFleet:
     async def _replace_now(self, slot: _Slot, reason: str) -> None:
         try:
             await self._kill(slot)
-            if slot.restarts >= self.config.max_engine_restarts:
+            if slot.restarts >= self.settings.max_engine_restarts:
                 slot.given_up = True
                 log.error(
                     "engine %s is dead (%s) and its %d restarts are spent; continuing without it",
                     slot.name,
                     reason,
-                    self.config.max_engine_restarts,
+                    self.settings.max_engine_restarts,
                 )
                 return
             slot.restarts += 1
@@ -284,7 +357,7 @@ class EngineFleet:
         """Create and start the slot's actor; the engine's URL."""
         slot.actor = self._actor_factory(slot.spec)
         return await asyncio.wait_for(
-            _awaitable(slot.actor.start.remote()), self.config.engine_startup_timeout_s
+            _awaitable(slot.actor.start.remote()), self.settings.engine_startup_timeout_s
         )
 
     async def _kill(self, slot: _Slot) -> None:

@@ -45,6 +45,20 @@ loads a PEFT folder by path, ``/unload_lora_adapter`` ``{lora_name}`` unloads
 it; both answer ``{success, error_message, loaded_adapters}``. A ``/generate``
 request names its adapter in ``lora_path``.
 
+Reward models (SGLang 0.5.23 serves them as embedding models): ``POST|PUT /classify``
+and ``/encode`` take ``EmbeddingReqInput`` (``EmbeddingRequest`` here: every field of the
+installed io_struct, ``text`` xor ``input_ids``, a list for a batch; no chat template is
+applied) and answer one object per input, a list for a batch::
+
+    {"embedding": [score, ...],  # the head at the last token, one value per label
+     "meta_info": {"id": str, "finish_reason": {"type": "length", "length": 0},
+                   "prompt_tokens": int, "weight_version": str, "num_retractions": 0,
+                   "e2e_latency": float, "response_sent_to_client_ts": float}}
+
+A non-finite score travels as ``null`` (SGLang's orjson, like msgspec, writes NaN and
+inf so). ``/v1/classify`` (OpenAI style) applies a softmax: a one-label model always
+reads 1.0 there, so scoring uses ``/classify``.
+
 Left out: multimodal inputs, sessions, top-logprobs, input (prompt) logprobs.
 """
 
@@ -271,3 +285,50 @@ class UpdateWeightsFromDiskRequest(msgspec.Struct, forbid_unknown_fields=True, k
             )
         if self.is_async or self.manifest is not None:
             raise ValueError("is_async and manifest (streamed loads) are not supported")
+
+
+class EmbeddingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Body of ``POST|PUT /classify`` and ``/encode`` (SGLang ``EmbeddingReqInput``).
+
+    Every field of the installed io_struct (a test compares the names and defaults), so a
+    field SGLang lacks is a 400 naming it. Served: ``text`` xor ``input_ids`` (one input,
+    or a list for a batch), ``rid`` (a list for a batch), ``priority`` (checked, then
+    ignored: no priority scheduling). Accepted and ignored as SGLang ignores them for
+    scoring: ``sampling_params`` (SGLang forces ``max_new_tokens=0``), ``log_metrics``,
+    ``routing_key``, ``background``, ``return_prompt_token_ids``,
+    ``external_trace_header``, ``received_time``. Refused with SGLang's own message when
+    set: ``lora_path`` (no adapters), ``dimensions`` (not a Matryoshka model),
+    ``decision_layout``; refused unless null or false: multimodal inputs, input
+    embeddings and their overrides, cross-encoder pairs, pooled hidden states, multi-item
+    and multi-position pooling, and SGLang's internal ``lora_id`` and ``http_worker_ipc``.
+    """
+
+    rid: str | list[str] | None = None
+    text: str | list[str] | None = None
+    # list[int] for one input, list[list[int]] for a batch (checked by the engine)
+    input_ids: list[int | list[int]] | None = None
+    input_embeds: None = None
+    image_data: None = None
+    video_data: None = None
+    audio_data: None = None
+    embed_override_token_id: None = None
+    embed_overrides: None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    log_metrics: bool = True
+    modalities: None = None
+    is_cross_encoder_request: Literal[False] = False
+    lora_path: str | list[str | None] | None = None
+    lora_id: None = None
+    positional_embed_overrides: None = None
+    routing_key: str | None = None
+    http_worker_ipc: None = None
+    background: bool = False
+    priority: int | None = None
+    dimensions: int | None = None
+    return_pooled_hidden_states: Literal[False] = False
+    return_prompt_token_ids: bool = False
+    external_trace_header: dict[str, Any] | None = None
+    received_time: float | None = None
+    multi_item_delimiter_indices: None = None
+    token_indices_to_pool: None = None
+    decision_layout: list[int | list[int]] | None = None

@@ -21,6 +21,9 @@ weight updates (``radix_cache_disabled_for``): SGLang refuses to flush its cache
 while requests run, and in-place pause keeps them running, so a prefix cached
 under old weights would otherwise be served under the new version tag.
 
+A reward-model server (``is_embedding``) starts with ``--is-embedding`` and
+``--load-format auto``: it serves the folder's weights and never takes a push.
+
 Without sglang installed in the tested range (``rollout_fleet.sglang_version``)
 or without CUDA, ``check_available`` raises ``SGLangUnavailable`` with the
 reason in one line. Left out: multi-node tensor parallel
@@ -83,6 +86,7 @@ class SGLangServerSpec:
     base_gpu_id: int | None = None
     lora_rank: int = 0  # > 0: serve LoRA adapters (see lora_args)
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    is_embedding: bool = False  # a reward model: served on /classify and /encode
     log_level: str = "warning"
     extra_args: list[str] = field(default_factory=list)
     python: str = sys.executable
@@ -190,6 +194,8 @@ def build_command(spec: SGLangServerSpec) -> list[str]:
         cmd += ["--base-gpu-id", str(spec.base_gpu_id)]
     if spec.lora_rank:
         cmd += lora_args(spec.lora_rank, spec.lora_target_modules)
+    if spec.is_embedding:
+        cmd += ["--is-embedding"]
     cmd += list(spec.extra_args)
     return cmd
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random-init model folder made once per session, CPU torch settings."""
+"""Shared fixtures: tiny random-init model folders (policy, Llama, reward model) made once per
+session, CPU torch settings."""
 
 from __future__ import annotations
 
@@ -50,4 +51,19 @@ def tiny_llama_dir(tmp_path_factory):
         hidden=64,
         heads=4,
         seed=0,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_dir(tmp_path_factory):
+    """A one-label Qwen2ForSequenceClassification (a reward model) with the same tokenizer."""
+    from fleetrl.models.tiny import make_tiny_model
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny_rm") / "model",
+        layers=2,
+        hidden=64,
+        heads=4,
+        seed=1,
+        reward_model=True,
     )

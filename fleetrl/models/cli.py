@@ -19,6 +19,8 @@ def tiny_main(args: argparse.Namespace) -> int:
         heads=args.heads,
         max_positions=args.max_positions,
         seed=args.seed,
+        reward_model=args.reward_model,
     )
-    log.info("wrote tiny %s model to %s", args.arch, out)
+    kind = "reward model (one-label sequence classifier)" if args.reward_model else "model"
+    log.info("wrote tiny %s %s to %s", args.arch, kind, out)
     return 0

@@ -1,4 +1,5 @@
-"""Load a local Hugging Face causal LM folder and its tokenizer (Qwen2, Llama, ...).
+"""Load a local Hugging Face causal LM or sequence classifier (reward model) folder and its
+tokenizer (Qwen2, Llama, ...).
 
 Nothing is downloaded: paths must exist locally (``local_files_only``), and a
 missing or incomplete folder is a clear error naming the path.
@@ -29,14 +30,25 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(check_model_dir(path)), local_files_only=True)
 
 
+def _torch_dtype(dtype: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
 def load_causal_lm(path: str | Path, dtype: str = "float32", **kwargs: Any):
     """``AutoModelForCausalLM`` from a local folder, in ``dtype`` (float32 | bfloat16 | float16)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-        dtype
-    ]
     return AutoModelForCausalLM.from_pretrained(
-        str(check_model_dir(path)), dtype=torch_dtype, local_files_only=True, **kwargs
+        str(check_model_dir(path)), dtype=_torch_dtype(dtype), local_files_only=True, **kwargs
+    )
+
+
+def load_sequence_classifier(path: str | Path, dtype: str = "float32", **kwargs: Any):
+    """``AutoModelForSequenceClassification`` (a reward model) from a local folder, in ``dtype``."""
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(
+        str(check_model_dir(path)), dtype=_torch_dtype(dtype), local_files_only=True, **kwargs
     )

@@ -54,7 +54,7 @@ def check_reward_folder(folder: str | Path) -> dict:
     """The folder's config, or ``RewardFolderError`` unless it is a one-label classifier."""
     config = _config(folder)
     archs = config.get("architectures") or []
-    if not any(str(a).endswith(SEQUENCE_CLASSIFICATION_SUFFIX) for a in archs):
+    if not is_sequence_classifier(folder):
         raise RewardFolderError(
             f"reward model {folder}: architectures {archs} hold no *{SEQUENCE_CLASSIFICATION_SUFFIX}"
             " (train one with `fleetrl rm train`)"
@@ -94,3 +94,10 @@ def write_reward_stats(folder: str | Path, stats: RewardStats) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
+
+
+def is_sequence_classifier(folder: str | Path) -> bool:
+    """Whether the folder's config names a ``*ForSequenceClassification`` architecture (any
+    number of labels): what the embedded engine serves on ``/classify`` instead of ``/generate``."""
+    archs = _config(folder).get("architectures") or []
+    return any(str(a).endswith(SEQUENCE_CLASSIFICATION_SUFFIX) for a in archs)

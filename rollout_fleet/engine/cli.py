@@ -1,4 +1,8 @@
-"""`fleetrl engine` / `python -m rollout_fleet.engine.cli`: serve the embedded engine until interrupted."""
+"""`fleetrl engine` / `python -m rollout_fleet.engine.cli`: serve the embedded engine until interrupted.
+
+The folder picks the engine (``kinds.open_engine``): a causal LM is served on ``/generate``,
+a ``*ForSequenceClassification`` reward model on ``/classify`` and ``/encode``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,9 @@ import signal
 import sys
 
 from fleetrl.log import get_logger
-from rollout_fleet.engine.server import EmbeddedEngine, EngineStartupError, resolve_api_key
+from rollout_fleet.engine.cli_args import add_engine_arguments
+from rollout_fleet.engine.http_service import EngineStartupError, resolve_api_key
+from rollout_fleet.engine.kinds import open_engine
 
 log = get_logger(__name__)
 
@@ -17,12 +23,14 @@ def main(args: argparse.Namespace) -> int:
     """``fleetrl engine``: serve until interrupted. Returns the exit status."""
     try:
         resolve_api_key(args.host, args.api_key)
-        engine = EmbeddedEngine(
+        engine = open_engine(
             args.model,
             engine_id=args.engine_id,
             device=args.device,
             max_running_requests=args.max_running_requests,
             api_key=args.api_key,
+            log_requests=args.log_requests,
+            max_batch_tokens=args.max_batch_tokens,
         )
     except (EngineStartupError, FileNotFoundError, ValueError) as err:
         log.error("engine: %s", err)
@@ -52,13 +60,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m rollout_fleet.engine.cli", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--model", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--engine-id", default="engine-0")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-running-requests", type=int, default=64)
+    add_engine_arguments(p)
     return p.parse_args(argv)
 
 

@@ -49,6 +49,34 @@ class WeightLoadError(ValueError):
     """Received tensors do not match the model (unknown name, shape or dtype)."""
 
 
+@torch.inference_mode()
+def copy_weights(
+    targets: dict[str, torch.Tensor],
+    named_tensors: list[tuple[str, torch.Tensor]],
+    model_path: str,
+    device: torch.device,
+) -> None:
+    """Copy ``named_tensors`` into ``targets`` (a model's state dict) by name, after checking
+    every name, shape and dtype first: a bad update raises ``WeightLoadError`` and changes
+    nothing."""
+    for name, tensor in named_tensors:
+        if name not in targets:
+            near = [n for n in targets if n.endswith(name.split(".")[-1])][:3]
+            raise WeightLoadError(
+                f"received weight {name!r} is not a parameter of {model_path}"
+                f" (similar names: {near})"
+            )
+        if tuple(tensor.shape) != tuple(targets[name].shape):
+            raise WeightLoadError(
+                f"received weight {name!r} has shape {tuple(tensor.shape)},"
+                f" the model's is {tuple(targets[name].shape)}"
+            )
+        if not (tensor.is_floating_point() or tensor.dtype == targets[name].dtype):
+            raise WeightLoadError(f"received weight {name!r} has dtype {tensor.dtype}")
+    for name, tensor in named_tensors:
+        targets[name].data.copy_(tensor.to(device=device), non_blocking=False)
+
+
 class ModelRunner:
     """Forward passes and weight updates for one model on one device."""
 
@@ -166,23 +194,7 @@ class ModelRunner:
         Everything is validated before the first copy, so a bad update leaves the
         model unchanged.
         """
-        targets = self.named_weights()
-        for name, tensor in named_tensors:
-            if name not in targets:
-                near = [n for n in targets if n.endswith(name.split(".")[-1])][:3]
-                raise WeightLoadError(
-                    f"received weight {name!r} is not a parameter of {self.model_path}"
-                    f" (similar names: {near})"
-                )
-            if tuple(tensor.shape) != tuple(targets[name].shape):
-                raise WeightLoadError(
-                    f"received weight {name!r} has shape {tuple(tensor.shape)},"
-                    f" the model's is {tuple(targets[name].shape)}"
-                )
-            if not (tensor.is_floating_point() or tensor.dtype == targets[name].dtype):
-                raise WeightLoadError(f"received weight {name!r} has dtype {tensor.dtype}")
-        for name, tensor in named_tensors:
-            targets[name].data.copy_(tensor.to(device=self.device), non_blocking=False)
+        copy_weights(self.named_weights(), named_tensors, self.model_path, self.device)
         if self._base_weights:
             log.warning("full weights loaded over a merged LoRA adapter: they are the new base")
             self._base_weights.clear()

@@ -17,11 +17,12 @@ pending), ``POST /update_weight_version``, ``GET /health``,
 ``weight_routes.WeightRoutes``; and for LoRA ``/load_lora_adapter`` and
 ``/unload_lora_adapter``, handled by ``adapter_routes.AdapterRoutes`` (which says
 how this engine's one merged adapter differs from SGLang's per-request adapters).
-``EmbeddedEngine.app`` lists every route in one table. No route exists here that
+``EmbeddedEngine.add_routes`` lists every route in one table. No route exists here that
 a real SGLang server lacks: every CPU test of the training loop makes the calls a
 GPU run makes.
 
-Security: binds 127.0.0.1 by default. A non-loopback host requires an API key
+Security and serving (``http_service.HttpService``, shared with the reward-model
+engine): binds 127.0.0.1 by default; a non-loopback host requires an API key
 (``--api-key`` or ``FLEETRL_API_KEY``); with a key, every request except
 ``/health*`` (as in SGLang) must carry ``Authorization: Bearer <key>`` or gets 401.
 Bodies are size-limited and decoded into typed Structs: a bad field is a 400
@@ -34,10 +35,6 @@ Run: ``fleetrl engine --model DIR --port 30000`` or
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
-import os
-import threading
 import time
 from typing import Any
 
@@ -47,7 +44,8 @@ from aiohttp import web
 from fleetrl.log import get_logger
 from rollout_fleet import protocol as P
 from rollout_fleet.engine.adapter_routes import AdapterRoutes
-from rollout_fleet.engine.http_json import error_response, json_response, read_body
+from rollout_fleet.engine.http_json import json_response, read_body
+from rollout_fleet.engine.http_service import MAX_BODY_BYTES, HttpService
 from rollout_fleet.engine.relay import EventRelay
 from rollout_fleet.engine.requests import (
     ModelLimits,
@@ -62,36 +60,10 @@ from rollout_fleet.engine.weight_routes import WeightRoutes
 
 log = get_logger(__name__)
 
-API_KEY_ENV = "FLEETRL_API_KEY"
-MAX_BODY_BYTES = 256 * 1024 * 1024
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
-class EngineStartupError(ValueError):
-    """The engine cannot start with the given options (e.g. off loopback without a key)."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def resolve_api_key(host: str, api_key: str | None, require_api_key: bool = False) -> str | None:
-    """The key to enforce (argument, else ``FLEETRL_API_KEY``); refuses an open non-loopback bind."""
-    key = api_key or os.environ.get(API_KEY_ENV) or None
-    if key is None and (require_api_key or not is_loopback(host)):
-        raise EngineStartupError(
-            f"refusing to serve on {host!r} without an API key: pass --api-key or set {API_KEY_ENV}"
-            " (only loopback addresses may be served without one)"
-        )
-    return key
-
-
-class EmbeddedEngine:
+class EmbeddedEngine(HttpService):
     """An SGLang-compatible generation server over a Hugging Face causal LM."""
 
     def __init__(
@@ -109,17 +81,16 @@ class EmbeddedEngine:
         receiver_factory: Any = None,
         max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
-        import torch
-
-        if device == "cpu" and num_threads:
-            torch.set_num_threads(num_threads)
-        self.engine_id = engine_id
-        self.model_path = str(model_path)
-        self.device = device
-        self.dtype = dtype
-        self.api_key = api_key
-        self.require_api_key = require_api_key
-        self.max_body_bytes = max_body_bytes
+        super().__init__(
+            model_path,
+            engine_id=engine_id,
+            device=device,
+            dtype=dtype,
+            api_key=api_key,
+            require_api_key=require_api_key,
+            num_threads=num_threads,
+            max_body_bytes=max_body_bytes,
+        )
         self.runner = ModelRunner(model_path, device=device, dtype=dtype)
         self.scheduler = Scheduler(
             self.runner,
@@ -143,13 +114,14 @@ class EmbeddedEngine:
         self.adapter_routes = AdapterRoutes(
             self.scheduler, engine_id=engine_id, weight_call=self.weight_routes.call
         )
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner_web: web.AppRunner | None = None
-        self.base_url: str | None = None
         self._relays: list[EventRelay] = []
         self.scheduler.add_delivery_hook(self._wake_relays)
         self.scheduler.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the scheduler thread still runs (the actor's ping reports it)."""
+        return self.scheduler.alive
 
     @property
     def adapters(self) -> dict[str, str]:
@@ -158,12 +130,7 @@ class EmbeddedEngine:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def app(self, api_key: str | None) -> web.Application:
-        app = web.Application(
-            client_max_size=self.max_body_bytes,
-            middlewares=[self._auth_middleware(api_key), self._error_middleware],
-        )
-        r = app.router
+    def add_routes(self, r: web.UrlDispatcher) -> None:
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
         r.add_get("/health", self.health)
@@ -187,56 +154,6 @@ class EmbeddedEngine:
         r.add_post("/get_weights_by_name", weights.get_weights_by_name)
         r.add_post("/load_lora_adapter", lora.load_lora_adapter)
         r.add_post("/unload_lora_adapter", lora.unload_lora_adapter)
-        return app
-
-    async def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Start serving on the running loop; returns the base URL (``port=0`` picks one)."""
-        key = resolve_api_key(host, self.api_key, self.require_api_key)
-        self._loop = asyncio.get_running_loop()
-        self._runner_web = web.AppRunner(self.app(key), handler_cancellation=True, access_log=None)
-        await self._runner_web.setup()
-        site = web.TCPSite(self._runner_web, host, port)
-        await site.start()
-        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        url_host = f"[{host}]" if ":" in host else host
-        self.base_url = f"http://{url_host}:{bound}"
-        log.info(
-            "%s serving %s at %s (auth %s)",
-            self.engine_id,
-            self.model_path,
-            self.base_url,
-            "on" if key else "off",
-        )
-        return self.base_url
-
-    def start_server(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Serve from a background thread with its own event loop; returns the base URL."""
-        resolve_api_key(host, self.api_key, self.require_api_key)  # fail here, not in the thread
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        result: dict[str, Any] = {}
-
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            try:
-                result["url"] = loop.run_until_complete(self.serve(host, port))
-            except OSError as err:
-                result["error"] = err
-            ready.set()
-            if "url" in result:
-                loop.run_forever()
-
-        self._thread = threading.Thread(target=run, name=f"{self.engine_id}-http", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if "error" in result:
-            raise EngineStartupError(f"cannot bind {host}:{port}: {result['error']}")
-        return result["url"]
-
-    async def shutdown(self) -> None:
-        if self._runner_web is not None:
-            await self._runner_web.cleanup()
-            self._runner_web = None
 
     def _served_from(self, model_path: str) -> None:
         """After ``/update_weights_from_disk``: /model_info names the folder, as SGLang's does."""
@@ -244,49 +161,9 @@ class EmbeddedEngine:
 
     def stop(self) -> None:
         """Stop serving and the scheduler thread (in-flight requests finish as abort)."""
-        loop = self._loop
-        if loop is not None and self._thread is not None and loop.is_running():
-            asyncio.run_coroutine_threadsafe(self.shutdown(), loop).result(10)
-            loop.call_soon_threadsafe(loop.stop)
-            self._thread.join(10)
+        self.stop_http()
         self.scheduler.stop()
         self.weight_routes.close()
-
-    # -- middlewares -----------------------------------------------------------------------
-
-    @staticmethod
-    def _auth_middleware(api_key: str | None):
-        expected = f"Bearer {api_key}".encode() if api_key else None
-
-        @web.middleware
-        async def auth(request: web.Request, handler):
-            if expected is not None and not request.path.startswith("/health"):
-                got = request.headers.get("Authorization", "").encode()
-                if not hmac.compare_digest(got, expected):
-                    return error_response(
-                        "missing or wrong API key (Authorization: Bearer <key>)", 401
-                    )
-            return await handler(request)
-
-        return auth
-
-    @web.middleware
-    async def _error_middleware(self, request: web.Request, handler):
-        try:
-            return await handler(request)
-        except (msgspec.ValidationError, msgspec.DecodeError) as err:
-            return error_response(f"invalid body for {request.path}: {err}")
-        except RequestError as err:
-            return error_response(f"{request.path}: {err}")
-        except web.HTTPException:
-            raise
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # service boundary: log with context, answer 500, keep serving
-            log.exception("%s: %s %s failed", self.engine_id, request.method, request.path)
-            return error_response(
-                f"internal error in {request.path}: {type(err).__name__}: {err}", 500
-            )
 
     # -- generation ------------------------------------------------------------------------
 

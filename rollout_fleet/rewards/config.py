@@ -143,3 +143,8 @@ class RewardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def uses_model(self) -> bool:
         return bool(self.model.path or self.model.urls)
+
+    @property
+    def places_fleet(self) -> bool:
+        """Whether the run places reward servers of its own (a path, no urls)."""
+        return bool(self.model.path) and not self.model.urls

@@ -13,8 +13,11 @@ because resolution writes environment variables.
 
 Specs: defaults, tensor parallel 2, an API key on a node IP, real weights,
 extra arguments, in_place vs abort pause, LoRA serving (SGLang's
-``check_lora_server_args`` runs in the resolution), and the shipped GPU configs turned
-into specs the way the launcher does (``engine_spec`` -> ``sglang_server_spec``).
+``check_lora_server_args`` runs in the resolution), the shipped GPU configs turned
+into specs the way the launcher does (``engine_spec`` -> ``sglang_server_spec``), and
+reward-model servers as the reward fleet builds them (``reward_server_specs``:
+``--is-embedding``, their own weights, tensor parallel, the run's key on a node IP),
+resolved over a tiny reward-model folder.
 Needs no GPU; SGLang's Python code is installed by ``make venv``.
 """
 
@@ -32,6 +35,7 @@ import pytest
 
 from launcher.config import load_run_config
 from rollout_fleet.actors import engine_spec, sglang_server_spec
+from rollout_fleet.rewards.fleet import reward_server_specs
 from rollout_fleet.sglang_launcher import LORA_SLOTS, SGLangServerSpec, build_command
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +58,23 @@ def _config_spec(config: str, *overrides: str) -> SGLangServerSpec:
     )
     server_spec = sglang_server_spec(spec, host=NODE_IP)
     server_spec.port = PORT  # SGLangServer picks a free port at launch
+    return server_spec
+
+
+def _reward_spec(*overrides: str) -> SGLangServerSpec:
+    """The SGLang spec of reward-0 of a run placing SGLang reward servers."""
+    cfg = load_run_config(
+        None, ["reward.model.path=/models/rm", "reward.model.backend=sglang", *overrides]
+    )
+    spec = reward_server_specs(
+        cfg.reward.model,
+        cfg.rollout,
+        dtype=cfg.model.dtype,
+        api_key="run-key",
+        expose_on_node_ip=True,
+    )[0]
+    server_spec = sglang_server_spec(spec, host=NODE_IP)
+    server_spec.port = PORT
     return server_spec
 
 
@@ -88,6 +109,13 @@ CASES: dict[str, SGLangServerSpec] = {
     "lora_all_linear": SGLangServerSpec(model_path="/models/m", port=PORT, lora_rank=8),
     "lora_named_modules": SGLangServerSpec(
         model_path="/models/m", port=PORT, lora_rank=64, lora_target_modules=["q_proj", "v_proj"]
+    ),
+    "reward_server": _reward_spec("reward.model.gpus_per_engine=1"),
+    "reward_server_tp2": _reward_spec(
+        "reward.model.gpus_per_engine=2",
+        "reward.model.mem_fraction_static=0.6",
+        "model.dtype=bfloat16",
+        "reward.model.sglang_extra_args=['--chunked-prefill-size','2048']",
     ),
 }
 
@@ -130,6 +158,7 @@ def _expected(spec: SGLangServerSpec) -> dict[str, object]:
         "max_running_requests": spec.max_running_requests,
         "random_seed": spec.random_seed,
         "base_gpu_id": spec.base_gpu_id if spec.base_gpu_id is not None else 0,
+        "is_embedding": spec.is_embedding,
     }
 
 
@@ -179,6 +208,19 @@ def test_the_shipped_gpu_configs_launch_what_they_say():
     assert abort.disable_radix_cache is False  # abort flushes the cache per update
 
 
+def test_reward_servers_serve_their_own_weights_as_an_embedding_model():
+    for case, tp in (("reward_server", 1), ("reward_server_tp2", 2)):
+        args = _parse(build_command(CASES[case])[3:])
+        assert args.is_embedding is True and args.load_format == "auto"  # never pushed
+        assert args.model_path == "/models/rm" and args.tp_size == tp
+        assert args.api_key == "run-key" and args.host == NODE_IP
+        assert args.max_running_requests is None  # SGLang sizes it from memory
+    tp2 = _parse(build_command(CASES["reward_server_tp2"])[3:])
+    assert tp2.mem_fraction_static == 0.6 and tp2.dtype == "bfloat16"
+    assert tp2.chunked_prefill_size == 2048
+    assert not _parse(build_command(CASES["defaults"])[3:]).is_embedding
+
+
 RESOLVE = """
 import json, sys
 from sglang.srt.server_args import prepare_server_args
@@ -189,7 +231,8 @@ for argv in json.load(sys.stdin):
     args.resolve_once()
     view = resolving_view(args)
     out.append({k: getattr(view, k) for k in
-                ("tp_size", "load_format", "disable_radix_cache", "weight_version", "api_key")}
+                ("tp_size", "load_format", "disable_radix_cache", "weight_version", "api_key",
+                 "is_embedding")}
                | {"enable_lora": bool(view.enable_lora)})
 print("RESOLVED " + json.dumps(out))
 """
@@ -201,8 +244,13 @@ def _with_model(argv: list[str], model_path: str) -> list[str]:
     return argv + ["--device", "cpu"]
 
 
-def test_sglang_resolves_every_argv_on_cpu(tiny_model_dir):
-    argvs = [_with_model(build_command(spec)[3:], str(tiny_model_dir)) for spec in CASES.values()]
+def test_sglang_resolves_every_argv_on_cpu(tiny_model_dir, tiny_reward_dir):
+    argvs = [
+        _with_model(
+            build_command(spec)[3:], str(tiny_reward_dir if spec.is_embedding else tiny_model_dir)
+        )
+        for spec in CASES.values()
+    ]
     proc = subprocess.run(
         [sys.executable, "-c", RESOLVE],
         input=json.dumps(argvs),
@@ -221,5 +269,6 @@ def test_sglang_resolves_every_argv_on_cpu(tiny_model_dir):
             "disable_radix_cache": spec.disable_radix_cache,
             "weight_version": spec.weight_version,
             "api_key": spec.api_key,
+            "is_embedding": spec.is_embedding,
             "enable_lora": spec.lora_rank > 0,
         }

@@ -16,7 +16,12 @@ released before unloading it) and ``_validate_and_resolve_lora`` (a request's
 schedulers through SGLang's ``FanOutCommunicator`` objects over
 ``_dispatch_to_scheduler``, which here is :class:`SchedulerLink`.
 
-Ours: ``generate_request`` (tokenise, SGLang's ``SamplingParams`` to resolve
+For a reward model (``--is-embedding``) ``generate_request`` hands an
+``EmbeddingReqInput`` to SGLang's own ``TokenizerManager.generate_request`` and its
+helpers (``embedding.EmbeddingFrontEnd``), up to ``_handle_batch_output`` building the
+reply from TP rank 0's scores.
+
+Ours: ``generate_request`` for generation (tokenise, SGLang's ``SamplingParams`` to resolve
 sampling, send to TP rank 0, build each output as ``_handle_batch_output``
 does, with SGLang's ``add_weight_versions_to_meta_info``), and the link, which
 sends each control request to every TP rank and hands the communicator one
@@ -46,6 +51,7 @@ from sglang.srt.utils.weight_versions import add_weight_versions_to_meta_info
 from sglang.utils import TypeBasedDispatcher
 
 from . import messages as m
+from .embedding import EmbeddingFrontEnd, batch_output, score_request
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +88,7 @@ class SchedulerLink:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.on_reply = None
         self.on_output = None
+        self.on_scores = None
         self.on_rank_lost = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -104,6 +111,10 @@ class SchedulerLink:
         if isinstance(obj, m.GenerateRequest):
             self.conns[0].send_bytes(m.encode(obj))
             return
+        to_score = score_request(obj)
+        if to_score is not None:  # SGLang's tokenized embedding request(s): rank 0 scores
+            self.conns[0].send_bytes(m.encode(to_score))
+            return
         seq = 0
         if isinstance(obj, _ANSWERED):
             seq = next(self._seq)
@@ -116,6 +127,9 @@ class SchedulerLink:
         seq, obj = m.decode(data)
         if isinstance(obj, m.GenerateOutput):
             self.on_output(obj)
+            return
+        if isinstance(obj, m.ScoreOutput):
+            self.on_scores(obj)
             return
         entry = self._pending.get(seq)
         if entry is None:
@@ -149,8 +163,9 @@ class ReqState:
 _GENERATE_DISCONNECT_POLL_S = 4.0
 
 
-class EngineBackend:
-    """The tokenizer-manager interface SGLang's HTTP app uses, over our TP-rank processes."""
+class EngineBackend(EmbeddingFrontEnd):
+    """The tokenizer-manager interface SGLang's HTTP app uses, over our TP-rank processes
+    (a reward model's embedding path is SGLang's own, see ``embedding``)."""
 
     # -- SGLang's own TokenizerManager code ------------------------------------------------
     abort_request = TokenizerManager.abort_request
@@ -190,7 +205,7 @@ class EngineBackend:
         self.model_config = ModelConfig.from_server_args(server_args)
         self.model_path = server_args.model_path
         self.served_model_name = server_args.served_model_name or server_args.model_path
-        self.is_generation = True
+        self.is_generation = self.model_config.is_generation  # False for --is-embedding
         self.tokenizer = AutoTokenizer.from_pretrained(server_args.model_path)
         self.context_len = self.model_config.context_len
         self.max_req_input_len = self.context_len - 1
@@ -209,6 +224,7 @@ class EngineBackend:
         self.model_update_lock = RWLock()
         self.link = SchedulerLink(conns)
         self.link.on_output = self._handle_output
+        self.link.on_scores = self._handle_scores
         self.link.on_rank_lost = self._rank_lost
         self._result_dispatcher = TypeBasedDispatcher([])
         self.init_communicators()
@@ -217,6 +233,8 @@ class EngineBackend:
         self.enable_lora = get_lora().enable_lora
         self._lora_release_tasks: set[asyncio.Task] = set()
         self.init_lora()
+        self.init_embedding_front_end(server_args)
+        self._output_tasks: set[asyncio.Task] = set()
 
     # -- plumbing ---------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -240,6 +258,14 @@ class EngineBackend:
         for state in list(self.rid_to_state.values()):
             state.outputs.put_nowait(RuntimeError(f"TP rank {rank} exited"))
 
+    def _handle_scores(self, out: m.ScoreOutput) -> None:
+        """Rank 0's scores, handed to SGLang's ``_handle_batch_output`` as its scheduler's
+        ``BatchEmbeddingOutput`` (the handle loop awaits it the same way)."""
+        self.last_receive_tstamp = time.time()
+        task = asyncio.ensure_future(self._handle_batch_output(batch_output(out)))
+        self._output_tasks.add(task)
+        task.add_done_callback(self._output_tasks.discard)
+
     def _handle_output(self, out: m.GenerateOutput) -> None:
         self.last_receive_tstamp = time.time()
         state = self.rid_to_state.get(out.rid)
@@ -248,6 +274,10 @@ class EngineBackend:
 
     # -- generate ---------------------------------------------------------------------------
     async def generate_request(self, obj: io.GenerateReqInput, request=None):
+        if isinstance(obj, io.EmbeddingReqInput):  # /classify, /encode, the embedding probe
+            async for out in self.generate_embedding_request(obj, request):
+                yield out
+            return
         obj.normalize_batch_and_arguments()
         if obj.is_single:
             async for out in self._generate_one(obj, request):

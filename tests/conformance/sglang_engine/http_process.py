@@ -8,7 +8,8 @@ state set with ``set_global_state``, ``app.is_single_tokenizer_mode`` and
 same condition (``--api-key`` / ``--admin-api-key``): a request without the
 bearer key gets 401 from SGLang's middleware. The app's lifespan is replaced
 with one that starts our reader threads, skipping the tokenizer-worker and
-warm-up start that needs a real scheduler.
+warm-up start that needs a real scheduler; serving a reward model it also builds
+SGLang's ``OpenAIServingClassify`` (``/v1/classify``), as SGLang's lifespan does.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class HttpConfig:
     api_key: str | None = None
     host: str = "127.0.0.1"
     lora_rank: int = 0  # > 0: LoRA on (rank.lora_server_args)
+    is_embedding: bool = False  # a reward model, served on /classify and /encode
 
 
 def build_app(cfg: HttpConfig, conns: list[Connection]):
@@ -51,6 +53,7 @@ def build_app(cfg: HttpConfig, conns: list[Connection]):
         api_key=cfg.api_key,
         host=cfg.host,
         port=cfg.port,
+        is_embedding=cfg.is_embedding,
         **lora_server_args(cfg.lora_rank),
     )
     publish(server_args, role="tokenizer")
@@ -70,6 +73,12 @@ def build_app(cfg: HttpConfig, conns: list[Connection]):
     @asynccontextmanager
     async def lifespan(_app):
         backend.start(asyncio.get_running_loop())
+        if cfg.is_embedding:  # SGLang's lifespan builds it; /v1/classify needs it
+            from sglang.srt.entrypoints.openai.serving_classify import OpenAIServingClassify
+
+            _app.state.openai_serving_classify = OpenAIServingClassify(
+                backend, http_server._global_state.template_manager
+            )
         yield
 
     app.router.lifespan_context = lifespan

@@ -155,9 +155,12 @@ def start_sglang_engine(
     api_key: str | None = None,
     startup_timeout: float = STARTUP_TIMEOUT_S,
     lora_rank: int = 0,
+    is_embedding: bool = False,
 ) -> SGLangEngine:
     """Start the TP-rank processes and the HTTP process; return once ``/model_info`` answers.
-    ``lora_rank`` > 0 starts it with LoRA on, as fleetrl's launcher does (``--enable-lora``)."""
+    ``lora_rank`` > 0 starts it with LoRA on, as fleetrl's launcher does (``--enable-lora``);
+    ``is_embedding`` serves a reward-model folder as fleetrl's reward fleet does
+    (``--is-embedding``: ``/classify`` and ``/encode``)."""
     from .http_process import HttpConfig, http_main
     from .rank import RankConfig, rank_main
 
@@ -176,7 +179,7 @@ def start_sglang_engine(
             proc = ctx.Process(
                 target=rank_main,
                 args=(
-                    RankConfig(model_dir, rank, tp_size, group_port, lora_rank),
+                    RankConfig(model_dir, rank, tp_size, group_port, lora_rank, is_embedding),
                     rank_ctrl,
                     rank_inspect,
                 ),
@@ -192,7 +195,17 @@ def start_sglang_engine(
         port = free_port()
         http = ctx.Process(
             target=http_main,
-            args=(HttpConfig(model_dir, tp_size, port, api_key, lora_rank=lora_rank), http_ends),
+            args=(
+                HttpConfig(
+                    model_dir,
+                    tp_size,
+                    port,
+                    api_key,
+                    lora_rank=lora_rank,
+                    is_embedding=is_embedding,
+                ),
+                http_ends,
+            ),
             name="sglang-http",
             daemon=True,
         )

@@ -3,7 +3,8 @@
 Control requests and their replies are SGLang's own ``io_struct`` types (the
 structs its TokenizerManager and Scheduler exchange over ZMQ); the few messages
 SGLang has no struct for (a tokenized generate request for our token loop, its
-output, the test-side weight read-out, shutdown) are defined here. Each one
+output, embedding inputs to score and their scores, the test-side weight read-out,
+shutdown) are defined here. Each one
 travels inside an :class:`Envelope` as msgpack, named by its type, over a
 ``multiprocessing`` pipe: no pickle.
 """
@@ -51,6 +52,23 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     weight_versions: list[WeightVersionSpan] | None = None
 
 
+class ScoreRequest(msgspec.Struct, kw_only=True):
+    """Dispatched embedding requests (``TokenizedEmbeddingReqInput``s) for TP rank 0 to score."""
+
+    rids: list[str]
+    input_ids: list[list[int]]
+    max_new_tokens: list[int]
+
+
+class ScoreOutput(msgspec.Struct, kw_only=True):
+    """Their scores: the fields of the ``BatchEmbeddingOutput`` SGLang's scheduler sends."""
+
+    rids: list[str]
+    embeddings: list[list[float]]
+    prompt_tokens: list[int]
+    finished_reasons: list[dict[str, Any]]
+
+
 class RankWeightsRequest(msgspec.Struct):
     """Test side: read this TP rank's current weights."""
 
@@ -80,6 +98,8 @@ _LOCAL_TYPES = {
     for cls in (
         GenerateRequest,
         GenerateOutput,
+        ScoreRequest,
+        ScoreOutput,
         RankWeightsRequest,
         RankWeightsReply,
         Ready,

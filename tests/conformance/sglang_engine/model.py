@@ -1,4 +1,5 @@
-"""The model a TP rank holds: a Hugging Face causal LM behind SGLang's model interface.
+"""The model a TP rank holds: a Hugging Face causal LM (or, for a reward-model folder, its
+``*ForSequenceClassification``) behind SGLang's model interface.
 
 SGLang's weight-update code calls ``model.load_weights(named_tensors)`` (HF names,
 full tensors) and ``model.get_weights_by_name(name, truncate_size, tp_size)``;
@@ -30,12 +31,19 @@ class HFModelAdapter(torch.nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> HFModelAdapter:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
         from transformers.utils import logging as hf_logging
+
+        from fleetrl.models.reward_folder import is_sequence_classifier
 
         # tqdm's bar takes a multiprocessing lock that a rank's os._exit would leak
         hf_logging.disable_progress_bar()
-        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        auto = (
+            AutoModelForSequenceClassification
+            if is_sequence_classifier(model_dir)
+            else AutoModelForCausalLM
+        )
+        hf_model = auto.from_pretrained(model_dir, dtype=torch.float32)
         hf_model.eval()
         return cls(hf_model)
 
@@ -79,3 +87,11 @@ class HFModelAdapter(torch.nn.Module):
         if lora_id is None and self.lora.peft_model is None:
             return self.hf_model(input_ids=input_ids).logits[0, -1].float()
         return self.lora.forward(input_ids, lora_id)[0, -1].float()
+
+    @torch.no_grad()
+    def last_token_head(self, token_ids: list[int]) -> list[float]:
+        """A classifier's head at the last token's hidden state (SGLang's ``Pooler(LAST)``
+        then the score head, as ``score_and_pool`` does), one value per label."""
+        base = getattr(self.hf_model, self.hf_model.base_model_prefix)
+        hidden = base(input_ids=torch.tensor([token_ids], dtype=torch.long)).last_hidden_state
+        return self.hf_model.score(hidden[0, -1]).float().tolist()

@@ -20,7 +20,8 @@ loads the HF model, and builds SGLang's own weight-update objects:
 The loop serves two pipes: control requests from the HTTP process (SGLang's
 ``io_struct`` types, answered with theirs) and the test's weight read-out.
 TP rank 0 also generates (see ``scheduler.py``) between control requests, as
-SGLang's event loop interleaves them.
+SGLang's event loop interleaves them, or, serving a reward model, scores the embedding
+requests dispatched to it (``embedding.score``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class RankConfig:
     tp_size: int
     tp_group_port: int
     lora_rank: int = 0  # > 0: --enable-lora with this --max-lora-rank
+    is_embedding: bool = False  # a reward model: --is-embedding, rank 0 scores
 
 
 def lora_server_args(rank: int) -> dict:
@@ -133,6 +135,7 @@ class RankProcess:
             device="cpu",
             load_format="dummy",
             tp_size=cfg.tp_size,
+            is_embedding=cfg.is_embedding,
             **lora_server_args(cfg.lora_rank),
         )
         publish(server_args, role="scheduler")
@@ -197,9 +200,13 @@ class RankProcess:
         """Handle one request from the HTTP process; return the reply, or None for none."""
         from sglang.srt.managers import io_struct as io
 
+        from .embedding import score
+
         wm, sched = self.weight_manager, self.scheduler
         if isinstance(obj, m.GenerateRequest):
             sched.add_request(obj)
+        elif isinstance(obj, m.ScoreRequest):  # unsolicited output, as generate's
+            self.ctrl.send_bytes(m.encode(score(self.model, obj)))
         elif isinstance(obj, io.AbortReq):
             sched.abort_request(obj.rid or "", obj.abort_all)
         elif isinstance(obj, io.PauseGenerationReqInput):

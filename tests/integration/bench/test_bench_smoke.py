@@ -19,7 +19,7 @@ from bench import accuracy, cli, e2e
 from bench.common import read_json
 from bench.report import HEADLINES, write_report
 
-PEER_SUITES = ["transport", "weight-sync", "rollout", "learner"]
+PEER_SUITES = ["transport", "weight-sync", "rollout", "learner", "reward"]
 # the smallest sizes each suite accepts through the harness
 SMALLEST_FLAGS = {"hidden": [32], "layers": 1, "batch": 2, "max_new_tokens": 4}
 

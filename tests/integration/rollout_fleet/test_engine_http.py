@@ -10,7 +10,8 @@ import requests
 import torch
 
 from rollout_fleet.client import EngineClient, EngineError, parse_generate_response
-from rollout_fleet.engine.server import EmbeddedEngine, EngineStartupError, resolve_api_key
+from rollout_fleet.engine.http_service import EngineStartupError, resolve_api_key
+from rollout_fleet.engine.server import EmbeddedEngine
 
 LONG = {"temperature": 0.0, "max_new_tokens": 200, "ignore_eos": True}
 PROMPT = [5, 6, 7, 8, 9]

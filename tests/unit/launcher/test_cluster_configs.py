@@ -33,9 +33,10 @@ KUBERAY_YAML = REPO_ROOT / "configs" / "cluster" / "kuberay.yaml"
 
 ROLLOUT = RayConfig().rollout_resource
 LEARNER = RayConfig().learner_resource
+REWARD = RayConfig().reward_resource
 # node type / worker group name -> the custom resource that marks it
-AWS_WORKER_TYPES = {"rollout_gpu": ROLLOUT, "learner_gpu": LEARNER}
-KUBERAY_GROUPS = {"rollout": ROLLOUT, "learner": LEARNER}
+AWS_WORKER_TYPES = {"rollout_gpu": ROLLOUT, "learner_gpu": LEARNER, "reward_gpu": REWARD}
+KUBERAY_GROUPS = {"rollout": ROLLOUT, "learner": LEARNER, "reward": REWARD}
 RAY_PIN = re.compile(r"ray\[default\]==([0-9][0-9.]*)")
 
 
@@ -132,10 +133,10 @@ def test_aws_custom_resource_has_one_unit_per_gpu():
 def test_aws_head_gets_no_gpu_and_no_rl_resource():
     head = _load_aws()["available_node_types"]["head"]
     assert head.get("min_workers", 0) == 0 and head.get("max_workers", 0) == 0
-    assert not {"GPU", ROLLOUT, LEARNER} & set(head["resources"])
+    assert not {"GPU", ROLLOUT, LEARNER, REWARD} & set(head["resources"])
 
 
-def test_aws_rollout_and_learner_scale_separately_within_global_cap():
+def test_aws_rollout_learner_and_reward_scale_separately_within_global_cap():
     config = _load_aws()
     node_types = config["available_node_types"]
     for name in AWS_WORKER_TYPES:
@@ -156,7 +157,9 @@ def test_aws_each_worker_type_setup_is_complete_and_installs_its_extra():
         assert commands[: len(common)] == common, f"{name} skips the common setup steps"
     rollout_install = " ".join(node_types["rollout_gpu"]["worker_setup_commands"])
     learner_install = " ".join(node_types["learner_gpu"]["worker_setup_commands"])
+    reward_install = " ".join(node_types["reward_gpu"]["worker_setup_commands"])
     assert '"fleetrl[sglang]"' in rollout_install
+    assert '"fleetrl[sglang]"' in reward_install  # SGLang --is-embedding serves the reward model
     assert '"fleetrl"' in learner_install and "sglang" not in learner_install
     assert "boto3" in " ".join(config["head_setup_commands"]), "the head autoscaler needs boto3"
 
@@ -204,10 +207,10 @@ def test_kuberay_translates_through_rays_autoscaler_with_custom_resources():
     node_types = derived["available_node_types"]
     for name, resource in KUBERAY_GROUPS.items():
         resources = node_types[name]["resources"]
-        assert resources[resource] == resources["GPU"] == 8, f"{name}: {resources}"
+        assert resources[resource] == resources["GPU"] >= 1, f"{name}: {resources}"
         assert not (set(KUBERAY_GROUPS.values()) - {resource}) & set(resources)
     head = node_types["headgroup"]["resources"]
-    assert not {"GPU", ROLLOUT, LEARNER} & set(head)
+    assert not {"GPU", ROLLOUT, LEARNER, REWARD} & set(head)
 
 
 def test_kuberay_rejects_unquoted_resources_like_ray_does():
@@ -224,14 +227,25 @@ def test_kuberay_worker_groups_have_bounds_gpus_and_their_resource():
     for name, resource in KUBERAY_GROUPS.items():
         group = _worker_group(ray_cr, name)
         assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], name
-        assert _kuberay_custom_resources(group) == {resource: 8}
         container = group["template"]["spec"]["containers"][0]
         limits = container["resources"]["limits"]
         requests = container["resources"]["requests"]
         # Kubernetes requires extended resources' request == limit
-        assert int(limits["nvidia.com/gpu"]) == int(requests["nvidia.com/gpu"]) == 8, name
+        gpus = int(limits["nvidia.com/gpu"])
+        assert gpus == int(requests["nvidia.com/gpu"]) >= 1, name
+        assert _kuberay_custom_resources(group) == {resource: gpus}  # one unit per GPU
 
 
 def test_kuberay_pins_the_same_ray_version_as_aws():
     aws_pin = RAY_PIN.findall(" ".join(_load_aws()["head_setup_commands"]))[0]
     assert _load_kuberay()["spec"]["rayVersion"] == aws_pin
+
+
+def test_reward_nodes_scale_from_zero_and_only_for_reward_servers():
+    aws = _load_aws()["available_node_types"]["reward_gpu"]
+    assert aws["min_workers"] == 0 and aws["max_workers"] >= 1
+    group = _worker_group(_load_kuberay(), "reward")
+    assert group["minReplicas"] == group["replicas"] == 0 and group["maxReplicas"] >= 1
+    derived = _derive_kuberay_autoscaling_config(_load_kuberay())["available_node_types"]
+    assert derived["reward"]["min_workers"] == 0  # the autoscaler may start it from nothing
+    assert derived["reward"]["resources"][REWARD] == derived["reward"]["resources"]["GPU"]

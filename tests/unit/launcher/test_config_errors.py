@@ -148,6 +148,12 @@ def test_missing_config_file_is_named():
             "needs a GPU share",
         ),
         (
+            ["reward.model.path=/rm", "reward.model.backend=sglang"],
+            "reward.model.gpus_per_engine",
+            "reward.model.backend",
+            "an SGLang reward server runs on a GPU",
+        ),
+        (
             ["trainer.device=cuda"],
             "learner.gpus_per_rank",
             "trainer.device",

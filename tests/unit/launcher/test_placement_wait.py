@@ -23,7 +23,9 @@ from launcher.train import StartupInterrupted, StopSignal
 def fast_progress(monkeypatch):
     monkeypatch.setattr(placement, "PLACEMENT_PROGRESS_S", 0.2)
     monkeypatch.setattr(placement, "PLACEMENT_POLL_S", 0.05)
-    monkeypatch.setattr(placement, "missing", lambda cfg, part: f"no '{part}' node with GPU 8")
+    monkeypatch.setattr(
+        placement, "missing", lambda cfg, parts: f"no '{'/'.join(parts)}' node with GPU 8"
+    )
 
 
 def test_wait_stops_after_the_timeout_naming_what_is_missing(fast_progress, caplog):
@@ -33,7 +35,9 @@ def test_wait_stops_after_the_timeout_naming_what_is_missing(fast_progress, capl
     fleetrl_log.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.INFO, "fleetrl"), pytest.raises(PlacementTimeout) as err:
-            _wait(cfg, "the learner group", "learner", lambda t: False, lambda: removed.append(1))
+            _wait(
+                cfg, "the learner group", ("learner",), lambda t: False, lambda: removed.append(1)
+            )
     finally:
         fleetrl_log.removeHandler(caplog.handler)
     assert isinstance(err.value, TrainingStopped)  # train.main: exit 1, one line
@@ -49,7 +53,7 @@ def test_wait_stops_after_the_timeout_naming_what_is_missing(fast_progress, capl
 def test_wait_returns_once_placed(fast_progress):
     cfg = load_run_config(None, ["ray.placement_timeout_s=30"])
     polls = iter([False, False, True])
-    _wait(cfg, "the rollout fleet", "rollout", lambda t: next(polls))
+    _wait(cfg, "the rollout fleet", ("rollout", "reward"), lambda t: next(polls))
 
 
 def test_signal_during_start_up_interrupts_at_once_and_names_itself():

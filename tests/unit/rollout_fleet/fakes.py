@@ -1,4 +1,5 @@
-"""Small in-process fakes for rollout worker tests: engine client, reader items, sender, scorer."""
+"""Small in-process fakes for rollout worker and fleet tests: engine client, reader items, sender,
+scorer, engine actor."""
 
 from __future__ import annotations
 
@@ -182,3 +183,44 @@ class FakeAdmission:
             self.groups_per_version,
             self.max_concurrent,
         )
+
+
+class FakeMethod:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        async def call():
+            return self.fn(*args)
+
+        return call()
+
+
+class FakeActor:
+    """Stands in for a Ray actor handle: ``actor.method.remote()`` returns an awaitable."""
+
+    launched = 0
+
+    def __init__(self, spec, fail_start=False):
+        FakeActor.launched += 1
+        self.spec = spec
+        self.dead = False
+        self.killed = False
+        self.number = FakeActor.launched
+        self.fail_start = fail_start
+        self.start = FakeMethod(self._start)
+        self.ping = FakeMethod(self._ping)
+        self.stop = FakeMethod(lambda: None)
+
+    def _start(self):
+        if self.fail_start:
+            raise RuntimeError("no model")
+        return f"http://{self.spec.name}/{self.number}"
+
+    def _ping(self):
+        if self.dead:
+            raise ConnectionError("actor died")
+        return {"alive": True}
+
+    def kill(self):
+        self.killed = True

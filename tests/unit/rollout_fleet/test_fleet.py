@@ -12,47 +12,7 @@ from rollout_fleet.fleet import EngineFleet
 from rollout_fleet.membership import EngineStatus as EngineState
 from rollout_fleet.membership import Membership, SyncOutcome
 from rollout_fleet.router import Router
-
-
-class FakeMethod:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        async def call():
-            return self.fn(*args)
-
-        return call()
-
-
-class FakeActor:
-    """Stands in for a Ray actor handle: ``actor.method.remote()`` returns an awaitable."""
-
-    launched = 0
-
-    def __init__(self, spec, fail_start=False):
-        FakeActor.launched += 1
-        self.spec = spec
-        self.dead = False
-        self.killed = False
-        self.number = FakeActor.launched
-        self.fail_start = fail_start
-        self.start = FakeMethod(self._start)
-        self.ping = FakeMethod(self._ping)
-        self.stop = FakeMethod(lambda: None)
-
-    def _start(self):
-        if self.fail_start:
-            raise RuntimeError("no model")
-        return f"http://{self.spec.name}/{self.number}"
-
-    def _ping(self):
-        if self.dead:
-            raise ConnectionError("actor died")
-        return {"alive": True}
-
-    def kill(self):
-        self.killed = True
+from tests.unit.rollout_fleet.fakes import FakeActor
 
 
 class Harness:

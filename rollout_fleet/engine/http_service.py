@@ -1,0 +1,199 @@
+"""What every embedded server shares: binding, the API key, its middlewares, serving threads.
+
+``HttpService`` is the base of the generation engine (``server.EmbeddedEngine``) and the
+reward-model engine (``reward_server.RewardEngine``): a subclass lists its routes in
+``add_routes`` and gets
+
+- the bind rule: 127.0.0.1 by default; a non-loopback host requires an API key
+  (``api_key`` or ``FLEETRL_API_KEY``), as DESIGN section 4 asks; with a key every route
+  but ``/health*`` (as in SGLang) needs ``Authorization: Bearer <key>`` or answers 401;
+- the error middleware: a bad body (``msgspec`` validation, ``RequestError``) is a 400
+  naming the field, anything else a logged 500; the server keeps serving;
+- ``serve`` on the running loop, or ``start_server`` on a thread of its own, and
+  ``stop_http`` to end either.
+
+Left out: TLS (put a proxy in front), per-route keys (SGLang's admin key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import os
+import threading
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from fleetrl.log import get_logger
+from rollout_fleet.engine.http_json import error_response
+from rollout_fleet.engine.requests import RequestError
+
+log = get_logger(__name__)
+
+API_KEY_ENV = "FLEETRL_API_KEY"
+MAX_BODY_BYTES = 256 * 1024 * 1024
+_STOP_TIMEOUT_S = 10.0
+
+
+class EngineStartupError(ValueError):
+    """The engine cannot start with the given options (e.g. off loopback without a key)."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_api_key(host: str, api_key: str | None, require_api_key: bool = False) -> str | None:
+    """The key to enforce (argument, else ``FLEETRL_API_KEY``); refuses an open non-loopback bind."""
+    key = api_key or os.environ.get(API_KEY_ENV) or None
+    if key is None and (require_api_key or not is_loopback(host)):
+        raise EngineStartupError(
+            f"refusing to serve on {host!r} without an API key: pass --api-key or set {API_KEY_ENV}"
+            " (only loopback addresses may be served without one)"
+        )
+    return key
+
+
+class HttpService:
+    """An engine's aiohttp server with fleetrl's bind rule, bearer key and error handling."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        engine_id: str,
+        device: str,
+        dtype: str,
+        api_key: str | None,
+        require_api_key: bool,
+        num_threads: int | None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
+        import torch
+
+        if device == "cpu" and num_threads:
+            torch.set_num_threads(num_threads)  # the engine's share of the node's cores
+        self.model_path = str(model_path)
+        self.engine_id = engine_id
+        self.device = device
+        self.dtype = dtype
+        self.api_key = api_key
+        self.require_api_key = require_api_key
+        self.max_body_bytes = max_body_bytes
+        self.base_url: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner_web: web.AppRunner | None = None
+
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        """Register the service's handlers (every one an SGLang route)."""
+        raise NotImplementedError(f"{type(self).__name__} lists no routes")
+
+    def app(self, api_key: str | None) -> web.Application:
+        app = web.Application(
+            client_max_size=self.max_body_bytes,
+            middlewares=[self._auth_middleware(api_key), self._error_middleware],
+        )
+        self.add_routes(app.router)
+        return app
+
+    async def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Start serving on the running loop; returns the base URL (``port=0`` picks one)."""
+        key = resolve_api_key(host, self.api_key, self.require_api_key)
+        self._loop = asyncio.get_running_loop()
+        self._runner_web = web.AppRunner(self.app(key), handler_cancellation=True, access_log=None)
+        await self._runner_web.setup()
+        site = web.TCPSite(self._runner_web, host, port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url_host = f"[{host}]" if ":" in host else host
+        self.base_url = f"http://{url_host}:{bound}"
+        log.info(
+            "%s serving %s at %s (auth %s)",
+            self.engine_id,
+            self.model_path,
+            self.base_url,
+            "on" if key else "off",
+        )
+        return self.base_url
+
+    def start_server(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve from a background thread with its own event loop; returns the base URL."""
+        resolve_api_key(host, self.api_key, self.require_api_key)  # fail here, not in the thread
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                result["url"] = loop.run_until_complete(self.serve(host, port))
+            except OSError as err:
+                result["error"] = err
+            ready.set()
+            if "url" in result:
+                loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name=f"{self.engine_id}-http", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if "error" in result:
+            raise EngineStartupError(f"cannot bind {host}:{port}: {result['error']}")
+        return result["url"]
+
+    async def shutdown(self) -> None:
+        if self._runner_web is not None:
+            await self._runner_web.cleanup()
+            self._runner_web = None
+
+    def stop_http(self) -> None:
+        """Stop a server that ``start_server`` runs on its own thread."""
+        loop = self._loop
+        if loop is not None and self._thread is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.shutdown(), loop).result(_STOP_TIMEOUT_S)
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(_STOP_TIMEOUT_S)
+
+    # -- middlewares -----------------------------------------------------------------------
+
+    @staticmethod
+    def _auth_middleware(api_key: str | None):
+        expected = f"Bearer {api_key}".encode() if api_key else None
+
+        @web.middleware
+        async def auth(request: web.Request, handler):
+            if expected is not None and not request.path.startswith("/health"):
+                got = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(got, expected):
+                    return error_response(
+                        "missing or wrong API key (Authorization: Bearer <key>)", 401
+                    )
+            return await handler(request)
+
+        return auth
+
+    @web.middleware
+    async def _error_middleware(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except (msgspec.ValidationError, msgspec.DecodeError) as err:
+            return error_response(f"invalid body for {request.path}: {err}")
+        except RequestError as err:
+            return error_response(f"{request.path}: {err}")
+        except web.HTTPException:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # service boundary: log with context, answer 500, keep serving
+            log.exception("%s: %s %s failed", self.engine_id, request.method, request.path)
+            return error_response(
+                f"internal error in {request.path}: {type(err).__name__}: {err}", 500
+            )
