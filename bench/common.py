@@ -72,7 +72,8 @@ def _memory_gib() -> float | None:
     return None
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
+    """The checkout's commit, ``+dirty`` when tracked files changed (None without git)."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -133,7 +134,7 @@ def machine_info() -> dict[str, Any]:
         "memory_gib": _memory_gib(),
         "accelerators": _accelerators(),
         "versions": package_versions(),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
     }
 
 
