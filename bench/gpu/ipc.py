@@ -58,6 +58,7 @@ def open_handle(handle: dict[str, Any]) -> Any:
 
     fields = [_unb64(f) for f in handle["fields"]]
     if handle["kind"] == "cuda":
+        torch.cuda.init()  # as torch.multiprocessing's rebuild_cuda_tensor does first
         storage = torch.UntypedStorage._new_shared_cuda(*fields)
     else:
         storage = torch.UntypedStorage._new_shared_filename_cpu(*fields)
