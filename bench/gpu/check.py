@@ -75,7 +75,8 @@ def run_stage_process(
     result_path.unlink(missing_ok=True)
     cmd = [
         sys.executable, "-m", "bench.gpu.stage", spec.name, "--module", spec.module,
-        "--device", device, "--work", str(stage_work), "--seconds", f"{limit_s:.0f}", "--result", str(result_path),
+        "--device", device, "--work", str(stage_work), "--seconds", f"{limit_s:.0f}",
+        "--result", str(result_path),
         *(arg for key, value in options.items() for arg in ("--option", f"{key}={value}")),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 from bench.common import now_iso, write_json
 
-Status = Literal["ok", "failed", "skipped"]
+# "running": a result a stage saved before it ended; the driver never reports one
+Status = Literal["ok", "failed", "skipped", "running"]
 REPORT_NAME = "gpu_check.json"
 LOG_NAME = "gpu_check.log"
 OUT_MAX_FILES = 8

@@ -259,7 +259,8 @@ class SGLangCheck:
         figures.update(greedy_max_abs_diff=greedy["max_abs_diff"],
                        sampled_max_abs_diff=sampled["max_abs_diff"],
                        sampled_temperature=SAMPLE_TEMPERATURE,
-                       tokens=greedy["tokens"] + sampled["tokens"], tolerance=LOGPROB_TOL)  # fmt: skip
+                       tokens=greedy["tokens"] + sampled["tokens"],
+                       tolerance=LOGPROB_TOL)  # fmt: skip
         if max(greedy["max_abs_diff"], sampled["max_abs_diff"]) > LOGPROB_TOL:
             raise CheckFailed(f"engine and learner logprobs differ by more than {LOGPROB_TOL}")
 

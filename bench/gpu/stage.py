@@ -82,10 +82,10 @@ class StageContext:
     def seconds_left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def save(self, status: str = "running", why: str = "") -> None:
-        """Write the figures so far (the parent reads them even if this process is killed)."""
-        result = StageResult(self.name, status=status, why=why, figures=self.figures)  # type: ignore[arg-type]
-        write_results(self.result_path, [result])
+    def save(self) -> None:
+        """Write the figures so far, as still running (the parent reads them even if this
+        process is killed before the stage ends)."""
+        write_results(self.result_path, [StageResult(self.name, "running", figures=self.figures)])
 
 
 def write_results(path: Path, results: list[StageResult]) -> None:

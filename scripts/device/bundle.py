@@ -97,7 +97,7 @@ RAY_STRIP = {
     "ray/serve": "Ray Serve",
     "ray/llm": "Ray's LLM library",
     "ray/air": "Ray AIR, used by the libraries above",
-    "ray/dashboard/client": "the dashboard's web front end: runs start Ray with include_dashboard=False",
+    "ray/dashboard/client": "the dashboard's web front end (runs start Ray without it)",
     "bin": "console scripts, whose first line names the interpreter that built the bundle",
 }
 

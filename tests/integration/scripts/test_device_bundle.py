@@ -151,7 +151,8 @@ class Probe(msgspec.Struct, array_like=True):
     version: int
     ids: bytes
 
-assert msgspec.msgpack.decode(msgspec.msgpack.encode(Probe(3, b"ab")), type=Probe) == Probe(3, b"ab")
+probe = Probe(3, b"ab")
+assert msgspec.msgpack.decode(msgspec.msgpack.encode(probe), type=Probe) == probe
 ctx = zmq.Context()
 pull = ctx.socket(zmq.PULL)
 port = pull.bind_to_random_port("tcp://127.0.0.1")
@@ -200,7 +201,8 @@ def test_with_python_312_the_unpacked_bundle_imports_and_ray_places_actors(built
     assert site == str((tmp_path / "site").resolve())
     standin = machine_stand_in(bundle, manifest, tmp_path / "machine")
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"),
-           "PYTHONPATH": os.pathsep.join([site, str(standin)]), "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
+           "PYTHONPATH": os.pathsep.join([site, str(standin)]),
+           "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
     probe = subprocess.run([python, "-c", RAY_PROBE], env=env, cwd=tmp_path,
                            capture_output=True, text=True, timeout=900)  # fmt: skip
     assert probe.returncode == 0, probe.stderr[-3000:]
