@@ -11,7 +11,7 @@ TORCH  ?= torch==2.14.1 torchvision==0.29.1
 SGLANG ?= sglang==0.5.23
 DEMO_OUT ?= runs/demo/run
 
-.PHONY: demo test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check
+.PHONY: demo test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
 
 venv: $(STAMP)
 
@@ -56,14 +56,26 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/fleetrl bench all --quick --out runs/bench
 
-# On a machine with a GPU: a real SGLang server (tested release), logprobs against the
-# learner, weight sync GB/s, 5 demo steps on CUDA; report in runs/gpu_check/gpu_check.json.
+# On a machine with a GPU and this virtualenv: every stage of the GPU check on CUDA (the SGLang
+# stages too where SGLang is installed); report in runs/gpu_check/gpu_check.json. On the lent
+# GPU machine, which cannot install anything: `bash scripts/device/gpu_check.sh` with
+# .device-bundle carried (docs/gpu_check.md).
 gpu-check: $(STAMP)
-	$(PY) -m pip install -q -e ".[sglang]"
-	env -u RAY_ADDRESS $(PY) scripts/gpu_check.py --out runs/gpu_check
+	env -u RAY_ADDRESS $(PY) scripts/gpu_check.py --device cuda --out runs/gpu_check --work runs/gpu_check_work
+
+# What the lent GPU machine lacks (ray, pyzmq, msgspec for Python 3.12), packed into
+# .device-bundle/ to travel with the working tree; prints the sizes (kept when up to date).
+device-bundle: $(STAMP)
+	$(PY) scripts/device/bundle.py
+
+# The GPU check proven on the CPU before a GPU is lent (CI runs this beside `make test`): the
+# bundle installs for Python 3.12 and Ray starts from it, and every stage of
+# scripts/gpu_check.py runs at tiny sizes with what the GPU machine lacks refused.
+device-check: device-bundle
+	env -u RAY_ADDRESS $(PY) -m pytest -q -m device_check tests
 
 docs: $(STAMP)
 	$(VENV)/bin/fleetrl config docs --out docs/configuration.md
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .device-bundle .device-cache

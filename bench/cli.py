@@ -24,7 +24,6 @@ import argparse
 import importlib
 import inspect
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from bench import report
 from bench.common import (
     REPO_ROOT,
     Progress,
+    end_process_group,
     now_iso,
     read_json,
     suite_json_path,
@@ -269,20 +269,6 @@ def _child_command(suite: str, args: argparse.Namespace, reps: int | None) -> li
     return cmd
 
 
-def _end_process_group(proc: subprocess.Popen[bytes]) -> None:
-    """Stop the child we started (and what it started in its session), by its pid."""
-    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def run_suite_in_child(
     suite: str, args: argparse.Namespace, reps: int | None, timeout_s: float | None
 ) -> dict[str, Any]:
@@ -303,9 +289,9 @@ def run_suite_in_child(
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         error = f"suite timed out after {timeout_s:.0f} s (the --quick deadline) and was stopped"
-        _end_process_group(proc)
+        end_process_group(proc)
     except KeyboardInterrupt:
-        _end_process_group(proc)
+        end_process_group(proc)
         raise
     if error is None and path.is_file():
         return read_json(path)

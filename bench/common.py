@@ -25,6 +25,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -71,7 +72,8 @@ def _memory_gib() -> float | None:
     return None
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
+    """The checkout's commit, ``+dirty`` when tracked files changed (None without git)."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -132,8 +134,23 @@ def machine_info() -> dict[str, Any]:
         "memory_gib": _memory_gib(),
         "accelerators": _accelerators(),
         "versions": package_versions(),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
     }
+
+
+def end_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop a child started with ``start_new_session=True`` and what it started in its
+    session, by its pid: SIGTERM (its cleanup runs), then SIGKILL after ``grace_s``."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)  # the group we started, by its id
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def median(values: list[float]) -> float:
@@ -172,12 +189,14 @@ def alternate(
     warmup: int = 1,
     progress: Progress | None = None,
     label: str = "",
+    deadline: float | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run every measurement ``warmup`` times (discarded), then ``reps`` rounds in alternation.
 
     Round r runs the measurements in order, reversed on odd rounds (A B, B A, A B ...),
     so neither side always runs right after the other. Each callable returns one
-    figure (higher is better, e.g. items/s). Returns ``{name: stats(...)}``.
+    figure (higher is better, e.g. items/s). Returns ``{name: stats(...)}``. With
+    ``deadline`` (``time.monotonic()``) rounds stop once it has passed, after at least one.
     """
     if reps < 1:
         raise ValueError(f"alternate: reps must be >= 1, got {reps}")
@@ -187,6 +206,8 @@ def alternate(
             measures[name]()
     figures: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(reps):
+        if round_index and deadline is not None and time.monotonic() >= deadline:
+            break
         order = names if round_index % 2 == 0 else list(reversed(names))
         for name in order:
             figures[name].append(float(measures[name]()))

@@ -24,6 +24,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,40 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
         return values[0], values[0]
     q = statistics.quantiles(values, n=4, method="inclusive")
     return q[0], q[2]
+
+
+def alternate_packing(
+    worker: Any, batch: Any, reps: int, *, deadline: float | None = None
+) -> dict[str, list[float]]:
+    """Tokens/s of ``worker`` (a set-up ``LearnerWorker``) on ``batch`` with packing on and off.
+
+    A warm-up repetition of both arms (discarded), then up to ``reps`` repetitions, the
+    order of the arms alternated; each arm's figure in a repetition is its fastest of
+    ``STEPS_PER_ARM`` steps. With ``deadline`` (``time.monotonic()``) repetitions stop once
+    it has passed, after at least one. The worker keeps the last arm's config.
+    """
+    import msgspec
+
+    cfg = worker.cfg
+    samples: dict[str, list[float]] = {"packed": [], "padded": []}
+    for rep in range(reps + 1):  # rep 0 warms up both arms and is discarded
+        if rep > 1 and deadline is not None and time.monotonic() >= deadline:
+            break
+        arms = ("packed", "padded") if rep % 2 == 0 else ("padded", "packed")
+        for arm in arms:
+            worker.cfg = msgspec.structs.replace(cfg, packing=arm == "packed")
+            rates = []
+            for _ in range(STEPS_PER_ARM):
+                metrics = worker.step(batch, policy_version=rep)
+                rates.append(metrics["perf/tokens"] / metrics["timing_s/step"])
+            if rep:
+                samples[arm].append(max(rates))
+    return samples
+
+
+def paired_ratios(samples: dict[str, list[float]]) -> list[float]:
+    """Packed ÷ padded tokens/s of each repetition."""
+    return [p / q for p, q in zip(samples["packed"], samples["padded"], strict=True)]
 
 
 def run(
@@ -91,7 +126,6 @@ def run(
         )  # fmt: skip
         worker.setup()
         n = groups * group_size
-        samples: dict[str, list[float]] = {"packed": [], "padded": []}
         try:
             # One batch for every repetition: its length mix is the workload, so the spread
             # of the paired ratios is measurement noise, not a different workload per pair.
@@ -100,20 +134,11 @@ def run(
                 vocab_size=60, groups=groups, group_size=group_size, prompt_lens=16,
                 response_lens=lens.tolist(), seed=0,
             )  # fmt: skip
-            for rep in range(reps + 1):  # rep 0 warms up both arms and is discarded
-                arms = ("packed", "padded") if rep % 2 == 0 else ("padded", "packed")
-                for arm in arms:
-                    worker.cfg = msgspec.structs.replace(cfg, packing=arm == "packed")
-                    rates = []
-                    for _ in range(STEPS_PER_ARM):
-                        metrics = worker.step(batch, policy_version=rep)
-                        rates.append(metrics["perf/tokens"] / metrics["timing_s/step"])
-                    if rep:
-                        samples[arm].append(max(rates))
+            samples = alternate_packing(worker, batch, reps)
         finally:
             worker.close()
     medians = {arm: statistics.median(v) for arm, v in samples.items()}
-    paired = [p / q for p, q in zip(samples["packed"], samples["padded"], strict=True)]
+    paired = paired_ratios(samples)
     q25, q75 = _quartiles(paired)
     result = {
         "suite": "learner",

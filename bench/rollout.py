@@ -135,14 +135,18 @@ def _alternate_paired(
     *,
     progress: Progress,
     baseline: str = "hf_generate_tokens_per_s",
+    deadline: float | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, list[float]]]:
     """Like ``bench.common.alternate`` (one warm-up round, then ``reps`` rounds in an order
-    reversed every other round), also returning each round's ratio to ``baseline``."""
+    reversed every other round), also returning each round's ratio to ``baseline``. With
+    ``deadline`` (``time.monotonic()``) rounds stop once it has passed, after at least one."""
     names = list(measures)
     for name in names:
         measures[name]()
     figures: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(reps):
+        if round_index and deadline is not None and time.monotonic() >= deadline:
+            break
         order = names if round_index % 2 == 0 else list(reversed(names))
         for name in order:
             figures[name].append(float(measures[name]()))
@@ -239,8 +243,15 @@ def run(
     device: str = "cpu",
     group_size: int | None = None,
     prompt_tokens: int | None = None,
+    *,
+    heads: int | None = None,
+    dtype: str = "float32",
+    deadline: float | None = None,
 ) -> dict[str, Any]:
-    """Measure every side; write ``out_dir/rollout.json``; return the suite dict."""
+    """Measure every side; write ``out_dir/rollout.json``; return the suite dict.
+
+    ``heads`` defaults to one per 32 hidden units; ``dtype`` is the engine's (and so the
+    baseline's: both run the same model); ``deadline`` bounds the repetitions (at least one)."""
     import torch
 
     from fleetrl.models.tiny import make_tiny_model
@@ -269,12 +280,13 @@ def run(
         "layers": layers,
         "reps": reps,
         "device": device,
+        "dtype": dtype,
         "torch_threads": 1,
     }
     started = time.monotonic()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
-        heads = max(1, hidden // 32)
+        heads = heads or max(1, hidden // 32)
         model_dir = make_tiny_model(
             Path(tmp) / "model",
             layers=layers,
@@ -283,8 +295,9 @@ def run(
             max_positions=prompt_tokens + max_new_tokens + 8,
         )
         engine = EmbeddedEngine(
-            model_dir, engine_id="bench", device=device, max_running_requests=rows, num_threads=1
-        )
+            model_dir, engine_id="bench", device=device, max_running_requests=rows,
+            num_threads=1, dtype=dtype,
+        )  # fmt: skip
         # One long-lived client on one event loop, as a rollout worker holds it.
         loop = asyncio.new_event_loop()
         client: EngineClient | None = None
@@ -363,6 +376,7 @@ def run(
                 },
                 reps,
                 progress=progress,
+                deadline=deadline,
             )
             engine_stats = engine.scheduler.load()
         finally:

@@ -119,7 +119,7 @@ class Receiver:
         self._log.close()
 
 
-def _measure_size(
+def measure_size(
     hidden: int,
     layers: int,
     vocab: int,
@@ -127,7 +127,14 @@ def _measure_size(
     device: str,
     bucket_mb: float,
     progress: Progress,
+    *,
+    backend: str = "auto",
+    deadline: float | None = None,
 ) -> dict[str, Any]:
+    """One size's three publish variants against a receiver process (the module docstring).
+
+    ``backend`` is the group's (``auto``: NCCL with CUDA; one GPU needs ``gloo``, since
+    NCCL refuses two ranks on one device); ``deadline`` bounds the repetitions."""
     from weight_sync.config import WeightSyncConfig
     from weight_sync.sender import EngineEndpoint, WeightSender
 
@@ -153,6 +160,7 @@ def _measure_size(
             }
             for name, (load_format, mb) in variants.items():
                 config = WeightSyncConfig(
+                    backend=backend,
                     bucket_mb=mb,
                     load_format=load_format,
                     verify=False,
@@ -172,7 +180,9 @@ def _measure_size(
                 "raw_broadcast": lambda: timed("raw_broadcast", [(RAW_NAME, raw)]),
                 "per_param": lambda: timed("per_param", params),
             }
-            figures = alternate(measures, reps, progress=progress, label=f"hidden={hidden}")
+            figures = alternate(
+                measures, reps, progress=progress, label=f"hidden={hidden}", deadline=deadline
+            )
         finally:
             for sender in senders.values():
                 sender.close()
@@ -181,6 +191,7 @@ def _measure_size(
         "hidden": hidden,
         "layers": layers,
         "vocab": vocab,
+        "backend": backend,
         "num_params": len(params),
         "bytes": total_bytes,
         "dtype": dtype_name,
@@ -213,7 +224,7 @@ def run(
     for hidden in hidden_sizes:
         progress.note(f"hidden={hidden} layers={layers} on {device}")
         rows.append(
-            _measure_size(hidden, layers, preset["vocab"], reps, device, bucket_mb, progress)
+            measure_size(hidden, layers, preset["vocab"], reps, device, bucket_mb, progress)
         )
     progress.note(f"LoRA rank {LORA_RANK} adapter sync vs full sync, demo model, on {device}")
     lora = measure_lora_sync(reps, device, progress)

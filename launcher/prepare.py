@@ -14,7 +14,7 @@ from pathlib import Path
 
 from fleetrl.config import ConfigError
 from fleetrl.log import get_logger
-from launcher.config import RunConfig
+from launcher.config import RunConfig, resolve_device
 
 log = get_logger(__name__)
 
@@ -71,12 +71,14 @@ def ensure_model(cfg: RunConfig) -> None:
         from learner.sft import supervised_warmstart
 
         examples = _warmstart_examples(cfg)
-        loss = supervised_warmstart(tmp, examples, cfg.model.warmstart)
+        device = resolve_device(cfg)
+        loss = supervised_warmstart(tmp, examples, cfg.model.warmstart, device=device)
         log.info(
-            "warm start: %d steps on %d examples (label noise %.2f), final loss %.3f",
+            "warm start: %d steps on %d examples (label noise %.2f) on %s, final loss %.3f",
             cfg.model.warmstart.steps,
             len(examples),
             cfg.model.warmstart.label_noise,
+            device,
             loss,
         )
     tmp.replace(model_dir)  # the folder appears complete or not at all

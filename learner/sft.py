@@ -32,8 +32,10 @@ def supervised_warmstart(
     model_dir: str | Path,
     examples: Sequence[tuple[list[dict[str, str]], str]],
     cfg: WarmStartConfig,
+    device: str = "cpu",
 ) -> float:
-    """Train ``model_dir`` in place on chat ``examples`` (messages, answer); return the last loss."""
+    """Train ``model_dir`` in place on chat ``examples`` (messages, answer) on ``device``
+    (the run's: a GPU run's demo model warm-starts in seconds there); return the last loss."""
     import torch
 
     from fleetrl.models.loading import load_causal_lm, load_tokenizer
@@ -41,7 +43,7 @@ def supervised_warmstart(
     if not examples:
         raise ValueError("supervised warm start needs at least one example")
     tok = load_tokenizer(model_dir)
-    model = load_causal_lm(model_dir)
+    model = load_causal_lm(model_dir).to(device)
     model.train()
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -63,8 +65,8 @@ def supervised_warmstart(
             labels.append([-100] * len(prompt_ids[i]) + answer_ids)
         width = max(map(len, rows))
         pad = tok.pad_token_id
-        input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
-        label_ids = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
+        input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
+        label_ids = torch.tensor([r + [-100] * (width - len(r)) for r in labels], device=device)
         attention = (input_ids != pad).long()
         loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
         optimizer.zero_grad(set_to_none=True)
@@ -73,5 +75,5 @@ def supervised_warmstart(
         loss_value = float(loss.detach())  # a scalar off the graph: no requires_grad warning
         if (step + 1) % 100 == 0:
             log.debug("warm start step %d/%d loss %.4f", step + 1, cfg.steps, loss_value)
-    model.save_pretrained(model_dir)
+    model.to("cpu").save_pretrained(model_dir)
     return loss_value

@@ -86,9 +86,16 @@ def make_tiny_model(
     seed: int = 0,
     alphabet: str = DEFAULT_ALPHABET,
     reward_model: bool = False,
+    vocab_size: int | None = None,
+    tie_embeddings: bool = False,
 ) -> Path:
     """Write a random-init model folder (config, safetensors weights, tokenizer): a causal LM,
-    or with ``reward_model`` a one-label ``*ForSequenceClassification`` (a reward model)."""
+    or with ``reward_model`` a one-label ``*ForSequenceClassification`` (a reward model).
+
+    ``vocab_size`` (at least the tokenizer's) gives the embedding and LM head a real model's
+    width (Qwen2.5's 151,936) while the tokenizer stays the tiny one; the ids above it are
+    never produced by the tokenizer. ``tie_embeddings`` shares the LM head with the embedding,
+    as Qwen2.5-0.5B does."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -104,8 +111,10 @@ def make_tiny_model(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(alphabet)
+    if vocab_size is not None and vocab_size < len(tok):
+        raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tok)} tokens")
     common = dict(
-        vocab_size=len(tok),
+        vocab_size=vocab_size or len(tok),
         hidden_size=hidden,
         intermediate_size=intermediate or 4 * hidden,
         num_hidden_layers=layers,
@@ -115,7 +124,7 @@ def make_tiny_model(
         pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
         torch_dtype="float32",
     )
     config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)

@@ -9,6 +9,7 @@ import pytest
 
 from bench.common import (
     alternate,
+    end_process_group,
     machine_info,
     median,
     ratio,
@@ -46,6 +47,44 @@ def test_alternate_discards_warmup_and_reverses_the_order_on_odd_rounds():
     assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
     assert out["a"]["reps"] == [2.0, 2.0, 2.0]
     assert out["a"]["median"] == 2.0 and out["b"]["max"] == 1.0
+
+
+def test_alternate_stops_at_its_deadline_after_at_least_one_round():
+    import time
+
+    clock = {"t": 0.0}
+
+    def measure() -> float:
+        clock["t"] += 1.0
+        return 1.0
+
+    deadline = time.monotonic() + 0.2
+    out = alternate({"a": measure}, reps=50, warmup=0, deadline=deadline)
+    assert len(out["a"]["reps"]) >= 1
+    time.sleep(0.25)
+    late = alternate({"a": measure}, reps=50, warmup=0, deadline=deadline)
+    assert late["a"]["reps"] == [1.0]  # past the deadline: one round, not none
+
+
+def test_end_process_group_stops_a_child_and_what_it_started():
+    import subprocess
+    import sys
+
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('up', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+    end_process_group(proc, grace_s=5.0)
+    assert proc.poll() is not None
+    import time
+
+    deadline = time.monotonic() + 10  # the grandchild got the signal too; it ends soon after
+    while time.monotonic() < deadline:
+        alive = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True)
+        if not alive.stdout.strip():
+            break
+        time.sleep(0.1)
+    assert alive.stdout.strip() == ""  # nothing left in its process group
 
 
 def test_alternate_rejects_zero_repetitions():

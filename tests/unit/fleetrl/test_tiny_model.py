@@ -61,3 +61,28 @@ def test_missing_or_incomplete_model_folder_is_a_clear_error(tmp_path):
         load_tokenizer(tmp_path / "absent")
     with pytest.raises(ModelPathError, match="has no config.json"):
         load_causal_lm(tmp_path)
+
+
+def test_a_wider_vocabulary_and_a_tied_head_give_a_real_models_shape(tmp_path):
+    from fleetrl.models.tiny import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "wide", hidden=32, heads=2, vocab_size=1000,
+                             tie_embeddings=True)  # fmt: skip
+    model = load_causal_lm(folder)
+    assert model.config.vocab_size == 1000 and model.config.tie_word_embeddings
+    assert model.get_input_embeddings().weight.shape == (1000, 32)
+    assert model.get_output_embeddings().weight.data_ptr() == (
+        model.get_input_embeddings().weight.data_ptr()
+    )
+    tokenizer = load_tokenizer(folder)
+    assert max(tokenizer.encode(TEXT, add_special_tokens=False)) < len(tokenizer) < 1000
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[7, 999]])).logits
+    assert logits.shape == (1, 2, 1000)
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path):
+    from fleetrl.models.tiny import make_tiny_model
+
+    with pytest.raises(ValueError, match="vocab_size 10 is below the tokenizer's"):
+        make_tiny_model(tmp_path / "narrow", hidden=32, heads=2, vocab_size=10)
