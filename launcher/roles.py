@@ -8,8 +8,9 @@
                    whom to send to arrives with each ``publish`` as ``WeightTargets``.
 - ``RolloutRole``  an async actor hosting the engine ``Membership`` (the one owner of
                    "may engine-1 take requests?", rollout_fleet/membership.py), the engine
-                   fleet (engine actors of its own), the router and the asyncio
-                   ``RolloutWorker`` that streams trajectories to the buffer.
+                   fleet (engine actors of its own), the router, the reward pipeline
+                   (rule and reward-model scores, rollout_fleet/rewards/pipeline.py) and
+                   the asyncio ``RolloutWorker`` that streams trajectories to the buffer.
 
 The classes are plain Python; ``remote_class(cls)`` applies ``ray.remote`` on demand so
 importing this module needs no running Ray. Every actor receives the run config as
@@ -357,13 +358,14 @@ class RolloutRole:
         local: bool,
         api_key: str | None = None,
         curve: Any = None,
+        reward_api_key: str | None = None,
     ):
         from buffer.transport import BufferClient, TrajectorySender
         from fleetrl.data.reader import PromptReader
         from fleetrl.models.loading import load_tokenizer
         from rollout_fleet.fleet import EngineFleet
         from rollout_fleet.membership import Membership
-        from rollout_fleet.rewards.runner import RewardRunner
+        from rollout_fleet.rewards.pipeline import build_reward_pipeline
         from rollout_fleet.router import Router
 
         cfg = _config(raw)
@@ -411,8 +413,17 @@ class RolloutRole:
         self.delivery = DeliveryLedger(self.reader, self.sender, self.control, cfg.rollout.n)
         self._health_task: asyncio.Task | None = None
         self._reconcile_task: asyncio.Task | None = None
-        self.rewards = RewardRunner(
-            timeout_s=cfg.rollout.reward_timeout_s, max_workers=cfg.rollout.reward_workers
+        # the reward-model servers this role scores on (reward.model.urls); a reward fleet
+        # placed for reward.model.path hands its own through set_reward_servers
+        self.reward_api_key = reward_api_key
+        self.rewards = build_reward_pipeline(
+            cfg.reward,
+            timeout_s=cfg.rollout.reward_timeout_s,
+            max_workers=cfg.rollout.reward_workers,
+            model_servers=self._reward_model_servers(),
+            reward_api_key=reward_api_key,
+            engines=self.membership.urls,  # judge access: the engines serving now
+            engine_api_key=api_key,
         )
         self.worker: Any = None
         self._task: asyncio.Task | None = None
@@ -434,7 +445,7 @@ class RolloutRole:
             sender=self.delivery,
             admission_source=self.control.admission,
             ledger=self.delivery,
-            reward_runner=self.rewards,
+            rewards=self.rewards,
             tokenizer=self.tokenizer,
             client_factory=lambda url: EngineClient(
                 url, api_key=self.api_key, timeout_s=cfg.rollout.request_timeout_s
@@ -442,6 +453,17 @@ class RolloutRole:
             lora=cfg.learner.lora.rank > 0,
         )
         return urls
+
+    def _reward_model_servers(self) -> dict[str, str]:
+        """``{name: URL}`` of the reward-model servers: those of ``reward.model.urls``."""
+        from rollout_fleet.rewards.model_scorer import servers_from_urls
+
+        return servers_from_urls(self.cfg.reward.model.urls)
+
+    async def set_reward_servers(self, servers: dict[str, str]) -> None:
+        """Score on ``servers`` from now on (a reward fleet replaced or added one)."""
+        if self.rewards.model is not None:
+            self.rewards.model.set_servers(servers)
 
     async def start_generation(self) -> None:
         self._task = asyncio.create_task(self.worker.run())
@@ -566,6 +588,7 @@ class RolloutRole:
             if self._task is not None:
                 await asyncio.gather(self._task, return_exceptions=True)
             await self.worker.aclose()
+        await self.rewards.aclose()
         await self.fleet.stop()
         self.sender.close()
         self.control.close()

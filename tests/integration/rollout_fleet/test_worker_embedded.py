@@ -23,6 +23,7 @@ from fleetrl.data.reader import PromptItem
 from rollout_fleet.client import EngineClient
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.engine.server import EmbeddedEngine
+from rollout_fleet.rewards.pipeline import RewardPipeline
 from rollout_fleet.rewards.runner import RewardRunner
 from rollout_fleet.router import Router
 from rollout_fleet.worker import RolloutWorker
@@ -116,7 +117,7 @@ def make_worker(
             groups_per_version=1000,
             max_concurrent=cfg.max_concurrent_groups,
         ),
-        reward_runner=RewardRunner(timeout_s=5, max_workers=2, custom_fn=parity_reward),
+        rewards=RewardPipeline(RewardRunner(timeout_s=5, max_workers=2, custom=parity_reward)),
         tokenizer=tokenizer,
         stop_token_ids=stop_token_ids,
     )
