@@ -11,6 +11,8 @@ user learns all that is missing in one attempt instead of after a model build, a
 
 What is checked:
 - data files and the model folder (what ``launcher.prepare`` cannot make);
+- the reward section: the custom reward function loads and can be called, the reward
+  model folder, a scorer for every data source (``launcher.preflight_rewards``);
 - resources: the learner group's bundles and the engines against what Ray offers,
   per node (a rank or an engine fits on one node or not at all). Locally: the
   instance ``fleetrl train`` would start (this machine's CPUs, the GPUs torch
@@ -47,6 +49,7 @@ from launcher.preflight_findings import (
     _gib,
 )
 from launcher.preflight_resources import check_resources, local_node
+from launcher.preflight_rewards import check_rewards
 from learner.memory import ModelShape
 from rollout_fleet.sglang_version import TESTED_SGLANG
 
@@ -312,7 +315,7 @@ def run_checks(
     """Every check; every finding (warnings included), in the order a user fixes them."""
     probes = probes or Probes()
     target = resolve_address(cfg, address, probes.env)
-    findings = check_data(cfg) + check_model(cfg)
+    findings = check_data(cfg) + check_model(cfg) + check_rewards(cfg, probes.env)
     if target:
         cluster_findings, nodes = check_cluster(cfg, target, probes)
         findings += cluster_findings
