@@ -124,8 +124,9 @@ class FakeRewardModelClient:
         if not names:
             raise RewardServerError("no reward servers")
         tried = []
+        first, self._next = self._next, self._next + 1  # round robin: batches start apart
         for attempt in range(self.max_attempts):
-            name = names[(self._next + attempt) % len(names)]
+            name = names[(first + attempt) % len(names)]
             server = self.fleet.servers[self.servers[name]]
             tried.append(name)
             self.counts["requests"] += 1
@@ -141,7 +142,6 @@ class FakeRewardModelClient:
             if len(scores) != len(batch) or not all(math.isfinite(s) for s in scores):
                 self.counts["bad_replies"] += 1
                 continue
-            self._next += 1
             self.counts["items"] += len(batch)
             return scores
         self.counts["failures"] += 1
