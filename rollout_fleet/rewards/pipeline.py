@@ -43,9 +43,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetrl.config import ConfigError
 from fleetrl.data.reader import PromptItem
+from fleetrl.models.reward_folder import RewardFolderError
 from rollout_fleet.rewards.config import RewardConfig
-from rollout_fleet.rewards.custom import load_custom_reward
+from rollout_fleet.rewards.custom import RewardLoadError, load_custom_reward
 from rollout_fleet.rewards.judge import JudgeAccess
 from rollout_fleet.rewards.model_scorer import (
     ClientFactory,
@@ -232,12 +234,12 @@ class RewardPipeline:
             "reward/samples_scored": float(self.samples_scored),
             "reward/samples_failed": float(self.samples_failed),
             "reward/rule_failed": float(self.rule_failed),
-            "reward/model_failed": float(self.model_failed),
             "reward/groups_scored": float(self.groups_scored),
             **self.rules.stats(),
             **self._means.pop(),
         }
         if self.model is not None:
+            out["reward/model_failed"] = float(self.model_failed)
             out.update(self.model.stats())
         return out
 
@@ -258,16 +260,22 @@ def build_reward_pipeline(
     client_factory: ClientFactory = default_client_factory,
 ) -> RewardPipeline:
     """The pipeline the ``reward`` section describes (custom function loaded, reward-model
-    client built for ``model_servers``); ``RewardLoadError``/``ValueError`` name what is wrong."""
+    client built for ``model_servers``); a ``ConfigError`` names the key of what is wrong."""
     custom_cfg = config.custom_function
     custom = None
     if custom_cfg.path:
-        custom = load_custom_reward(custom_cfg.path, custom_cfg.name, custom_cfg.reward_kwargs)
+        try:
+            custom = load_custom_reward(custom_cfg.path, custom_cfg.name, custom_cfg.reward_kwargs)
+        except RewardLoadError as err:
+            raise ConfigError("reward.custom_function.path", str(err)) from err
     model = None
     if config.uses_model:
-        model = build_model_scorer(
-            config.model, model_servers or {}, reward_api_key, client_factory=client_factory
-        )
+        try:
+            model = build_model_scorer(
+                config.model, model_servers or {}, reward_api_key, client_factory=client_factory
+            )
+        except (RewardFolderError, OSError) as err:
+            raise ConfigError("reward.model.path", str(err)) from err
     scorer = model
     judge = JudgeAccess(
         reward_servers=(lambda: scorer.servers) if scorer is not None else dict,

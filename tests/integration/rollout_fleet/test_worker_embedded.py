@@ -45,13 +45,6 @@ class Sink:
             self.trajectories.append(traj)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 @pytest.fixture
 def engines(tiny_model_dir):
     started = []
@@ -88,6 +81,7 @@ def make_worker(
     items=None,
     max_new_tokens=MAX_NEW_TOKENS,
     stop_token_ids=None,
+    rewards=None,
     **config,
 ):
     """A worker on ``engines`` over ``items`` (default: ``count`` addition prompts)."""
@@ -117,7 +111,8 @@ def make_worker(
             groups_per_version=1000,
             max_concurrent=cfg.max_concurrent_groups,
         ),
-        rewards=RewardPipeline(RewardRunner(timeout_s=5, max_workers=2, custom=parity_reward)),
+        rewards=rewards
+        or RewardPipeline(RewardRunner(timeout_s=5, max_workers=2, custom=parity_reward)),
         tokenizer=tokenizer,
         stop_token_ids=stop_token_ids,
     )

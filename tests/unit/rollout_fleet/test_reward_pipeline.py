@@ -9,6 +9,7 @@ import asyncio
 import msgspec
 import pytest
 
+from fleetrl.config import ConfigError
 from fleetrl.models.reward_folder import RewardStats, write_reward_stats
 from fleetrl.models.tiny import make_tiny_model
 from rollout_fleet.rewards.config import RewardConfig
@@ -114,3 +115,15 @@ def test_scores_combine_by_weight_and_a_needed_term_that_failed_fails_the_sample
 def test_a_rule_weight_of_zero_needs_a_reward_model():
     with pytest.raises(ValueError, match="rule_weight is 0 and there is no reward model"):
         RewardPipeline(RewardRunner(5, 1), None, rule_weight=0.0)
+
+
+def test_a_file_or_folder_that_cannot_work_is_a_config_error_naming_its_key(tmp_path):
+    missing = config(custom_function={"path": str(tmp_path / "absent.py")})
+    with pytest.raises(
+        ConfigError, match=r"^config error at reward.custom_function.path: .*absent"
+    ):
+        build_reward_pipeline(missing, timeout_s=5, max_workers=1)
+    policy = make_tiny_model(tmp_path / "policy", layers=1, hidden=16, heads=2)
+    not_rm = config(model={"path": str(policy), "urls": ["http://127.0.0.1:1"]})
+    with pytest.raises(ConfigError, match=r"^config error at reward.model.path: .*ForSequence"):
+        build_reward_pipeline(not_rm, timeout_s=5, max_workers=1, client_factory=FakeRewardFleet().client_factory)  # fmt: skip
