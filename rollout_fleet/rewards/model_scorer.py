@@ -138,7 +138,8 @@ class ModelScorer:
         try:
             raw = await self.client.score(ids)
         except CLIENT_FAILURES as err:
-            return self._batch_failed(len(responses), f"reward model: {err}")
+            error = str(err) if str(err).startswith("reward model") else f"reward model: {err}"
+            return self._batch_failed(len(responses), error)
         if len(raw) != len(responses):
             return self._batch_failed(
                 len(responses),

@@ -7,13 +7,19 @@ non-finite or wrong-count reply tries the next server, up to ``max_attempts``,
 then raises ``RewardServerError`` naming the servers tried. The servers
 (``FakeRewardServer``) are plain objects found by URL in a ``FakeRewardFleet``;
 each logs every item it scored, so a test can count items lost or scored twice.
-The fault tests that use them are to be rerun on the real client and servers.
+
+``HttpRewardFleet`` is the same scenario over the wire: hostile aiohttp servers on
+loopback answering ``/classify`` in SGLang's reply shape, scored through the REAL client
+(``rollout_fleet.rewards.model_client``, the reward-serve branch's); the fault tests run
+on both where the real client is present.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -58,24 +64,21 @@ class FakeRewardServer:
         return [self.score_fn(ids) for ids in batch]
 
 
-class FakeRewardFleet:
-    """Servers by URL; ``client_factory`` builds clients that reach them."""
+class _Fleet:
+    """Reward servers by URL, the clients built for them, and what the servers scored."""
 
-    def __init__(self, count: int = 1, score_fn: Callable[[list[int]], float] = length_score):
-        self.servers: dict[str, FakeRewardServer] = {}
-        for i in range(count):
-            self.add(f"http://127.0.0.1:{30100 + i}", score_fn)
-        self.clients: list[FakeRewardModelClient] = []
+    servers: dict[str, Any]
+    clients: list[Any]
 
     @property
     def urls(self) -> list[str]:
         return list(self.servers)
 
-    def add(self, url: str, score_fn: Callable[[list[int]], float] = length_score) -> None:
-        self.servers[url] = FakeRewardServer(url, score_fn)
+    def _client(self, servers: Mapping[str, str], **kwargs: Any) -> Any:
+        raise NotImplementedError
 
-    def client_factory(self, servers: Mapping[str, str], **kwargs: Any) -> FakeRewardModelClient:
-        client = FakeRewardModelClient(servers, fleet=self, **kwargs)
+    def client_factory(self, servers: Mapping[str, str], **kwargs: Any) -> Any:
+        client = self._client(servers, **kwargs)
         self.clients.append(client)
         return client
 
@@ -84,6 +87,22 @@ class FakeRewardFleet:
         for server in self.servers.values():
             total.update(server.scored)
         return total
+
+
+class FakeRewardFleet(_Fleet):
+    """In-process servers by URL; ``client_factory`` builds fake clients that reach them."""
+
+    def __init__(self, count: int = 1, score_fn: Callable[[list[int]], float] = length_score):
+        self.servers: dict[str, FakeRewardServer] = {}
+        for i in range(count):
+            self.add(f"http://127.0.0.1:{30100 + i}", score_fn)
+        self.clients: list[FakeRewardModelClient] = []
+
+    def add(self, url: str, score_fn: Callable[[list[int]], float] = length_score) -> None:
+        self.servers[url] = FakeRewardServer(url, score_fn)
+
+    def _client(self, servers: Mapping[str, str], **kwargs: Any) -> FakeRewardModelClient:
+        return FakeRewardModelClient(servers, fleet=self, **kwargs)
 
 
 class FakeRewardModelClient:
@@ -178,3 +197,94 @@ class ScriptedClient:
 
     async def aclose(self) -> None:
         pass
+
+
+class HttpRewardServer:
+    """A hostile reward server on loopback answering POST /classify in SGLang's reply shape
+    (a list of ``{"embedding": [score], "meta_info": {...}}``), ``mode`` as FakeRewardServer's."""
+
+    def __init__(self, url: str = "", score_fn: Callable[[list[int]], float] = length_score):
+        self.url = url
+        self.score_fn = score_fn
+        self.mode = "ok"
+        self.scored: Counter[tuple[int, ...]] = Counter()
+        self.requests = 0
+        self.fail_after: int | None = None
+        self.release: asyncio.Event | None = None  # ends a hang (made on the servers' loop)
+
+    async def classify(self, request: Any) -> Any:
+        from aiohttp import web
+
+        self.requests += 1
+        if self.fail_after is not None and self.requests > self.fail_after:
+            self.mode = "dead"
+        if self.mode == "dead":  # the process is gone: the connection drops, no reply
+            request.transport.close()
+            raise web.HTTPServiceUnavailable()
+        body = json.loads(await request.read())
+        batch = body["input_ids"]
+        if self.mode == "hang":  # until the fleet closes: then no reply at all
+            self.release = self.release or asyncio.Event()
+            await self.release.wait()
+            raise web.HTTPServiceUnavailable()
+        scores = [self.score_fn(ids) for ids in batch]
+        if self.mode == "nan":
+            scores = [math.nan] * len(batch)
+        elif self.mode == "wrong_count":
+            scores = scores[:-1]
+        else:
+            for ids in batch:
+                self.scored[tuple(ids)] += 1
+        items = [
+            {"embedding": [s], "meta_info": {"id": rid, "finish_reason": {"type": "length"}}}
+            for s, rid in zip(scores, body.get("rid") or [None] * len(scores), strict=False)
+        ]
+        return web.Response(text=json.dumps(items), content_type="application/json")
+
+
+class HttpRewardFleet(_Fleet):
+    """``count`` HttpRewardServers on loopback (their own thread and loop) and the REAL
+    client (rollout_fleet/rewards/model_client.py) for them; ``close()`` ends them."""
+
+    def __init__(self, count: int = 1, score_fn: Callable[[list[int]], float] = length_score):
+        from rollout_fleet.rewards.model_client import RewardModelClient
+
+        self._client_cls = RewardModelClient
+        self.servers: dict[str, HttpRewardServer] = {}
+        self.clients: list[Any] = []
+        self._loop = asyncio.new_event_loop()
+        self._runners: list[Any] = []
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        for _ in range(count):
+            server = HttpRewardServer(score_fn=score_fn)
+            server.url = asyncio.run_coroutine_threadsafe(self._serve(server), self._loop).result()
+            self.servers[server.url] = server
+
+    async def _serve(self, server: HttpRewardServer) -> str:
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_post("/classify", server.classify)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self._runners.append(runner)
+        port = runner.addresses[0][1]
+        return f"http://127.0.0.1:{port}"
+
+    def _client(self, servers: Mapping[str, str], **kwargs: Any) -> Any:
+        return self._client_cls(servers, **kwargs)
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for server in self.servers.values():
+                if server.release is not None:
+                    server.release.set()
+            for runner in self._runners:
+                await runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)

@@ -7,9 +7,10 @@ counted as dropped), scored twice (a sample with two scores, a uid twice, a serv
 an input more often than samples carry it), and failures marked and counted; the learner's
 view of the buffer's batch shows a failed sample trains nothing.
 
-The reward servers and their client are in-process fakes with the real client's
-interface (reward_fakes.py); the coordinator reruns these on the real client
-(rollout_fleet/rewards/model_client.py) and the embedded engine's /classify.
+The server scenarios run twice (``fleet_kind``): on in-process fakes of the servers and
+their client (reward_fakes.py), and over the wire on hostile aiohttp servers on loopback
+answering ``/classify`` in SGLang's reply shape, through the real client
+(rollout_fleet/rewards/model_client.py; skipped where that module is not in the tree).
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ from rollout_fleet.rewards.model_scorer import ModelScorer, servers_from_urls
 from rollout_fleet.rewards.pipeline import RewardPipeline
 from rollout_fleet.rewards.runner import RewardRunner
 from tests.unit.rollout_fleet.fakes import FakeEngine
-from tests.unit.rollout_fleet.reward_fakes import FakeRewardFleet
+from tests.unit.rollout_fleet.reward_fakes import FakeRewardFleet, HttpRewardFleet
 from tests.unit.rollout_fleet.test_worker import make_worker
 
 N = 4  # samples per group
 GROUPS = 8
+# Timeouts: a healthy reply never comes near them, on a loaded machine too; a hung
+# server's costs one per batch sent to it
 
 
 def item(index: int) -> PromptItem:
@@ -62,7 +65,24 @@ class BufferSink:
         self.core.ingest([traj])
 
 
-def pipeline(fleet: FakeRewardFleet, *, timeout_s=1.0, attempts=3, rule=None) -> RewardPipeline:
+@pytest.fixture(params=["fake", "http"])
+def make_fleet(request):
+    """``make_fleet(count)``: reward servers and a client for them, of the parameter's kind."""
+    if request.param == "http":
+        pytest.importorskip("rollout_fleet.rewards.model_client")
+    fleets = []
+
+    def make(count: int):
+        fleets.append(FakeRewardFleet(count) if request.param == "fake" else HttpRewardFleet(count))
+        return fleets[-1]
+
+    yield make
+    for fleet in fleets:
+        if isinstance(fleet, HttpRewardFleet):
+            fleet.close()
+
+
+def pipeline(fleet, *, timeout_s=10.0, attempts=3, rule=None) -> RewardPipeline:
     client = fleet.client_factory(
         servers_from_urls(fleet.urls), api_key=None, batch_size=64, request_timeout_s=timeout_s,
         max_attempts=attempts, retry_backoff_s=0.0,
@@ -83,7 +103,14 @@ def run(tmp_path, rewards: RewardPipeline, groups: int = GROUPS):
         [FakeEngine("a")], n=N, sender=sink, prompts=[item(i) for i in range(groups)],
         rewards=rewards,
     )  # fmt: skip
-    asyncio.run(worker.run(num_groups=groups))
+
+    async def scenario():
+        try:
+            await worker.run(num_groups=groups)
+        finally:
+            await rewards.aclose()  # the client's HTTP session, on the loop that opened it
+
+    asyncio.run(scenario())
     return core, sink, worker.metrics()
 
 
@@ -114,8 +141,8 @@ def check_exactly_once(core, fleet, metrics, groups=GROUPS):
     return trajs
 
 
-def test_a_server_killed_mid_run_loses_and_doubles_nothing(tmp_path):
-    fleet = FakeRewardFleet(count=2)
+def test_a_server_killed_mid_run_loses_and_doubles_nothing(tmp_path, make_fleet):
+    fleet = make_fleet(2)
     first = fleet.servers[fleet.urls[0]]
     first.fail_after = 2  # answers two batches, then its process is gone
     core, _, metrics = run(tmp_path, pipeline(fleet))
@@ -126,19 +153,19 @@ def test_a_server_killed_mid_run_loses_and_doubles_nothing(tmp_path):
     assert metrics["reward_model/failovers"] >= 1  # its later batches went to the other one
 
 
-def test_a_hung_server_times_out_and_its_batches_fail_over(tmp_path):
-    fleet = FakeRewardFleet(count=2)
+def test_a_hung_server_times_out_and_its_batches_fail_over(tmp_path, make_fleet):
+    fleet = make_fleet(2)
     fleet.servers[fleet.urls[0]].mode = "hang"
-    core, _, metrics = run(tmp_path, pipeline(fleet, timeout_s=0.2))
+    core, _, metrics = run(tmp_path, pipeline(fleet, timeout_s=1.0))
     trajs = check_exactly_once(core, fleet, metrics)
     assert len(trajs) == GROUPS * N
     assert metrics["reward_model/timeouts"] >= 1 and metrics["reward/samples_failed"] == 0
 
 
-def test_with_every_server_hung_the_samples_fail_counted_and_the_run_goes_on(tmp_path):
-    fleet = FakeRewardFleet(count=1)
+def test_with_every_server_hung_the_samples_fail_counted_and_the_run_goes_on(tmp_path, make_fleet):
+    fleet = make_fleet(1)
     fleet.servers[fleet.urls[0]].mode = "hang"
-    core, sink, metrics = run(tmp_path, pipeline(fleet, timeout_s=0.1, attempts=2), groups=3)
+    core, sink, metrics = run(tmp_path, pipeline(fleet, timeout_s=0.5, attempts=2), groups=3)
     check_exactly_once(core, fleet, metrics, groups=3)
     assert sink.trajectories == [] and held(core) == []
     assert metrics["reward/groups_failed"] == 3 and metrics["reward/samples_failed"] == 3 * N
@@ -146,8 +173,10 @@ def test_with_every_server_hung_the_samples_fail_counted_and_the_run_goes_on(tmp
 
 
 @pytest.mark.parametrize("mode", ["nan", "wrong_count"])
-def test_nan_scores_or_a_wrong_reply_count_on_every_server_fail_the_groups(tmp_path, mode):
-    fleet = FakeRewardFleet(count=2)
+def test_nan_scores_or_a_wrong_reply_count_on_every_server_fail_the_groups(
+    tmp_path, make_fleet, mode
+):
+    fleet = make_fleet(2)
     for server in fleet.servers.values():
         server.mode = mode
     core, _, metrics = run(tmp_path, pipeline(fleet), groups=2)
