@@ -11,6 +11,11 @@ written for every row, all ones when the trajectory's mask is None. It is the
 one optional column: batches and bank segments written before it existed read
 as all ones (``loss_mask_column``), and an all-ones row reads back as None, so
 an unmasked trajectory round-trips unchanged.
+
+``reward_error`` (string, "" = the reward was scored) marks a sample whose reward
+failed: it travels with its group, and the learner trains nothing on it
+(learner/batching.py). Optional like ``loss_mask``: batches and bank segments
+written before it existed read as every reward scored (``reward_error_column``).
 """
 
 from __future__ import annotations
@@ -38,10 +43,11 @@ SCHEMA = pa.schema(
         ("prompt_index", pa.int64()),
         ("temperature", pa.float32()),
         ("loss_mask", pa.list_(pa.uint8())),
+        ("reward_error", pa.string()),
     ]
 )
 # Columns a reader may find missing (written before they existed); each has a default.
-OPTIONAL_COLUMNS = frozenset({"loss_mask"})
+OPTIONAL_COLUMNS = frozenset({"loss_mask", "reward_error"})
 REQUIRED_COLUMNS = tuple(name for name in SCHEMA.names if name not in OPTIONAL_COLUMNS)
 
 
@@ -74,6 +80,7 @@ def trajectories_to_arrow(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
         "prompt_index": pa.array([t.prompt_index for t in trajs], pa.int64()),
         "temperature": pa.array([t.temperature for t in trajs], pa.float32()),
         "loss_mask": _list_column([_loss_mask(t) for t in trajs], pa.uint8()),
+        "reward_error": pa.array([t.reward_error for t in trajs], pa.string()),
     }
     return pa.RecordBatch.from_pydict(cols, schema=SCHEMA)
 
@@ -117,6 +124,13 @@ def loss_mask_column(batch: pa.RecordBatch) -> np.ndarray:
     return mask
 
 
+def reward_error_column(batch: pa.RecordBatch) -> list[str]:
+    """Per row, why its reward failed ("" = scored; every row scored if the column is absent)."""
+    if "reward_error" not in batch.schema.names:
+        return [""] * batch.num_rows
+    return [error or "" for error in batch.column("reward_error").to_pylist()]
+
+
 def to_ipc(batch: pa.RecordBatch) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, batch.schema) as writer:
@@ -137,7 +151,8 @@ def arrow_to_trajectories(batch: pa.RecordBatch) -> list[Trajectory]:
 
     ``score`` and ``temperature`` come back as float32-rounded values: the precision the
     learner sees anyway. ``loss_mask`` comes back None for a row that trains every token
-    (or a batch written without the column). Raises WireError for a malformed mask.
+    (or a batch written without the column), ``reward_error`` "" for a batch written
+    without its column. Raises WireError for a malformed mask.
     """
 
     def lists(name: str, dtype: str) -> list[Array]:
@@ -154,6 +169,7 @@ def arrow_to_trajectories(batch: pa.RecordBatch) -> list[Trajectory]:
     names = set(batch.schema.names)
     metrics = _maps(batch, "reward_metrics") if "reward_metrics" in names else None
     timings = _maps(batch, "timings") if "timings" in names else None
+    reward_errors = reward_error_column(batch)
     return [
         Trajectory(
             uid=cols["uid"][i],
@@ -172,6 +188,7 @@ def arrow_to_trajectories(batch: pa.RecordBatch) -> list[Trajectory]:
             timings=timings[i] if timings else {},
             temperature=cols["temperature"][i],
             loss_mask=masks[i],
+            reward_error=reward_errors[i],
         )
         for i in range(batch.num_rows)
     ]

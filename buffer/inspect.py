@@ -1,8 +1,9 @@
 """``fleetrl inspect rollouts DIR``: what a rollout bank holds, read-only.
 
 Prints counts (segments, samples, groups complete/partial, hand-outs, commits,
-refusals, filter drops), the score, response-length and finish-reason
-distributions, the share of response tokens the policy produced itself (a
+refusals, filter drops), the score distribution (of the samples whose reward was
+scored) and the samples whose reward failed, with their most common causes, the
+response-length and finish-reason distributions, the share of response tokens the policy produced itself (a
 multi-turn response holds tool tokens, loss mask 0), and staleness at hand-out
 (learner version of the batch minus the oldest token version of the sample),
 read from the bank's segments and its ledger. It never writes to the bank (a torn tail is reported, not repaired).
@@ -20,7 +21,7 @@ from typing import Any, TextIO
 import numpy as np
 import pyarrow as pa
 
-from buffer.arrow_batch import list_column_numpy, loss_mask_column
+from buffer.arrow_batch import list_column_numpy, loss_mask_column, reward_error_column
 from buffer.bank import (
     LEDGER_NAME,
     CommitMark,
@@ -53,12 +54,13 @@ def summarize(bank_dir: str | Path) -> dict[str, Any]:
     group_min_version: dict[str, int] = {}
     scores, lengths, trained, prompt_lengths, spans = [], [], [], [], []
     finish: Counter[str] = Counter()
+    reward_errors: Counter[str] = Counter()
     duplicates = 0
     for _, path in segments:
         for batch in read_segment(path):
             duplicates += _collect_batch(
                 batch, seen, group_size, group_count, group_min_version,
-                scores, lengths, trained, prompt_lengths, spans, finish,
+                scores, lengths, trained, prompt_lengths, spans, finish, reward_errors,
             )  # fmt: skip
     complete = sum(1 for g, n in group_count.items() if n >= group_size[g])
     ledger = read_ledger(root / LEDGER_NAME)
@@ -111,7 +113,9 @@ def summarize(bank_dir: str | Path) -> dict[str, Any]:
         "rewinds": rewinds,
         "resumes": resumes,
         "policy_version": policy_version,
-        "score": _describe(scores),
+        "score": _describe(scores),  # of the samples whose reward was scored
+        "reward_failed_samples": sum(reward_errors.values()),
+        "reward_errors": dict(reward_errors.most_common(5)),
         "response_length": _describe(lengths),
         # multi-turn: the share of response tokens that are the policy's own (loss mask 1)
         "trained_token_fraction": sum(trained) / max(sum(lengths), 1),
@@ -135,6 +139,7 @@ def _collect_batch(
     prompt_lengths: list[int],
     spans: list[int],
     finish: Counter[str],
+    reward_errors: Counter[str],
 ) -> int:
     uids = batch.column("uid").to_pylist()
     gids = batch.column("group_id").to_pylist()
@@ -144,6 +149,7 @@ def _collect_batch(
     versions, v_off = list_column_numpy(batch, "token_versions")
     _, p_off = list_column_numpy(batch, "prompt_ids")
     loss_mask = loss_mask_column(batch)  # aligned with token_versions (one per response token)
+    errors = reward_error_column(batch)
     duplicates = 0
     for i, uid in enumerate(uids):
         if uid in seen:
@@ -153,7 +159,10 @@ def _collect_batch(
         gid = gids[i]
         group_size.setdefault(gid, sizes[i])
         group_count[gid] += 1
-        scores.append(batch_scores[i])
+        if errors[i]:  # failed: no score (by the cause's first line, for the summary)
+            reward_errors[errors[i].splitlines()[0][:120]] += 1
+        else:
+            scores.append(batch_scores[i])
         finish[reasons[i]] += 1
         lengths.append(int(v_off[i + 1] - v_off[i]))
         trained.append(int(loss_mask[v_off[i] : v_off[i + 1]].sum()))
@@ -204,6 +213,11 @@ def render(summary: dict[str, Any], out: TextIO) -> None:
         f"rewinds {s['rewinds']}, resumes {s['resumes']}, policy version {s['policy_version']}\n"
     )
     stat("score", s["score"])
+    if s["reward_failed_samples"]:
+        out.write(
+            f"  {'reward failed':<24} {s['reward_failed_samples']} samples "
+            f"(most common: {s['reward_errors']})\n"
+        )
     stat("response length", s["response_length"])
     out.write(f"  {'trained token fraction':<24} {s['trained_token_fraction']:.3f}\n")
     stat("prompt length", s["prompt_length"])

@@ -19,7 +19,12 @@ When a group completes, the optional filters run (each counted):
 (``finish_reason == "length"``; the rest of the group is still handed out, with
 ``group_size`` rewritten to the number of samples handed out, and a group left
 empty is dropped), ``filter_equal_scores`` drops groups whose scores are all
-equal (DAPO dynamic sampling: zero advantage, no gradient).
+equal (DAPO dynamic sampling: zero advantage, no gradient). Samples whose reward
+failed (``Trajectory.reward_error``) are no outcome: the filter compares the scored
+samples only, and a group with fewer than two of them has zero advantage too. A
+group left with no scored sample at all trains nothing and is dropped
+(``filtered_reward_failed``; the rollout side sends none such, but the truncation
+filter can leave one).
 
 At hand-out a group whose oldest token is older than ``learner_version - η`` is
 refused and counted (``refused_stale``): the safety net behind admission pacing.
@@ -59,6 +64,7 @@ STORE_COUNTERS = (
     "filtered_truncated_samples",
     "filtered_truncated_groups",
     "filtered_equal_scores",
+    "filtered_reward_failed",
     *REJECTION_REASONS,
 )
 
@@ -94,7 +100,7 @@ class GroupClosed:
 
     group_id: str
     kept: bool
-    reason: str = ""  # "equal_scores" | "truncated" when dropped
+    reason: str = ""  # "equal_scores" | "truncated" | "reward_failed" when dropped
 
 
 @dataclass
@@ -163,11 +169,14 @@ class GroupStore:
             if kept == 0:
                 self.counters["filtered_truncated_groups"] += 1
                 return GroupClosed(group.group_id, kept=False, reason="truncated")
-        if self.filter_equal_scores and group.group_size > 1:
-            scores = {t.score for t in group.samples}
-            if len(scores) == 1:
-                self.counters["filtered_equal_scores"] += 1
-                return GroupClosed(group.group_id, kept=False, reason="equal_scores")
+        scored = [t.score for t in group.samples if not t.reward_failed]
+        if not scored:
+            self.counters["filtered_reward_failed"] += 1
+            return GroupClosed(group.group_id, kept=False, reason="reward_failed")
+        flat = len(scored) < 2 or len(set(scored)) == 1  # zero advantage for every sample
+        if self.filter_equal_scores and group.group_size > 1 and flat:
+            self.counters["filtered_equal_scores"] += 1
+            return GroupClosed(group.group_id, kept=False, reason="equal_scores")
         self._ready.append(group)
         self._accepted_raw += 1
         return GroupClosed(group.group_id, kept=True)

@@ -86,6 +86,15 @@ class Trajectory(msgspec.Struct, array_like=True, kw_only=True):
     # policy did not sample (a tool's or environment's reply inside a multi-turn response:
     # context for the tokens after it, no loss). None = every token is the policy's.
     loss_mask: Array | None = None
+    # Why this sample's reward failed (a rule or custom function that raised, timed out or
+    # returned a non-finite value, an unknown data_source, a reward-model batch that could
+    # not be scored); "" = scored. A failed sample travels with its group but trains
+    # nothing: no token of it is in any loss and its score (0.0) is in no group statistic.
+    reward_error: str = ""
+
+    @property
+    def reward_failed(self) -> bool:
+        return bool(self.reward_error)
 
     def min_version(self) -> int:
         versions = self.token_versions.numpy()

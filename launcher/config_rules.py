@@ -231,3 +231,50 @@ def data_to_train_on(cfg: RunConfig) -> Iterator[ConfigError]:
             f"{len(data.train_files)} train and {len(data.val_files)} val files",
             "a synthetic task is written to one train file and at most one val file",
         )
+
+
+@rule
+def reward_has_a_source(cfg: RunConfig) -> Iterator[ConfigError]:
+    reward = cfg.reward
+    if reward.rule_weight == 0 and not reward.uses_model:
+        yield refuse(
+            "reward.rule_weight",
+            "reward.model",
+            "0 without reward.model.path or reward.model.urls",
+            "every reward would be 0, so nothing is learned; give a reward model or a "
+            "non-zero reward.rule_weight",
+        )
+
+
+@rule
+def reward_model_urls_name_their_model(cfg: RunConfig) -> Iterator[ConfigError]:
+    # the scorer re-renders prompt + response with the reward model's own tokenizer and
+    # chat template: it reads them from the folder
+    model = cfg.reward.model
+    if model.urls and not model.path:
+        yield refuse(
+            "reward.model.path",
+            "reward.model.urls",
+            f"'' with {len(model.urls)} server URLs",
+            "the reward model's inputs are built with its own tokenizer and chat template; "
+            "set reward.model.path to the folder the servers serve (its tokenizer is read)",
+        )
+
+
+@rule
+def custom_reward_sources_are_patterns(cfg: RunConfig) -> Iterator[ConfigError]:
+    custom = cfg.reward.custom_function
+    for i, pattern in enumerate(custom.data_sources):
+        if not pattern or "*" in pattern[:-1]:
+            yield ConfigError(
+                f"reward.custom_function.data_sources[{i}]",
+                f"got {pattern!r}; give a data_source name, or a prefix ending in one '*'",
+            )
+    if custom.data_sources and not custom.path:
+        yield refuse(
+            "reward.custom_function.data_sources",
+            "reward.custom_function.path",
+            f"{custom.data_sources} with no path",
+            "the data sources a custom function claims need the function: set "
+            "reward.custom_function.path",
+        )

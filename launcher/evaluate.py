@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -60,7 +61,8 @@ async def _score(cfg: RunConfig, url: str, tokenizer: Any, api_key: str | None) 
     from fleetrl.data.reader import PromptReader
     from rollout_fleet.client import EngineClient
     from rollout_fleet.membership import Membership
-    from rollout_fleet.rewards.runner import RewardRunner
+    from rollout_fleet.rewards.model_scorer import servers_from_urls
+    from rollout_fleet.rewards.pipeline import build_reward_pipeline
     from rollout_fleet.router import Router
     from rollout_fleet.worker import RolloutWorker
 
@@ -68,6 +70,15 @@ async def _score(cfg: RunConfig, url: str, tokenizer: Any, api_key: str | None) 
     membership.launch(ENGINE_NAME, url)
     membership.weights_loaded(ENGINE_NAME, 0)
     client = EngineClient(url, api_key=api_key, timeout_s=cfg.rollout.request_timeout_s)
+    rewards = build_reward_pipeline(
+        cfg.reward,
+        timeout_s=cfg.rollout.reward_timeout_s,
+        max_workers=cfg.rollout.reward_workers,
+        model_servers=servers_from_urls(cfg.reward.model.urls),
+        reward_api_key=cfg.reward.model.api_key(os.environ),
+        engines=membership.urls,
+        engine_api_key=api_key,
+    )
     worker = RolloutWorker(
         cfg.rollout,
         engines={ENGINE_NAME: client},
@@ -75,9 +86,7 @@ async def _score(cfg: RunConfig, url: str, tokenizer: Any, api_key: str | None) 
         reader=iter(()),
         sender=_NoTrajectories(),
         admission_source=_no_admission,
-        reward_runner=RewardRunner(
-            timeout_s=cfg.rollout.reward_timeout_s, max_workers=cfg.rollout.reward_workers
-        ),
+        rewards=rewards,
         tokenizer=tokenizer,
     )
     reader = PromptReader(
@@ -91,6 +100,7 @@ async def _score(cfg: RunConfig, url: str, tokenizer: Any, api_key: str | None) 
         return await worker.validate(reader.iter_once(cfg.data.val_max_samples))
     finally:
         await client.close()
+        await rewards.aclose()
 
 
 def tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:

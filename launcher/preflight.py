@@ -11,8 +11,9 @@ user learns all that is missing in one attempt instead of after a model build, a
 
 What is checked:
 - data files and the model folder (what ``launcher.prepare`` cannot make);
-- the reward model: ``reward.model.path`` is a one-label reward-model folder,
-  ``reward.model.urls`` answer (and have their key when off this machine);
+- the reward section: the custom reward function loads and can be called, the reward
+  model folder, a scorer for every data source (``launcher.preflight_rewards``), and
+  ``reward.model.urls`` answer (with their key when off this machine);
 - resources: the learner group's bundles, the engines and the reward servers the run
   places against what Ray offers,
   per node (a rank or an engine fits on one node or not at all). Locally: the
@@ -50,6 +51,7 @@ from launcher.preflight_findings import (
     _gib,
 )
 from launcher.preflight_resources import check_resources, local_node
+from launcher.preflight_rewards import check_rewards
 from learner.memory import ModelShape
 from rollout_fleet.sglang_version import TESTED_SGLANG
 
@@ -159,24 +161,11 @@ def _sglang_findings(key: str, what: str, instead: str, probes: Probes, cuda: in
     return out
 
 
-def check_reward_model(cfg: RunConfig, probes: Probes) -> list[Finding]:
-    """``reward.model.path`` is a one-label reward-model folder; ``reward.model.urls`` are
-    http URLs that answer; their key is set when they are off this machine."""
+def check_reward_urls(cfg: RunConfig, probes: Probes) -> list[Finding]:
+    """``reward.model.urls`` are http URLs that answer; their key is set when they are off
+    this machine (the folder itself: ``launcher.preflight_rewards``)."""
     model = cfg.reward.model
     out = []
-    if model.path:
-        from fleetrl.models.reward_folder import RewardFolderError, check_reward_folder
-
-        try:
-            check_reward_folder(model.path)
-        except RewardFolderError as err:
-            out.append(
-                Finding(
-                    key="reward.model.path",
-                    problem=str(err),
-                    fix="point it at a reward-model folder (`fleetrl rm train` writes <trainer.output_dir>/reward_model), or leave it empty",  # fmt: skip
-                )
-            )
     for i, url in enumerate(model.urls):
         parsed = urlparse(url)
         key = f"reward.model.urls[{i}]"
@@ -358,7 +347,8 @@ def run_checks(
     """Every check; every finding (warnings included), in the order a user fixes them."""
     probes = probes or Probes()
     target = resolve_address(cfg, address, probes.env)
-    findings = check_data(cfg) + check_model(cfg) + check_reward_model(cfg, probes)
+    findings = check_data(cfg) + check_model(cfg) + check_rewards(cfg)
+    findings += check_reward_urls(cfg, probes)
     if target:
         cluster_findings, nodes = check_cluster(cfg, target, probes)
         findings += cluster_findings

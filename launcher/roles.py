@@ -8,11 +8,11 @@
                    whom to send to arrives with each ``publish`` as ``WeightTargets``.
 - ``RolloutRole``  an async actor hosting the engine ``Membership`` (the one owner of
                    "may engine-1 take requests?", rollout_fleet/membership.py), the engine
-                   fleet (engine actors of its own), the router and the asyncio
-                   ``RolloutWorker`` that streams trajectories to the buffer; with
-                   ``reward.model``, its ``RewardServers`` (the urls, or a reward fleet
-                   placed here) and their ``reward_client``
-                   (rollout_fleet/rewards/servers.py).
+                   fleet (engine actors of its own), the router, the reward pipeline
+                   (rule and reward-model scores, rollout_fleet/rewards/pipeline.py) with,
+                   under ``reward.model``, its ``RewardServers`` (the urls, or a reward
+                   fleet placed here: rollout_fleet/rewards/servers.py), and the asyncio
+                   ``RolloutWorker`` that streams trajectories to the buffer.
 
 The classes are plain Python; ``remote_class(cls)`` applies ``ray.remote`` on demand so
 importing this module needs no running Ray. Every actor receives the run config as
@@ -360,13 +360,14 @@ class RolloutRole:
         local: bool,
         api_key: str | None = None,
         curve: Any = None,
+        reward_api_key: str | None = None,
     ):
         from buffer.transport import BufferClient, TrajectorySender
         from fleetrl.data.reader import PromptReader
         from fleetrl.models.loading import load_tokenizer
         from rollout_fleet.fleet import EngineFleet
         from rollout_fleet.membership import Membership
-        from rollout_fleet.rewards.runner import RewardRunner
+        from rollout_fleet.rewards.pipeline import build_reward_pipeline
         from rollout_fleet.router import Router
 
         cfg = _config(raw)
@@ -414,16 +415,25 @@ class RolloutRole:
         self.delivery = DeliveryLedger(self.reader, self.sender, self.control, cfg.rollout.n)
         self._health_task: asyncio.Task | None = None
         self._reconcile_task: asyncio.Task | None = None
-        self.rewards = RewardRunner(
-            timeout_s=cfg.rollout.reward_timeout_s, max_workers=cfg.rollout.reward_workers
-        )
-        self.reward_servers = self._reward_servers(run_dir, local)
+        # the reward-model servers (reward.model.urls, or a reward fleet placed here) and
+        # the pipeline that scores through their one client
+        self.reward_servers = self._reward_servers(run_dir, local, reward_api_key)
         self.reward_client = self.reward_servers.client if self.reward_servers else None
+        self.rewards = build_reward_pipeline(
+            cfg.reward,
+            timeout_s=cfg.rollout.reward_timeout_s,
+            max_workers=cfg.rollout.reward_workers,
+            model_servers=self.reward_client.servers if self.reward_client else {},
+            reward_api_key=reward_api_key if cfg.reward.model.urls else api_key,
+            engines=self.membership.urls,  # judge access: the engines serving now
+            engine_api_key=api_key,
+            client_factory=lambda servers, **_: self.reward_client,
+        )
         self._reward_watch: asyncio.Task | None = None
         self.worker: Any = None
         self._task: asyncio.Task | None = None
 
-    def _reward_servers(self, run_dir: str, local: bool) -> Any:
+    def _reward_servers(self, run_dir: str, local: bool, url_api_key: str | None) -> Any:
         """``reward.model``'s servers: its urls, or a reward fleet placed here (None without)."""
         from rollout_fleet.rewards.servers import RewardServers
 
@@ -431,6 +441,7 @@ class RolloutRole:
             self.cfg.reward,
             self.cfg.rollout,
             api_key=self.api_key,
+            url_api_key=url_api_key,
             dtype=self.cfg.model.dtype,
             expose_on_node_ip=not local,
             resource_name=self.cfg.ray.reward_resource,
@@ -457,7 +468,7 @@ class RolloutRole:
             sender=self.delivery,
             admission_source=self.control.admission,
             ledger=self.delivery,
-            reward_runner=self.rewards,
+            rewards=self.rewards,
             tokenizer=self.tokenizer,
             client_factory=lambda url: EngineClient(
                 url, api_key=self.api_key, timeout_s=cfg.rollout.request_timeout_s
@@ -599,6 +610,7 @@ class RolloutRole:
             if self._task is not None:
                 await asyncio.gather(self._task, return_exceptions=True)
             await self.worker.aclose()
+        await self.rewards.aclose()
         await self.fleet.stop()
         if self.reward_servers is not None:
             await self.reward_servers.stop()

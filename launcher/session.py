@@ -152,6 +152,7 @@ class Run:
             local,
             self.secrets.engine_api_key,
             self.secrets.rollout_client,
+            reward_api_key=cfg.reward.model.api_key(os.environ),  # read here: the driver's env
         )
         self.supervisor.register("rollout supervisor", self.rollout)
         self.phase = "placing and starting the engines"

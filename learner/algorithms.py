@@ -39,7 +39,7 @@ heads and critics themselves (the learner owns the models).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 import torch
@@ -235,24 +235,48 @@ def _group_index(group_ids: GroupIds, batch_size: int, device: torch.device) -> 
     return torch.tensor(index, dtype=torch.long, device=device)
 
 
+class GroupStats(NamedTuple):
+    """Per sample, the statistics of its group over the group's *valid* samples."""
+
+    rows: torch.Tensor  # samples of the group in the batch, valid or not
+    counts: torch.Tensor  # valid samples of the group
+    mean: torch.Tensor
+    centered: torch.Tensor  # r − mean; 0 for an invalid sample
+    std: torch.Tensor  # unbiased
+
+
 def _group_stats(
-    scores: torch.Tensor, group: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample (group size, group mean, r − mean, unbiased group std), exact zeros for
-    groups whose scores are all equal (float rounding in the mean would otherwise
-    turn 0 into ±1e-9/eps)."""
+    scores: torch.Tensor, group: torch.Tensor, valid: torch.Tensor | None = None
+) -> GroupStats:
+    """Group statistics over the valid samples (``valid`` None: all), exact zeros for groups
+    whose valid scores are all equal (float rounding in the mean would otherwise turn 0
+    into ±1e-9/eps). An invalid sample's score (a failed reward) is never read: it is
+    replaced by 0 before any sum, so not even a NaN there reaches a statistic."""
     n_groups = int(group.max().item()) + 1 if group.numel() else 0
     zeros = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
-    counts = zeros.scatter_add(0, group, torch.ones_like(scores))
+    ones = torch.ones_like(scores)
+    rows = zeros.scatter_add(0, group, ones)
+    if valid is None:
+        valid = torch.ones_like(scores, dtype=torch.bool)
+    weight = valid.to(scores.dtype)
+    scores = torch.where(valid, scores, torch.zeros_like(scores))
+    counts = zeros.scatter_add(0, group, weight)
     mean = zeros.scatter_add(0, group, scores) / counts.clamp(min=1)
-    centered = scores - mean[group]
-    group_max = zeros.scatter_reduce(0, group, scores, "amax", include_self=False)
-    group_min = zeros.scatter_reduce(0, group, scores, "amin", include_self=False)
+    centered = (scores - mean[group]) * weight
+    # an invalid sample is left out of the extremes: +inf/-inf never win amax/amin
+    group_max = zeros.scatter_reduce(
+        0, group, torch.where(valid, scores, torch.full_like(scores, -torch.inf)), "amax",
+        include_self=False,
+    )  # fmt: skip
+    group_min = zeros.scatter_reduce(
+        0, group, torch.where(valid, scores, torch.full_like(scores, torch.inf)), "amin",
+        include_self=False,
+    )  # fmt: skip
     constant = (group_max == group_min)[group]
     centered = torch.where(constant, torch.zeros_like(centered), centered)
     sq_sum = zeros.scatter_add(0, group, centered.square())
     std = torch.sqrt(sq_sum / (counts - 1).clamp(min=1))
-    return counts[group], mean[group], centered, std[group]
+    return GroupStats(rows[group], counts[group], mean[group], centered, std[group])
 
 
 def _check_scores(scores: torch.Tensor, response_mask: torch.Tensor, where: str) -> None:
@@ -263,6 +287,14 @@ def _check_scores(scores: torch.Tensor, response_mask: torch.Tensor, where: str)
         )
 
 
+def _valid_tensor(valid: torch.Tensor | None, like: torch.Tensor, where: str) -> torch.Tensor:
+    if valid is None:
+        return torch.ones(like.shape[0], dtype=torch.bool, device=like.device)
+    if valid.shape != like.shape[:1]:
+        raise ValueError(f"{where}: valid shape {tuple(valid.shape)} must be [{like.shape[0]}]")
+    return valid.to(device=like.device, dtype=torch.bool)
+
+
 @torch.no_grad()
 def compute_grpo_advantages(
     scores: torch.Tensor,
@@ -270,6 +302,7 @@ def compute_grpo_advantages(
     response_mask: torch.Tensor,
     norm_by_std: bool = True,
     eps: float = 1e-6,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO outcome advantage, one scalar per sample broadcast over its tokens.
 
@@ -278,16 +311,23 @@ def compute_grpo_advantages(
     ``norm_by_std=False`` (Dr. GRPO, arXiv 2503.20783). As verl, a group of
     size 1 uses mean 0 and std 1 (its advantage is its raw score). A group whose
     scores are all equal gets exactly 0. Returns ``[B, T]`` = A_i · mask.
+
+    ``valid`` (``[B]`` bool, None = all): samples whose reward was scored. Mean and
+    std are over the valid samples of the group only; an invalid sample gets 0 (its
+    score is never read). A group of several samples left with one valid sample has
+    no baseline to compare it with: its advantage is 0 (it trains nothing but the KL
+    and entropy terms), not the raw score verl gives a group of size 1.
     """
     _check_scores(scores, response_mask, "compute_grpo_advantages")
     mask = _float_mask(response_mask, scores)
     values = scores.to(mask.dtype)
+    valid = _valid_tensor(valid, values, "compute_grpo_advantages")
     group = _group_index(group_ids, values.shape[0], values.device)
-    counts, _mean, centered, std = _group_stats(values, group)
-    singleton = counts == 1
-    centered = torch.where(singleton, values, centered)
+    stats = _group_stats(values, group, valid)
+    singleton = stats.rows == 1
+    centered = torch.where(singleton & valid, values, stats.centered)
     if norm_by_std:
-        std = torch.where(singleton, torch.ones_like(std), std)
+        std = torch.where(singleton, torch.ones_like(stats.std), stats.std)
         advantage = centered / (std + eps)
     else:
         advantage = centered
@@ -296,19 +336,31 @@ def compute_grpo_advantages(
 
 @torch.no_grad()
 def compute_rloo_advantages(
-    scores: torch.Tensor, group_ids: GroupIds, response_mask: torch.Tensor
+    scores: torch.Tensor,
+    group_ids: GroupIds,
+    response_mask: torch.Tensor,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RLOO (arXiv 2402.14740): A_i = r_i − mean of the other samples of its group.
 
     Equivalently n/(n−1)·(r_i − mean_g). As verl, a group of size 1 keeps its raw
     score. Returns ``[B, T]`` = A_i · mask.
+
+    ``valid`` as in ``compute_grpo_advantages``: n and the mean count the group's valid
+    samples only, an invalid sample gets 0, and a lone valid sample in a group of
+    several (no other sample to leave out) gets 0.
     """
     _check_scores(scores, response_mask, "compute_rloo_advantages")
     mask = _float_mask(response_mask, scores)
     values = scores.to(mask.dtype)
+    valid = _valid_tensor(valid, values, "compute_rloo_advantages")
     group = _group_index(group_ids, values.shape[0], values.device)
-    counts, _mean, centered, _std = _group_stats(values, group)
-    advantage = torch.where(counts > 1, centered * counts / (counts - 1).clamp(min=1), values)
+    stats = _group_stats(values, group, valid)
+    counts = stats.counts
+    advantage = torch.where(
+        counts > 1, stats.centered * counts / (counts - 1).clamp(min=1), torch.zeros_like(values)
+    )
+    advantage = torch.where((stats.rows == 1) & valid, values, advantage)
     return advantage.unsqueeze(-1) * mask
 
 

@@ -24,6 +24,13 @@ environment's reply, which the model reads as context but is not trained on;
 Costs (rank balance, micro-batch budgets) count every token: the forward pass
 computes them all.
 
+Failed rewards: a sample whose reward failed on the rollout side (the Arrow column
+``reward_error`` non-empty), or whose score is not finite, is no outcome of its
+prompt. ``GlobalBatch.reward_valid`` is False for it, its loss mask is all 0 (so
+every loss, count and per-token metric skips it, as it skips a tool reply) and its
+score reads 0.0, whatever the wire carried; group statistics take the valid
+samples only (``learner.algorithms``).
+
 Left out: shuffling mini-batches between epochs (verl's actor default is no
 shuffle), and splitting one sequence across micro-batches.
 """
@@ -35,7 +42,12 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from buffer.arrow_batch import REQUIRED_COLUMNS, list_column_numpy, loss_mask_column
+from buffer.arrow_batch import (
+    REQUIRED_COLUMNS,
+    list_column_numpy,
+    loss_mask_column,
+    reward_error_column,
+)
 from buffer.wire import WireError
 
 
@@ -53,11 +65,19 @@ class GlobalBatch:
     response_offsets: np.ndarray  # [B+1]
     behavior_logprobs: np.ndarray  # float32, aligned with response_values
     token_versions: np.ndarray  # int32, aligned with response_values
-    loss_mask: np.ndarray  # uint8, aligned with response_values: 1 trained, 0 tool/env token
-    scores: np.ndarray  # float32 [B]
+    # uint8, aligned with response_values: 1 trained, 0 a tool/env token or a failed sample's
+    loss_mask: np.ndarray
+    scores: np.ndarray  # float32 [B], 0.0 where the reward failed
     group_index: np.ndarray  # int64 [B], groups numbered by first appearance
     temperature: np.ndarray  # float32 [B]
     truncated: np.ndarray  # bool [B], finish_reason == "length"
+    # bool [B]: the reward was scored (False: it failed; the sample trains nothing). A
+    # default keeps batches built directly (tests, benchmarks) as they were: every one valid.
+    reward_valid: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.reward_valid is None:
+            object.__setattr__(self, "reward_valid", np.ones(len(self.scores), dtype=bool))
 
     @classmethod
     def from_arrow(cls, batch: pa.RecordBatch) -> GlobalBatch:
@@ -95,6 +115,14 @@ class GlobalBatch:
             [numbering.setdefault(g, len(numbering)) for g in group_ids], dtype=np.int64
         )
         reasons = batch.column("finish_reason").to_pylist()
+        scores = batch.column("score").to_numpy(zero_copy_only=False).astype(np.float32)
+        valid = np.isfinite(scores) & np.array(
+            [not error for error in reward_error_column(batch)], dtype=bool
+        )
+        if not valid.all():  # a failed reward: nothing of the sample is trained on
+            token_valid = np.repeat(valid, np.diff(response_offsets)).astype(np.uint8)
+            loss_mask = loss_mask * token_valid
+            scores = np.where(valid, scores, np.float32(0.0))
         return cls(
             prompt_values=prompts.astype(np.int64, copy=False),
             prompt_offsets=prompt_offsets.astype(np.int64),
@@ -103,10 +131,11 @@ class GlobalBatch:
             behavior_logprobs=behavior.astype(np.float32, copy=False),
             token_versions=versions.astype(np.int64, copy=False),
             loss_mask=loss_mask,
-            scores=batch.column("score").to_numpy(zero_copy_only=False).astype(np.float32),
+            scores=scores,
             group_index=group_index,
             temperature=temperature.astype(np.float32),
             truncated=np.array([r == "length" for r in reasons], dtype=bool),
+            reward_valid=valid,
         )
 
     @property

@@ -25,6 +25,12 @@ outcome of the prompt) but has no token to train.
 DAPO's overlong punishment (``algorithm.overlong_buffer_len``) is added to each
 score here, before advantages, from the response's length.
 
+Failed rewards (``GlobalBatch.reward_valid`` False): such a sample's loss mask is all
+0 (batching.py), so it gets no token reward, no advantage, no IS weight and no KL;
+GRPO/RLOO leave it out of its group's mean and std (``valid``), and GAE/REINFORCE++
+whiten over the mask, which excludes it. Its score never enters a sum: it is 0.0
+here whatever the batch holds. Score metrics are over the valid samples.
+
 Left out: process rewards (one score per step).
 """
 
@@ -92,7 +98,9 @@ def prepare_targets(
         device
     )
     old_logprob = behavior if prox_logprob is None else prox_logprob
+    valid = torch.from_numpy(batch.reward_valid).to(device)
     scores = torch.from_numpy(batch.scores).to(device)
+    scores = torch.where(valid, scores, torch.zeros_like(scores))
     metrics: dict[str, float] = {}
     algo = cfg.algorithm
     if algo.overlong_buffer_len > 0:
@@ -103,8 +111,9 @@ def prepare_targets(
             algo.overlong_penalty_factor,
         ).to(scores.dtype)
         scores = scores + penalty
-        metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
-        metrics["reward/overlong_frac"] = float((penalty < 0).float().mean())
+        scored = penalty[valid]
+        metrics["reward/overlong_penalty/mean"] = float(scored.mean())
+        metrics["reward/overlong_frac"] = float((scored < 0).float().mean())
 
     token_rewards = alg.scores_to_token_rewards(scores, mask)
     if cfg.kl.use_kl_in_reward:
@@ -130,10 +139,11 @@ def prepare_targets(
             group,
             mask,
             norm_by_std=algo.norm_by_std and algo.adv_estimator == "grpo",
+            valid=valid,
         )
     elif algo.adv_estimator == "rloo":
         sequence_rewards = _sequence_rewards(token_rewards, scores, mask)
-        advantages = alg.compute_rloo_advantages(sequence_rewards, group, mask)
+        advantages = alg.compute_rloo_advantages(sequence_rewards, group, mask, valid=valid)
     elif algo.adv_estimator == "reinforce_pp":
         advantages = alg.compute_reinforce_pp_advantages(token_rewards, mask, algo.gamma)
     else:
@@ -191,10 +201,14 @@ def _sequence_rewards(
 def batch_metrics(batch: GlobalBatch, policy_version: int) -> dict[str, float]:
     """Scores, lengths and staleness of the global batch (verl metric names)."""
     response_lens = batch.response_lens
+    scored = batch.scores[batch.reward_valid]  # a failed reward has no score to report
+    if not len(scored):
+        scored = np.full(1, np.nan, dtype=np.float32)
     metrics = {
-        "critic/score/mean": float(batch.scores.mean()),
-        "critic/score/max": float(batch.scores.max()),
-        "critic/score/min": float(batch.scores.min()),
+        "critic/score/mean": float(scored.mean()),
+        "critic/score/max": float(scored.max()),
+        "critic/score/min": float(scored.min()),
+        "reward/failed_in_batch": float((~batch.reward_valid).sum()),
         "response_length/mean": float(response_lens.mean()),
         "response_length/max": float(response_lens.max()),
         "response_length/min": float(response_lens.min()),
@@ -203,7 +217,8 @@ def batch_metrics(batch: GlobalBatch, policy_version: int) -> dict[str, float]:
         "prompt_length/max": float(batch.prompt_lens.max()),
         "perf/tokens": float(batch.seq_lens.sum()),
         "perf/response_tokens": float(response_lens.sum()),
-        # multi-turn: the share of response tokens that are the policy's own (loss mask 1)
+        # the share of response tokens trained on: the policy's own (multi-turn: not a tool
+        # reply), of samples whose reward was scored
         "response/trained_token_fraction": float(batch.loss_mask.sum())
         / max(int(response_lens.sum()), 1),
     }

@@ -52,11 +52,13 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reward_timeout_s: Annotated[
         float,
         Meta(
-            gt=0, description="A reward function running longer than this scores 0 and is counted."
+            gt=0,
+            description="A reward function running longer than this fails its samples (they train nothing), counted.",
         ),
     ] = 10.0
     reward_workers: Annotated[
-        int, Meta(ge=1, description="Threads scoring rewards off the event loop.")
+        int,
+        Meta(ge=1, description="Threads running (non-async) reward functions off the event loop."),
     ] = 2
     cpus_per_engine: Annotated[
         float, Meta(ge=0, description="Ray CPUs reserved per engine actor.")

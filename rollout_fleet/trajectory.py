@@ -30,6 +30,7 @@ from buffer.wire import Array, Trajectory
 
 FINISHED_REASONS = ("stop", "length")
 ABORT = "abort"
+REWARD_ERROR_CHARS = 500
 
 
 class GenerationPiece(Protocol):
@@ -184,8 +185,12 @@ def build_trajectory(
     reward_metrics: dict[str, float] | None = None,
     timings: dict[str, float] | None = None,
     temperature: float = 1.0,
+    reward_error: str = "",
 ) -> Trajectory:
-    """The wire message for one finished sample (raises ValueError if it is unfinished)."""
+    """The wire message for one finished sample (raises ValueError if it is unfinished).
+
+    ``reward_error`` (non-empty: the sample's reward failed) is cut to its first
+    ``REWARD_ERROR_CHARS`` characters: it is a diagnosis, not a payload."""
     if not sample.finished:
         raise ValueError(
             f"sample {group_id}/{sample_index} is unfinished ({sample.finish_reason or 'no pieces'})"
@@ -207,6 +212,7 @@ def build_trajectory(
         timings=dict(timings or {}),
         temperature=float(temperature),
         loss_mask=Array.of(sample.loss_mask, "uint8") if sample.num_env_tokens else None,
+        reward_error=reward_error[:REWARD_ERROR_CHARS],
     )
     traj.validate()
     return traj

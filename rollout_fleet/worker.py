@@ -15,12 +15,20 @@ only waits on sockets)::
 A group is the ``n`` samples of one prompt. Each sample is one request with its
 own ``rid`` (so one sample can be aborted, resubmitted or moved to another
 engine alone), run by ``SampleRunner`` (routing, failover, abort-resubmit), then
-decoded and scored off the event loop by the ``RewardRunner``. When all ``n``
-are scored the group's trajectories are sent, one after another, on a single
-sender thread: a PUSH blocked at the high-water mark never stalls the event
-loop, and the group counts as *running* until it is sent, so backpressure
-reaches admission. A group is sent once and whole; if one sample exhausts its
-attempts the group is dropped and counted (``groups_failed``).
+decoded and given its rule score off the event loop as it finishes
+(``RewardPipeline.rule_score``). When all ``n`` are generated, what needs the
+whole group is scored in one go (``score_group``: the reward model's batched
+call, a batched reward function), while other groups keep generating; then the
+group's trajectories are sent, one after another, on a single sender thread: a
+PUSH blocked at the high-water mark never stalls the event loop, and the group
+counts as *running* until it is sent, so backpressure reaches admission. A group
+is sent once and whole; if one sample exhausts its attempts the group is
+dropped and counted (``groups_failed``).
+
+A sample whose reward failed (rollout_fleet/rewards/pipeline.py) is sent with its
+group, marked with ``Trajectory.reward_error``: it trains nothing and stays out of
+its group's statistics. A group whose every sample's reward failed has nothing to
+train on: it is dropped and counted (``reward/groups_failed``), not sent.
 
 With ``rollout.multi_turn.env`` set, a sample is a conversation instead of one
 completion: ``rollout_fleet.multi_turn.driver`` runs its turns on the same
@@ -30,7 +38,8 @@ engine failure does (the group is dropped and counted).
 
 ``validate(prompts)`` runs a validation set through the same machinery (one
 greedy sample per prompt by default, multi-turn too when it is on) and returns
-mean scores per data source.
+mean scores per data source: the combined reward (``val/score``) and, apart, the
+rule score and the model score.
 
 Staleness: ``running_groups`` counts groups from start until fully sent, plus
 (with a ``ledger``, rollout_fleet/delivery.py) those sent whole that the buffer
@@ -48,10 +57,9 @@ import functools
 import inspect
 import statistics
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from buffer.admission import StalenessAdmission
@@ -62,6 +70,7 @@ from rollout_fleet.adapters import AdapterNames
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.delivery import group_id_for
 from rollout_fleet.multi_turn.driver import MultiTurnDriver
+from rollout_fleet.rewards.pipeline import SampleReward, validation_metrics
 from rollout_fleet.router import Router
 from rollout_fleet.sample_runner import GenerateClient, SampleFailed, SampleRunner
 from rollout_fleet.trajectory import SampleProgress, build_trajectory
@@ -96,12 +105,21 @@ class SentLedger(Protocol):
     def forget(self, group_id: str) -> None: ...
 
 
-class Scorer(Protocol):
-    """``rollout_fleet.rewards.RewardRunner``: never raises, returns a RewardResult."""
+class GroupRewards(Protocol):
+    """``rollout_fleet.rewards.pipeline.RewardPipeline``: never raises for a failing reward."""
 
-    async def score(
-        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: Any
-    ) -> Any: ...
+    async def rule_score(self, prompt: PromptItem, response: str) -> Any: ...
+
+    async def score_group(
+        self,
+        prompt: PromptItem,
+        responses: list[str],
+        rules: list[Any],
+        *,
+        record: bool = True,
+    ) -> list[SampleReward]: ...
+
+    def stats(self) -> dict[str, float]: ...
 
 
 class Detokenizer(Protocol):
@@ -114,12 +132,13 @@ class Detokenizer(Protocol):
 
 
 @dataclass
-class _Scored:
+class _Generated:
+    """One finished sample: its tokens, its decoded text and its rule score (if taken yet)."""
+
     sample: SampleProgress
-    score: float = 0.0
-    reward_metrics: dict[str, float] = field(default_factory=dict)
+    text: str
+    rule: Any = None  # RewardResult, or None until its group is scored
     generate_s: float = 0.0
-    reward_s: float = 0.0
     turns: int = 1
     env_s: float | None = None  # multi-turn: seconds in environment steps
 
@@ -143,7 +162,7 @@ class RolloutWorker:
         reader: Iterable[PromptItem] | Iterator[PromptItem],
         sender: TrajectorySink,
         admission_source: Callable[[], Any],
-        reward_runner: Scorer,
+        rewards: GroupRewards,
         tokenizer: Detokenizer,
         stop_token_ids: list[int] | None = None,
         client_factory: Callable[[str], GenerateClient] | None = None,
@@ -166,7 +185,7 @@ class RolloutWorker:
         self._admission_source = admission_source
         # sent, not yet acknowledged: the delivery ledger's (see the module docstring)
         self._ledger = ledger
-        self._reward = reward_runner
+        self._rewards = rewards
         self._tokenizer = tokenizer
         if stop_token_ids is None:
             eos = getattr(tokenizer, "eos_token_id", None)
@@ -194,6 +213,7 @@ class RolloutWorker:
         self.groups_finished = 0
         self.groups_failed = 0
         self.groups_cancelled = 0
+        self.groups_reward_failed = 0  # every sample's reward failed: nothing to send
         self.samples_sent = 0
         self.admission_errors = 0
         self.send_s = 0.0
@@ -288,45 +308,43 @@ class RolloutWorker:
         temp = self.config.val_temperature if temperature is None else temperature
         sampling = self.sampling_params(temp)
         limit = asyncio.Semaphore(self.config.max_concurrent_groups)
-        results: list[tuple[str, _Scored]] = []
+        results: list[tuple[str, _Generated, SampleReward]] = []
         failed: list[str] = []
 
         async def one(position: int, prompt: PromptItem) -> None:
             async with limit:
                 group_id = f"val-{position}-{group_id_for(prompt)}"
                 try:
-                    scored = await self._run_sample(group_id, 0, prompt, sampling)
-                    results.append((prompt.data_source, scored))
+                    done = await self._run_sample(group_id, 0, prompt, sampling)
                 except SampleFailed as err:
                     failed.append(group_id)
                     log.error("validation sample %s failed: %s", group_id, err)
+                    return
                 finally:
                     self.router.finish_group(group_id)
+                (reward,) = await self._rewards.score_group(
+                    prompt, [done.text], [done.rule], record=False
+                )
+                results.append((prompt.data_source, done, reward))
 
         async with asyncio.TaskGroup() as tasks:
             for position, prompt in enumerate(prompts):
                 tasks.create_task(one(position, prompt))
-        by_source: dict[str, list[float]] = defaultdict(list)
-        for source, scored in results:
-            by_source[source or "unknown"].append(scored.score)
-        scores = [s.score for _, s in results]
         out: dict[str, float] = {
-            "val/num_samples": float(len(scores)),
+            "val/num_samples": float(len(results)),
             "val/num_failed": float(len(failed)),
         }
-        if scores:
-            out["val/score/mean"] = statistics.fmean(scores)
+        if results:
             out["val/response_length/mean"] = statistics.fmean(
-                s.sample.num_generated for _, s in results
+                s.sample.num_generated for _, s, _ in results
             )
             if self.multi_turn is not None:
-                out["val/turns/mean"] = statistics.fmean(s.turns for _, s in results)
-            versions = [v for _, s in results for v in s.sample.token_versions]
+                out["val/turns/mean"] = statistics.fmean(s.turns for _, s, _ in results)
+            versions = [v for _, s, _ in results for v in s.sample.token_versions]
             if versions:  # which weights validated: should be the version just published
                 out["val/policy_version/min"] = float(min(versions))
                 out["val/policy_version/max"] = float(max(versions))
-        for source, values in sorted(by_source.items()):
-            out[f"val/score/{source}"] = statistics.fmean(values)
+        out.update(validation_metrics([(source, reward) for source, _, reward in results]))
         return out
 
     def metrics(self) -> dict[str, float]:
@@ -338,6 +356,7 @@ class RolloutWorker:
             "rollout/groups_running": self.running_groups,
             "rollout/groups_failed": self.groups_failed,
             "rollout/groups_cancelled": self.groups_cancelled,
+            "reward/groups_failed": self.groups_reward_failed,
             "rollout/samples_sent": self.samples_sent,
             "rollout/tokens_generated": tokens,
             "rollout/gen_tokens_per_s": tokens / wall if wall > 0 else 0.0,
@@ -354,9 +373,7 @@ class RolloutWorker:
             out["rollout/adapter_refreshes"] = self.runner.adapters.refreshes
         if self.multi_turn is not None:
             out.update(self.multi_turn.stats())
-        reward_stats = getattr(self._reward, "stats", None)
-        if callable(reward_stats):
-            out.update(reward_stats())
+        out.update(self._rewards.stats())
         return {k: float(v) for k, v in out.items()}
 
     # ---- admission ------------------------------------------------------------------------
@@ -437,9 +454,16 @@ class RolloutWorker:
                     tasks.create_task(self._run_sample(group.group_id, i, group.prompt, sampling))
                     for i in range(n)
                 ]
+            done = [task.result() for task in pending]
+            rewards = await self._rewards.score_group(
+                group.prompt, [d.text for d in done], [d.rule for d in done]
+            )
+            if all(reward.failed for reward in rewards):
+                self._drop_unscored(group, rewards)
+                return
             trajectories = [
-                self._trajectory(group, i, task.result(), sampling["temperature"])
-                for i, task in enumerate(pending)
+                self._trajectory(group, i, d, reward, sampling["temperature"])
+                for i, (d, reward) in enumerate(zip(done, rewards, strict=True))
             ]
             t0 = time.monotonic()
             loop = asyncio.get_running_loop()
@@ -457,9 +481,23 @@ class RolloutWorker:
             self.router.finish_group(group.group_id)
             self._wake.set()
 
+    def _drop_unscored(self, group: _Group, rewards: list[SampleReward]) -> None:
+        """Every sample's reward failed: nothing of the group can train; drop it, counted."""
+        self.groups_reward_failed += 1
+        if self.groups_reward_failed <= 20 or self.groups_reward_failed % 1000 == 0:
+            log.warning(
+                "group %s dropped: the reward of all %d samples failed (%s); %d such groups",
+                group.group_id,
+                len(rewards),
+                rewards[0].error,
+                self.groups_reward_failed,
+            )
+        if self._ledger is not None:  # nothing of it will be sent: neither awaited nor redone
+            self._ledger.forget(group.group_id)
+
     async def _run_sample(
         self, group_id: str, index: int, prompt: PromptItem, sampling: dict[str, Any]
-    ) -> _Scored:
+    ) -> _Generated:
         uid = f"{group_id}/{index}"
         t0 = time.monotonic()
         turns, env_s = 1, None
@@ -469,39 +507,36 @@ class RolloutWorker:
         else:
             sample = SampleProgress([int(t) for t in prompt.prompt_ids], sampling["max_new_tokens"])
             await self.runner.generate(group_id, uid, sample, sampling)
-        t1 = time.monotonic()
+        generate_s = time.monotonic() - t0
         text = self._tokenizer.decode(sample.output_ids, skip_special_tokens=True)
-        result = await self._reward.score(
-            prompt.data_source, text, prompt.ground_truth, prompt.extra_info
-        )
-        return _Scored(
-            sample=sample,
-            score=float(result.score),
-            reward_metrics={k: float(v) for k, v in (result.metrics or {}).items()},
-            generate_s=t1 - t0,
-            reward_s=time.monotonic() - t1,
-            turns=turns,
-            env_s=env_s,
-        )
+        rule = await self._rewards.rule_score(prompt, text)
+        return _Generated(sample, text, rule, generate_s, turns, env_s)
 
     def _trajectory(
-        self, group: _Group, index: int, scored: _Scored, temperature: float
+        self,
+        group: _Group,
+        index: int,
+        done: _Generated,
+        reward: SampleReward,
+        temperature: float,
     ) -> Trajectory:
         return build_trajectory(
-            scored.sample,
+            done.sample,
             group_id=group.group_id,
             sample_index=index,
             group_size=self.config.n,
-            score=scored.score,
+            score=reward.score,
             data_source=group.prompt.data_source,
             prompt_index=group.prompt.index,
-            reward_metrics=scored.reward_metrics,
+            reward_metrics=reward.metrics,
             timings={
-                "generate_s": scored.generate_s,
-                "reward_s": scored.reward_s,
-                **({"env_s": scored.env_s} if scored.env_s is not None else {}),
+                "generate_s": done.generate_s,
+                "reward_s": reward.rule_s,
+                "reward_group_s": reward.group_s,
+                **({"env_s": done.env_s} if done.env_s is not None else {}),
             },
             temperature=temperature,
+            reward_error=reward.error or "",
         )
 
     def _send_all(self, trajectories: list[Trajectory]) -> None:

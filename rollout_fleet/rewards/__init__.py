@@ -1,6 +1,8 @@
-"""Reward functions for rollouts: built-in scorers keyed by ``data_source`` (verl's
-names), custom functions loaded from a file, and an async runner that scores off
-the event loop with a timeout and never raises.
+"""Rewards for rollouts: built-in rule scorers keyed by ``data_source`` (verl's names),
+your own function from a file (single, batched or async; custom.py), reward-model
+scores from servers (model_scorer.py), and the pipeline that combines them per group
+and marks the samples whose reward failed (pipeline.py). Scoring never raises into
+the rollout loop and never blocks it.
 
     from rollout_fleet.rewards import compute_score
     compute_score("openai/gsm8k", "... #### 72", "72")  # {"score": 1.0, "acc": 1.0, ...}
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_fleet.rewards.custom import RewardLoadError, load_custom_reward
+from rollout_fleet.rewards.custom import CustomReward, RewardLoadError, load_custom_reward
 from rollout_fleet.rewards.registry import (
     RewardFn,
     RewardRegistry,
@@ -34,6 +36,7 @@ def compute_score(
 
 __all__ = [
     "DEFAULT_REGISTRY",
+    "CustomReward",
     "RewardFn",
     "RewardLoadError",
     "RewardRegistry",

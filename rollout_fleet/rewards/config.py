@@ -10,6 +10,7 @@ the rollout side, per group as its samples finish, before the trajectory is sent
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 import msgspec
@@ -128,6 +129,10 @@ class RewardModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     retry_backoff_s: Annotated[
         float, Meta(ge=0, description="Pause before a failed /classify is retried.")
     ] = 0.5
+
+    def api_key(self, env: Mapping[str, str]) -> str | None:
+        """The bearer key of the servers in ``urls``: ``env[api_key_env]`` (None: unset)."""
+        return env.get(self.api_key_env) or None
 
 
 class RewardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

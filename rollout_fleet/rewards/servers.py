@@ -4,12 +4,14 @@
 holds the ``RewardModelClient`` (``client``) over either
 
 - ``reward.model.urls``: servers already running (SGLang ``--is-embedding`` or
-  ``fleetrl engine --model RM_DIR``), named ``reward-url-0``...; their bearer key is read
-  from the environment variable ``reward.model.api_key_env``; or
+  ``fleetrl engine --model RM_DIR``), named ``reward-url-0``...; their bearer key
+  (``url_api_key``) is read by the driver from its environment variable
+  ``reward.model.api_key_env``; or
 - a ``RewardFleet`` it places for ``reward.model.path`` (the run's own key), which hands
   the client every serving URL as servers start, die and are replaced.
 
-The rollout role calls ``start`` (beside the rollout fleet's start), runs ``watch`` as a
+The rollout role's reward pipeline scores through ``client`` (rollout_fleet/rewards/
+pipeline.py); the role calls ``start`` (beside the rollout fleet's start), runs ``watch`` as a
 task beside its engines' health loop, reads ``metrics`` (the client's ``reward_model/*``
 counters and the fleet's ``reward_fleet/*``) and calls ``stop``. Left out: switching between
 URLs and a fleet during a run.
@@ -18,13 +20,13 @@ URLs and a fleet during a run.
 from __future__ import annotations
 
 import asyncio
-import os
 
 from fleetrl.log import get_logger
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.rewards.config import RewardConfig
 from rollout_fleet.rewards.fleet import RewardFleet
 from rollout_fleet.rewards.model_client import RewardModelClient
+from rollout_fleet.rewards.model_scorer import servers_from_urls
 
 log = get_logger(__name__)
 
@@ -45,19 +47,20 @@ class RewardServers:
         rollout: RolloutConfig,
         *,
         api_key: str | None,
+        url_api_key: str | None = None,
         dtype: str = "float32",
         expose_on_node_ip: bool = False,
         resource_name: str | None = None,
         log_dir: str | None = None,
     ) -> RewardServers | None:
-        """The run's reward servers (None when no reward model scores)."""
+        """The run's reward servers (None when no reward model scores); ``api_key`` is the
+        run's own (a placed fleet's), ``url_api_key`` that of ``reward.model.urls``."""
         model = reward.model
         if not reward.uses_model:
             return None
         if not reward.places_fleet:
-            servers = {f"reward-url-{i}": url for i, url in enumerate(model.urls)}
-            key = os.environ.get(model.api_key_env) or None
-            return cls(RewardModelClient.from_config(model, servers, key))
+            servers = servers_from_urls(model.urls)
+            return cls(RewardModelClient.from_config(model, servers, url_api_key))
         client = RewardModelClient.from_config(model, {}, api_key)  # the fleet fills it in
         fleet = RewardFleet(
             model,

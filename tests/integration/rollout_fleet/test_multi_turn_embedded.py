@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 
 from fleetrl.data.reader import PromptItem
-from rollout_fleet.engine.server import EmbeddedEngine
 from rollout_fleet.multi_turn.config import MultiTurnConfig
 from tests.integration.rollout_fleet.test_worker_embedded import (
     abort_and_update,
@@ -61,21 +60,6 @@ def fails_on_some(messages, extra_info):
     if "slow" in content:
         time.sleep(1.5)
     return None
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture
-def engine(tiny_model_dir):
-    engine = EmbeddedEngine(tiny_model_dir, engine_id="e0", max_running_requests=16)
-    engine.start_server()
-    yield engine
-    engine.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,7 @@ from fleetrl.data.reader import PromptItem
 from rollout_fleet.client import EngineClient
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.engine.server import EmbeddedEngine
+from rollout_fleet.rewards.pipeline import RewardPipeline
 from rollout_fleet.rewards.runner import RewardRunner
 from rollout_fleet.router import Router
 from rollout_fleet.worker import RolloutWorker
@@ -42,13 +43,6 @@ class Sink:
     def send(self, traj):
         with self._lock:
             self.trajectories.append(traj)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture
@@ -87,6 +81,7 @@ def make_worker(
     items=None,
     max_new_tokens=MAX_NEW_TOKENS,
     stop_token_ids=None,
+    rewards=None,
     **config,
 ):
     """A worker on ``engines`` over ``items`` (default: ``count`` addition prompts)."""
@@ -116,7 +111,8 @@ def make_worker(
             groups_per_version=1000,
             max_concurrent=cfg.max_concurrent_groups,
         ),
-        reward_runner=RewardRunner(timeout_s=5, max_workers=2, custom_fn=parity_reward),
+        rewards=rewards
+        or RewardPipeline(RewardRunner(timeout_s=5, max_workers=2, custom=parity_reward)),
         tokenizer=tokenizer,
         stop_token_ids=stop_token_ids,
     )

@@ -82,15 +82,20 @@ def test_a_batch_written_without_the_column_reads_as_all_ones():
     assert [t.loss_mask for t in arrow_to_trajectories(old)] == [None, None]
 
 
-def test_a_bank_segment_written_before_the_column_reloads_and_is_handed_out(tmp_path):
-    trajs = make_group("old", 2, response_len=4)
-    old_schema = pa.schema([f for f in BANK_SCHEMA if f.name != "loss_mask"])
+def write_segment_without(folder, trajs: list, column: str) -> None:
+    """Segment 0 of a bank in ``folder`` as a writer from before ``column`` existed made it."""
+    old_schema = pa.schema([f for f in BANK_SCHEMA if f.name != column])
     full = to_bank_batch(trajs)
     old_batch = pa.RecordBatch.from_arrays(
         [full.column(f.name) for f in old_schema], schema=old_schema
     )
-    with open(tmp_path / segment_name(0), "wb") as f, pa.ipc.new_stream(f, old_schema) as w:
+    with open(folder / segment_name(0), "wb") as f, pa.ipc.new_stream(f, old_schema) as w:
         w.write_batch(old_batch)
+
+
+def test_a_bank_segment_written_before_the_column_reloads_and_is_handed_out(tmp_path):
+    trajs = make_group("old", 2, response_len=4)
+    write_segment_without(tmp_path, trajs, "loss_mask")
     back = [
         t for _, batch in RolloutBank(tmp_path, segment_rows=10).iter_trajectories() for t in batch
     ]

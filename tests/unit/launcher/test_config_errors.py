@@ -177,6 +177,30 @@ def test_missing_config_file_is_named():
             "data.apply_chat_template",
             "the prompt must be chat-rendered too",
         ),
+        (
+            ["reward.rule_weight=0"],
+            "reward.rule_weight",
+            "reward.model",
+            "every reward would be 0",
+        ),
+        (
+            ["reward.model.urls=[http://127.0.0.1:30010]"],
+            "reward.model.path",
+            "reward.model.urls",
+            "its own tokenizer and chat template",
+        ),
+        (
+            ["reward.model.path=/models/rm"],
+            "reward.model.urls",
+            "reward.model.path",
+            "reward servers already running",
+        ),
+        (
+            ["reward.custom_function.data_sources=[mine/*]"],
+            "reward.custom_function.data_sources",
+            "reward.custom_function.path",
+            "need the function",
+        ),
     ],
 )
 def test_cross_section_rule_refused_at_load_naming_both_keys(overrides, key, other, fragment):
@@ -186,6 +210,17 @@ def test_cross_section_rule_refused_at_load_naming_both_keys(overrides, key, oth
     assert "\n" not in line
     assert line.startswith(f"config error at {key} (with {other}): got ")
     assert fragment in line
+
+
+def test_a_custom_reward_pattern_with_a_star_inside_is_refused_naming_its_index():
+    with pytest.raises(ConfigError) as info:
+        load_run_config(
+            None,
+            ["reward.custom_function.path=r.py", "reward.custom_function.data_sources=[a,b*c]"],
+        )
+    assert str(info.value).startswith(
+        "config error at reward.custom_function.data_sources[1]: got 'b*c'"
+    )
 
 
 def test_cli_refuses_a_stalling_config_with_exit_2_and_one_line():

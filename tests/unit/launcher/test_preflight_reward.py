@@ -8,9 +8,10 @@ import pytest
 
 from fleetrl.models.tiny import make_tiny_model
 from launcher.placement import requested_cpus
-from launcher.preflight import check_backend, check_reward_model, run_checks
+from launcher.preflight import check_backend, check_reward_urls, run_checks
 from launcher.preflight_findings import Node
 from launcher.preflight_resources import check_resources, local_node
+from launcher.preflight_rewards import check_reward_model
 from tests.unit.launcher.test_preflight import _cfg, _probes
 
 
@@ -24,28 +25,28 @@ def keys(findings) -> list[str]:
 
 
 def test_a_reward_folder_passes_and_a_causal_lm_is_refused_naming_the_key(tmp_path, rm_dir):
-    assert check_reward_model(_cfg(tmp_path, f"reward.model.path={rm_dir}"), _probes()) == []
+    assert check_reward_model(_cfg(tmp_path, f"reward.model.path={rm_dir}")) == []
     lm = make_tiny_model(tmp_path / "lm", layers=1, hidden=16, heads=2)
-    (finding,) = check_reward_model(_cfg(tmp_path, f"reward.model.path={lm}"), _probes())
+    (finding,) = check_reward_model(_cfg(tmp_path, f"reward.model.path={lm}"))
     assert finding.key == "reward.model.path" and "ForSequenceClassification" in finding.problem
-    (missing,) = check_reward_model(_cfg(tmp_path, "reward.model.path=/no/rm"), _probes())
+    (missing,) = check_reward_model(_cfg(tmp_path, "reward.model.path=/no/rm"))
     assert missing.key == "reward.model.path" and "no config.json" in missing.problem
 
 
 def test_urls_must_be_http_and_answer_and_carry_a_key_off_this_machine(tmp_path, rm_dir):
     base = [f"reward.model.path={rm_dir}"]
     bad = _cfg(tmp_path, *base, "reward.model.urls=[10.0.0.5:30000]")
-    assert keys(check_reward_model(bad, _probes())) == ["reward.model.urls[0]"]
+    assert keys(check_reward_urls(bad, _probes())) == ["reward.model.urls[0]"]
     silent = _cfg(tmp_path, *base, "reward.model.urls=[http://127.0.0.1:30000]")
-    (down,) = check_reward_model(silent, _probes(reachable=lambda h, p: False))
+    (down,) = check_reward_urls(silent, _probes(reachable=lambda h, p: False))
     assert (
         down.key == "reward.model.urls[0]" and "nothing answers at 127.0.0.1:30000" in down.problem
     )
     remote = _cfg(tmp_path, *base, "reward.model.urls=[http://10.0.0.5:30000]")
-    (no_key,) = check_reward_model(remote, _probes())
+    (no_key,) = check_reward_urls(remote, _probes())
     assert no_key.key == "reward.model.api_key_env" and not no_key.fatal
     keyed = _probes(env={"FLEETRL_REWARD_API_KEY": "k"})
-    assert check_reward_model(remote, keyed) == []
+    assert check_reward_urls(remote, keyed) == []
 
 
 def test_a_cluster_without_reward_nodes_is_refused_naming_ray_reward_resource(tmp_path, rm_dir):

@@ -1,17 +1,19 @@
 """Small in-process fakes for rollout worker and fleet tests: engine client, reader items, sender,
-scorer, engine actor."""
+rewards, engine actor."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from fleetrl.data.reader import PromptItem
 from rollout_fleet.client import EngineError
+from rollout_fleet.rewards.pipeline import RewardPipeline
+from rollout_fleet.rewards.runner import RewardRunner
 
 
 def prompt(index: int, data_source: str = "synth/add", length: int = 3) -> PromptItem:
@@ -119,23 +121,15 @@ class FakeTokenizer:
         return " ".join(str(t) for t in token_ids)
 
 
-@dataclass
-class Result:
-    score: float
-    metrics: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
-
-
-class FakeScorer:
+def parity_reward(data_source, solution_str, ground_truth, extra_info):
     """Score = 1.0 when the response has an even number of tokens."""
+    n = len(solution_str.split())
+    return {"score": float(n % 2 == 0), "len": float(n)}
 
-    def __init__(self):
-        self.calls = 0
 
-    async def score(self, data_source, solution_str, ground_truth, extra_info):
-        self.calls += 1
-        n = len(solution_str.split())
-        return Result(score=float(n % 2 == 0), metrics={"len": float(n)})
+def fake_rewards(fn=parity_reward, **kwargs) -> RewardPipeline:
+    """The real reward pipeline with ``fn`` as the custom function of every row."""
+    return RewardPipeline(RewardRunner(5, 2, fn), **kwargs)
 
 
 class CollectingSender:

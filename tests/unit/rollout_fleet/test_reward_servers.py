@@ -1,5 +1,5 @@
 """Which reward servers a run scores on: none without a reward model; reward.model.urls with
-the key from api_key_env and no fleet; a placed fleet (the run's key) feeding the client."""
+their own key (the driver reads api_key_env) and no fleet; a placed fleet (the run's key) feeding the client."""
 
 from __future__ import annotations
 
@@ -14,14 +14,15 @@ def test_no_reward_model_means_no_servers():
     assert RewardServers.for_run(RewardConfig(), RolloutConfig(), api_key="run") is None
 
 
-def test_urls_score_on_the_running_servers_with_the_key_from_the_environment(monkeypatch):
-    monkeypatch.setenv("MY_RM_KEY", "their-key")
+def test_urls_score_on_the_running_servers_with_their_own_key():
     model = RewardModelConfig(
         path="/rm",
         urls=["http://10.0.0.5:30001/", "http://10.0.0.6:30001"],
         api_key_env="MY_RM_KEY",
     )
-    servers = RewardServers.for_run(RewardConfig(model=model), RolloutConfig(), api_key="run")
+    servers = RewardServers.for_run(
+        RewardConfig(model=model), RolloutConfig(), api_key="run", url_api_key="their-key"
+    )
     assert servers.fleet is None and servers.client.api_key == "their-key"
     assert servers.client.servers == {
         "reward-url-0": "http://10.0.0.5:30001",

@@ -82,7 +82,9 @@ NOT_CALLABLE = 3
 def test_custom_reward_loads_from_a_file_path_and_is_called_with_keywords(tmp_path):
     path = tmp_path / "my_reward.py"
     path.write_text(CUSTOM)
-    fn = load_custom_reward(path, "compute_score")
+    loaded = load_custom_reward(path, "compute_score")
+    assert not loaded.batched and not loaded.is_async and loaded.judge_keywords == frozenset()
+    fn = loaded.fn
     result = fn(data_source="d", solution_str=" 4", ground_truth="4", extra_info=None)
     assert result == {"score": 1.0, "length": 2}
     registry = RewardRegistry()
@@ -101,7 +103,9 @@ def test_custom_reward_errors_name_the_file_and_function(tmp_path):
         load_custom_reward(path, "score_fn")
     with pytest.raises(RewardLoadError, match="'NOT_CALLABLE' .* is a int, not callable"):
         load_custom_reward(path, "NOT_CALLABLE")
-    with pytest.raises(RewardLoadError, match="cannot be called with keywords data_source"):
+    with pytest.raises(
+        RewardLoadError, match="cannot be called as a reward function with keywords data_source"
+    ):
         load_custom_reward(path, "two_args")
     broken = tmp_path / "broken.py"
     broken.write_text("import not_a_module_anywhere\n")

@@ -1,5 +1,6 @@
-"""RewardRunner never raises: raising, hanging, non-finite and malformed rewards score 0 and
-are counted; the event loop stays free while a reward hangs."""
+"""RewardRunner never raises: raising, hanging, non-finite and malformed rewards fail their
+sample (``error`` set, a 0.0 placeholder score) and are counted; the event loop stays free
+while a reward hangs."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_custom_fn_overrides_the_registry_for_every_source():
         seen.append((data_source, extra_info))
         return np.float32(0.25)
 
-    runner = RewardRunner(timeout_s=5, max_workers=1, custom_fn=custom)
+    runner = RewardRunner(timeout_s=5, max_workers=1, custom=custom)
     assert _run(runner.score("anything/at/all", "x", "y", {"k": 1})).score == 0.25
     assert seen == [("anything/at/all", {"k": 1})]
 
@@ -59,15 +60,16 @@ def _raises(**kwargs):
         (lambda **kw: None, "not a number"),
     ],
 )
-def test_failing_reward_scores_zero_is_counted_and_logged(fn, error, caplog):
+def test_a_failing_reward_fails_its_sample_and_is_counted_and_logged(fn, error, caplog):
     runner = RewardRunner(timeout_s=5, max_workers=1, registry=_registry(fn))
     result = _run(runner.score("t", "x", "y"))
     assert result.score == 0.0 and error in result.error
     assert (runner.num_errors, runner.num_timeouts) == (1, 0)
-    assert "reward for data_source 't' scored 0" in caplog.text
+    assert result.failed
+    assert "reward for data_source 't' failed (1 samples)" in caplog.text
 
 
-def test_unknown_source_scores_zero_and_check_sources_raises_up_front():
+def test_an_unknown_source_fails_and_check_sources_raises_up_front():
     runner = RewardRunner(timeout_s=5, max_workers=1)
     result = _run(runner.score("nope", "x", "y"))
     assert result.score == 0.0 and "no reward function for data_source 'nope'" in result.error

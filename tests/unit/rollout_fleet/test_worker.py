@@ -13,14 +13,17 @@ from rollout_fleet.config import RolloutConfig
 from rollout_fleet.delivery import DeliveryLedger
 from rollout_fleet.membership import EngineStatus as EngineState
 from rollout_fleet.membership import Membership
+from rollout_fleet.rewards.pipeline import RewardPipeline
+from rollout_fleet.rewards.runner import RewardRunner
 from rollout_fleet.router import Router
 from rollout_fleet.worker import RolloutWorker
 from tests.unit.rollout_fleet.fakes import (
     CollectingSender,
     FakeAdmission,
     FakeEngine,
-    FakeScorer,
     FakeTokenizer,
+    fake_rewards,
+    parity_reward,
     prompt,
 )
 
@@ -36,6 +39,7 @@ def make_worker(
     groups_per_version=1000,
     max_staleness=0,
     ledger=None,
+    rewards=None,
     **config,
 ):
     router = Router(Membership(suspect_cooldown_s=config.get("suspect_cooldown_s", 30.0)))
@@ -61,7 +65,7 @@ def make_worker(
         reader=iter(prompts if prompts is not None else [prompt(i) for i in range(1000)]),
         sender=ledger if ledger is not None else sender,
         admission_source=admission,
-        reward_runner=FakeScorer(),
+        rewards=rewards if rewards is not None else fake_rewards(),
         tokenizer=FakeTokenizer(),
         ledger=ledger,
     )
@@ -123,8 +127,9 @@ def test_every_prompt_gives_n_trajectories_sent_whole_and_tagged():
         assert t.response_ids.numpy().tolist() == [100, 101, 102, 103]
         assert t.token_versions.numpy().tolist() == [3, 3, 3, 3]
         assert t.finish_reason == "length"
-        assert t.score == 1.0 and t.reward_metrics == {"len": 4.0}
-        assert set(t.timings) == {"generate_s", "reward_s"}
+        assert t.score == 1.0 and t.reward_metrics == {"len": 4.0, "rule_score": 1.0}
+        assert set(t.timings) == {"generate_s", "reward_s", "reward_group_s"}
+        assert t.reward_error == ""
         assert t.engine_id in ("a", "b")
     # a group's samples all went to one engine (prefix reuse)
     for gid in groups:
@@ -422,12 +427,12 @@ def test_validate_scores_one_greedy_sample_per_prompt_by_data_source():
 
 
 def test_a_crashing_group_stops_the_worker_loudly():
-    class Broken(FakeScorer):
-        async def score(self, *args):
+    class Broken(RewardPipeline):
+        async def score_group(self, *args, **kwargs):
             raise KeyError("reward bug")
 
     worker, _, _ = make_worker([FakeEngine("a")], n=1)
-    worker._reward = Broken()
+    worker._rewards = Broken(RewardRunner(5, 1, parity_reward))
     with pytest.raises(RuntimeError, match="rollout group crashed"):
         asyncio.run(worker.run(num_groups=3))
 
