@@ -24,6 +24,7 @@ HANDLERS: dict[str, str] = {
     "config docs": "launcher.config_cmd:docs",
     "data gsm8k": "fleetrl.data.gsm8k:main",
     "data synth": "fleetrl.data.synth:main",
+    "data hh-rlhf": "fleetrl.data.hh_rlhf:main",
     "model tiny": "fleetrl.models.cli:tiny_main",
     "engine": "rollout_fleet.engine.cli:main",
     "buffer": "buffer.service:main",
@@ -106,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--train-size", type=int, default=2000)
     s.add_argument("--test-size", type=int, default=200)
     s.add_argument("--seed", type=int, default=0)
+    h = dsub.add_parser(
+        "hh-rlhf",
+        help="convert local Anthropic HH-RLHF files (jsonl[.gz]) to preference Parquet",
+    )
+    h.add_argument(
+        "--input", required=True, help="HH-RLHF folder (subsets included) or one jsonl[.gz] file"
+    )
+    h.add_argument("--out", required=True, help="output folder (train.parquet, test.parquet)")
 
     p = sub.add_parser("model", help="model utilities")
     msub = p.add_subparsers(dest="model_command", required=True)
