@@ -29,6 +29,8 @@ HANDLERS: dict[str, str] = {
     "engine": "rollout_fleet.engine.cli:main",
     "buffer": "buffer.service:main",
     "export": "learner.export:main",
+    "rm train": "launcher.rm_train:main",
+    "rm eval": "launcher.rm_eval:main",
     "eval": "launcher.evaluate:main",
     "weights push": "launcher.weights_push:main",
     "inspect rollouts": "buffer.inspect:main",
@@ -153,6 +155,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(p)
 
+    p = sub.add_parser("rm", help="reward models: train one on preference pairs, evaluate one")
+    rsub = p.add_subparsers(dest="rm_command", required=True)
+    r = rsub.add_parser(
+        "train", help="Bradley-Terry reward-model training on the FSDP2 learner group (Ray)"
+    )
+    _add_config_args(r)
+    r.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address (default: RAY_ADDRESS or a new local instance)",
+    )
+    from launcher.rm_eval import add_arguments as add_rm_eval_arguments
+
+    add_rm_eval_arguments(
+        rsub.add_parser(
+            "eval",
+            help="score preference pairs (accuracy, means) or a policy's samples against a rule",
+        )
+    )
+
     p = sub.add_parser("export", help="write a Hugging Face folder from a learner checkpoint")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
@@ -226,6 +248,7 @@ def _handler_key(args: argparse.Namespace) -> str:
         "model_command",
         "inspect_command",
         "weights_command",
+        "rm_command",
     ):
         if getattr(args, attr, None):
             key = f"{key} {getattr(args, attr)}"

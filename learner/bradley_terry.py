@@ -12,14 +12,18 @@ gradient is that of the global mean, whatever the split into ranks and micro-bat
 
 ``pair_metrics`` gives the per-pair quantities the metrics average: loss, whether the
 chosen response scored higher (pairwise accuracy; a tie counts as wrong), the two scores
-and their difference.
+and their difference. ``summarize_pairs`` reduces a whole held-out set's scores to
+``PairScores`` (accuracy, means, the score's mean and std the exported folder stores).
 """
 
 from __future__ import annotations
 
+import msgspec
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fleetrl.models.reward_folder import RewardStats
 from learner.masked_ops import agg_loss
 
 
@@ -61,3 +65,50 @@ def pair_metrics(
         "reject_reward": rejected,
         "margin": chosen - rejected,
     }
+
+
+class PairScores(msgspec.Struct, frozen=True, kw_only=True):
+    """How a reward model scores a set of pairs: what held-out evaluation reports."""
+
+    pairs: int
+    accuracy: float  # fraction of pairs with r_c > r_r
+    loss: float  # mean -log σ(r_c - r_r - m)
+    chosen_mean: float
+    rejected_mean: float
+    margin_mean: float  # mean r_c - r_r
+    score_mean: float  # over the chosen and rejected scores together
+    score_std: float
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}{key}": float(value) for key, value in msgspec.structs.asdict(self).items()}  # fmt: skip
+
+    def stats(self) -> RewardStats:
+        """The statistics a reward-model folder stores (mean/std floor: OpenRLHF's 1e-8)."""
+        return RewardStats(
+            mean=self.score_mean, std=max(self.score_std, 1e-8), pairs=self.pairs,
+            accuracy=self.accuracy,
+        )  # fmt: skip
+
+
+def summarize_pairs(
+    chosen: np.ndarray, rejected: np.ndarray, margin: np.ndarray | None = None
+) -> PairScores:
+    """``PairScores`` of per-pair scores (``margin`` only enters the loss)."""
+    chosen, rejected = np.asarray(chosen, np.float64), np.asarray(rejected, np.float64)
+    if len(chosen) == 0 or len(chosen) != len(rejected):
+        raise ValueError(f"summarize_pairs: {len(chosen)} chosen and {len(rejected)} rejected scores")  # fmt: skip
+    losses = pair_losses(
+        torch.from_numpy(chosen), torch.from_numpy(rejected),
+        None if margin is None else torch.from_numpy(np.asarray(margin, np.float64)),
+    )  # fmt: skip
+    both = np.concatenate([chosen, rejected])
+    return PairScores(
+        pairs=len(chosen),
+        accuracy=float(np.mean(chosen > rejected)),
+        loss=float(losses.mean()),
+        chosen_mean=float(chosen.mean()),
+        rejected_mean=float(rejected.mean()),
+        margin_mean=float(np.mean(chosen - rejected)),
+        score_mean=float(both.mean()),
+        score_std=float(both.std(ddof=1)) if len(both) > 1 else 0.0,
+    )
