@@ -10,7 +10,8 @@ each pair with the folder loaded as transformers' ``AutoModelForSequenceClassifi
 ``fleetrl rm eval --model DIR --policy POLICY --prompts FILE`` asks what RL with the
 model will lean on: it samples ``--samples`` responses per prompt from the policy
 (verl-schema prompt Parquet, the RL data), scores each with the reward model and with
-the rule of its ``data_source`` (``rollout_fleet.rewards``), and prints ONE JSON line:
+a rule (``--rule FILE[:NAME]``, a reward function with verl's signature; by default the
+built-in scorer of each prompt's ``data_source``, ``rollout_fleet.rewards``), and prints ONE JSON line:
 ``pearson`` and ``spearman`` between the two scores, ``group_agreement`` (over pairs of
 samples of one prompt that the rule ranks apart, the fraction the reward model ranks the
 same way: what a group-relative advantage needs), ``rule_mean``, ``rm_mean``, ``samples``.
@@ -43,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chat-template", action="store_true", help="join prompt and response as plain text")  # fmt: skip
     p.add_argument("--policy", default="", help="a policy folder whose samples to score (with --prompts)")  # fmt: skip
     p.add_argument("--prompts", default="", help="prompt Parquet (verl schema) for --policy")
+    p.add_argument(
+        "--rule",
+        default="",
+        help="FILE[:NAME]: a reward function with verl's signature to judge --policy's samples by "
+        "(default: the built-in scorer of each prompt's data_source)",
+    )
     p.add_argument("--samples", type=int, default=8, help="responses per prompt (--policy)")
     p.add_argument("--max-prompts", type=int, default=100, help="prompts to sample (--policy)")
     p.add_argument("--max-new-tokens", type=int, default=8)
@@ -170,9 +177,19 @@ def agreement(rm: np.ndarray, rule: np.ndarray, groups: np.ndarray) -> float:
     return agree / total if total else float("nan")
 
 
+def rule_function(spec: str) -> Any:
+    """The judge of ``--rule FILE[:NAME]``, or the built-in scorers by data_source."""
+    from rollout_fleet.rewards.custom import load_custom_reward
+    from rollout_fleet.rewards.registry import default_registry
+
+    if not spec:
+        return default_registry().compute_score
+    path, _, name = spec.partition(":")
+    return load_custom_reward(path, name or "compute_score")
+
+
 def eval_policy_samples(folder: str | Path, args: argparse.Namespace) -> dict[str, Any]:
     from fleetrl.models.reward_input import reward_token_ids
-    from rollout_fleet.rewards.registry import default_registry
 
     model, tokenizer = load_reward_model(folder)
     samples = sample_responses(
@@ -181,10 +198,10 @@ def eval_policy_samples(folder: str | Path, args: argparse.Namespace) -> dict[st
     )  # fmt: skip
     chat = not args.no_chat_template
     rm = score_sequences(model, [reward_token_ids(tokenizer, s["prompt"], s["response"], apply_chat_template=chat) for s in samples])  # fmt: skip
-    registry = default_registry()
+    judge = rule_function(args.rule)
     rule = []
     for s in samples:
-        score = registry.compute_score(s["data_source"], s["response"], s["ground_truth"], s["extra_info"])  # fmt: skip
+        score = judge(data_source=s["data_source"], solution_str=s["response"], ground_truth=s["ground_truth"], extra_info=s["extra_info"])  # fmt: skip
         rule.append(float(score["score"] if isinstance(score, dict) else score))
     rule = np.asarray(rule)
     groups = np.array([s["group"] for s in samples])

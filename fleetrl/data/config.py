@@ -96,9 +96,9 @@ class PreferenceDataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     ] = 1
     val_max_pairs: Annotated[int, Meta(ge=-1, description="Cap on held-out pairs (-1 = all).")] = -1
     synth_task: Annotated[
-        Literal["", "add2"],
+        Literal["", "add2", "add2_even"],
         Meta(
-            description="If set and the files are missing, generate this synthetic preference set there (fleetrl.data.synth_preference): add2, the correct sum against wrong ones, on the RL task's own train/held-out split."
+            description="If set and the files are missing, generate this synthetic preference set there (fleetrl.data.synth_preference), on the RL task add2's own train/held-out split: add2_even (the CPU demo's: an even answer over an odd one), add2 (the correct sum over wrong ones)."
         ),
     ] = ""
     synth_train_size: Annotated[
