@@ -126,8 +126,6 @@ def load_rm_config(path: str | Path | None, overrides: list[str] | None = None) 
     raw = apply_overrides(raw, overrides or [])
     check_rm_keys(raw)
     cfg = convert(RmRunConfig, raw)
-    if cfg.learner.sequence_parallel != 1:
-        raise ConfigError("learner.sequence_parallel", "reward-model training runs without it")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files", "give at least one preference Parquet file")
     synth = cfg.data.synth_task

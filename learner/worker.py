@@ -69,7 +69,7 @@ from learner.batching import GlobalBatch, global_counts, mini_batches, plan_rank
 from learner.config import LearnerConfig
 from learner.fsdp import build_optimizer, build_scheduler, guarded_step
 from learner.memory import peak_memory_gb, rss_kb
-from learner.model_build import build_model, init_value_head
+from learner.model_build import build_model, init_value_head, stored_head
 from learner.packing import (
     MicroBatchInputs,
     build_inputs,
@@ -195,12 +195,34 @@ class LearnerWorker:
                 path, "causal_lm", self.cfg.reference.param_offload and on_gpu, train=False
             ).requires_grad_(False)
         if self.uses_critic:
-            self.critic = self._build(path, "token_classification", offload, train=True)
-            init_value_head(self.critic, self.seed, self.cfg.critic.value_head_init_std)
+            critic_path = self._critic_path(path)
+            self.critic = self._build(critic_path, "token_classification", offload, train=True)
+            init_value_head(
+                self.critic, self.seed, self.cfg.critic.value_head_init_std,
+                keep=stored_head(critic_path),  # a reward model's head is the value head
+            )  # fmt: skip
             self.critic_optimizer = build_optimizer(self.critic.parameters(), self.cfg.critic.optim)
             self.critic_scheduler = build_scheduler(
                 self.critic_optimizer, self.cfg.critic.optim, self.total_steps
             )
+
+    def _critic_path(self, policy_path: Path) -> Path:
+        """The folder the critic is built from: the policy's, or ``critic.init_from``'s
+        reward model (checked: a one-label classifier over the policy's vocabulary)."""
+        source = self.cfg.critic.init_from
+        if not source:
+            return policy_path
+        from fleetrl.models.reward_folder import check_reward_folder
+
+        reward_config = check_reward_folder(check_model_dir(source))
+        policy_vocab = self.policy.config.vocab_size
+        if reward_config.get("vocab_size") != policy_vocab:
+            raise ValueError(
+                f"learner.critic.init_from={source}: its vocab_size "
+                f"{reward_config.get('vocab_size')} is not the policy's {policy_vocab} (the "
+                "critic reads the policy's tokens)"
+            )
+        return Path(source)
 
     def _build(
         self, path: Path, kind: ModelKind, offload: bool, *, train: bool, lora_on: bool = False
