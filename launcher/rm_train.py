@@ -43,6 +43,7 @@ import msgspec
 import yaml
 
 from fleetrl.config import ConfigError, to_dict
+from fleetrl.data.preference import read_preference_rows
 from fleetrl.log import get_logger
 from launcher.rm_config import RmRunConfig, load_rm_config, placement_config
 from launcher.rm_roles import DataSummary, RmStepResult
@@ -57,7 +58,8 @@ CLOSE_TIMEOUT_S = 30.0
 
 
 def prepare_rm(cfg: RmRunConfig) -> None:
-    """Build what the config names but the disk lacks: the base model and the demo's data."""
+    """Build what the config names but the disk lacks (the base model, the demo's data);
+    check every preference file's rows (``DatasetError``: one line naming file and row)."""
     from launcher.config import RunConfig, load_run_config
     from launcher.prepare import ensure_model, prepare
 
@@ -80,8 +82,14 @@ def prepare_rm(cfg: RmRunConfig) -> None:
             )
     data = cfg.data
     missing = [f for f in data.train_files + data.val_files if not Path(f).is_file()]
-    if not missing:
-        return
+    if missing:
+        generate_missing_data(cfg, missing)
+    for file in data.train_files + data.val_files:  # bad rows: one line now, not in a rank
+        read_preference_rows(file)
+
+
+def generate_missing_data(cfg: RmRunConfig, missing: list[str]) -> None:
+    data = cfg.data
     if not data.synth_task:
         raise ConfigError("data.train_files", f"file not found: {missing[0]} (set data.synth_task to generate the demo's preference set)")  # fmt: skip
     from fleetrl.data.synth_preference import write_preference_set
