@@ -66,8 +66,10 @@ def test_two_ranks_packed_train_like_one_rank_padded_in_one_micro_batch_with_che
     two_metrics = json.loads((two_rank_run / "train_metrics.json").read_text())
     one_metrics = json.loads((tmp_path / "train_metrics.json").read_text())
     for step in range(rm_procs.STEPS):
-        for key in ("train/loss", "train/acc", "train/chosen_reward", "train/reject_reward", "train/grad_norm"):  # fmt: skip
+        for key in ("train/loss", "train/acc", "train/chosen_reward", "train/reject_reward"):
             assert two_metrics[step][key] == pytest.approx(one_metrics[step][key], abs=ATOL), key
+        # a norm near 2 summed in another order: relative rounding
+        assert two_metrics[step]["train/grad_norm"] == pytest.approx(one_metrics[step]["train/grad_norm"], rel=1e-4)  # fmt: skip
         _assert_close(_weights(two_rank_run, "train", step + 1), _weights(tmp_path, "train", step + 1))  # fmt: skip
     scores_two = np.load(two_rank_run / "train_scores.npy")
     np.testing.assert_allclose(scores_two, np.load(tmp_path / "train_scores.npy"), atol=ATOL)
@@ -125,3 +127,22 @@ def test_lora_trains_adapters_and_head_and_exports_one_merged_folder(tiny_model_
     )  # fmt: skip
     metrics = json.loads((tmp_path / "train_metrics.json").read_text())
     assert metrics[-1]["train/loss"] < metrics[0]["train/loss"]
+
+
+def test_training_continues_from_a_reward_model_folder_head_included(two_rank_run, pair_file):
+    from fleetrl.data.pairs import PreferencePairs
+    from fleetrl.models.loading import load_tokenizer
+
+    folder = two_rank_run / "train_rm"
+    torch.set_num_threads(1)
+    worker = rm_procs.make_worker(str(folder), 0, 1, rm_procs.free_port(), {})
+    try:
+        assert worker.head_from_folder  # the score head was read, not initialised
+        pairs = PreferencePairs([pair_file], load_tokenizer(folder), max_length=64)
+        chosen, rejected = worker.score(pairs.to_arrow(np.arange(len(pairs))))
+        np.testing.assert_allclose(np.stack([chosen, rejected]), np.load(two_rank_run / "train_scores.npy"), atol=ATOL)  # fmt: skip
+        before = worker.score(pairs.to_arrow(np.arange(len(pairs))))[0]
+        worker.step(pairs.to_arrow(np.arange(6)))
+        assert not np.allclose(worker.score(pairs.to_arrow(np.arange(len(pairs))))[0], before)
+    finally:
+        worker.close()
