@@ -134,6 +134,7 @@ class RewardGroup:
         from learner.checkpoint import latest_complete_checkpoint
 
         view = placement_config(self.cfg)
+        # known before ray.init returns, so that close() ends a half-started local instance
         self.started_ray = not (self.address or self.cfg.ray.address or os.environ.get("RAY_ADDRESS"))  # fmt: skip
         self.started_ray = init_ray(view, self.address)
         if after_ray_init is not None:

@@ -33,7 +33,7 @@ def trained_folders(tiny_model_dir, tiny_llama_dir, tmp_path_factory) -> dict[st
     for arch, base in (("qwen2", tiny_model_dir), ("llama", tiny_llama_dir)):
         out = tmp_path_factory.mktemp(f"rm_{arch}")
         pairs = rm_procs.write_pairs(out / "pairs.parquet")
-        rm_procs.spawn(rm_procs.run_rank, 1, str(base), str(pairs), str(out), "train", {})
+        rm_procs.run_here(str(base), str(pairs), str(out), {})
         folders[arch] = out / "train_rm"
     return folders
 

@@ -26,7 +26,7 @@ from learner.reward_export import write_reward_model
 from learner.reward_worker import RewardModelWorker
 from tests.integration.learner.procs import free_port, spawn
 
-__all__ = ["free_port", "run_rank", "spawn", "write_pairs"]
+__all__ = ["free_port", "run_here", "run_rank", "spawn", "write_pairs"]
 
 STEPS = 4
 BATCH_PAIRS = 6
@@ -75,10 +75,24 @@ def run_rank(
     rank: int, world: int, port: int, model_dir: str, data_file: str, out_dir: str,
     scenario: str, overrides: dict[str, Any],
 ) -> None:  # fmt: skip
-    """Scenarios: "train" (STEPS steps, a checkpoint after step 2, held-out scores and the
-    exported folder at the end), "resume" (from that checkpoint: steps 3..STEPS)."""
+    """A spawned rank (deterministic kernels, one thread) of ``run_scenario``."""
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    run_scenario(rank, world, port, model_dir, data_file, out_dir, scenario, overrides)
+
+
+def run_here(model_dir: str, data_file: str, out_dir: str, overrides: dict[str, Any]) -> None:
+    """The "train" scenario on one rank in this process (no process start to pay for)."""
+    torch.set_num_threads(1)
+    run_scenario(0, 1, free_port(), model_dir, data_file, out_dir, "train", overrides)
+
+
+def run_scenario(
+    rank: int, world: int, port: int, model_dir: str, data_file: str, out_dir: str,
+    scenario: str, overrides: dict[str, Any],
+) -> None:  # fmt: skip
+    """Scenarios: "train" (STEPS steps, a checkpoint after step 2, held-out scores and the
+    exported folder at the end), "resume" (from that checkpoint: steps 3..STEPS)."""
     out = Path(out_dir)
     worker = make_worker(model_dir, rank, world, port, overrides)
     pairs = PreferencePairs([data_file], load_tokenizer(model_dir), max_length=64)

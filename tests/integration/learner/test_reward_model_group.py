@@ -110,7 +110,7 @@ def test_lora_trains_adapters_and_head_and_exports_one_merged_folder(tiny_model_
         "lora": {"rank": 4, "alpha": 8.0},
         "optim": {"lr": 1e-2, "warmup_steps": 1, "eps": 1e-6},
     }
-    rm_procs.spawn(rm_procs.run_rank, 2, str(tiny_model_dir), str(pair_file), str(tmp_path), "train", lora)  # fmt: skip
+    rm_procs.run_here(str(tiny_model_dir), str(pair_file), str(tmp_path), lora)
     exported = load_file(tmp_path / "train_rm" / "model.safetensors")
     base = load_file(tiny_model_dir / "model.safetensors")
     # merged: Hugging Face names only, the backbone's shapes, and the adapters folded in
