@@ -100,6 +100,11 @@ class RewardTrainerRole:
         self.train = PreferencePairs(cfg.data.train_files, tokenizer, **read)
         self.val = PreferencePairs(cfg.data.val_files, tokenizer, **read) if cfg.data.val_files else None  # fmt: skip
         self.cursor = PairCursor(len(self.train), shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+        if self.val is None:
+            log.warning(
+                "no data.val_files: held-out figures and the exported folder's score "
+                "statistics come from the first data.val_max_pairs training pairs"
+            )
         return DataSummary(
             train_pairs=len(self.train), train_dropped=dict(self.train.dropped),
             val_pairs=len(self.val) if self.val else 0,
