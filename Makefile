@@ -10,8 +10,9 @@ TORCH  ?= torch==2.14.1 torchvision==0.29.1
 # code is installed without its GPU dependencies (tests/conformance/requirements-cpu.txt).
 SGLANG ?= sglang==0.5.23
 DEMO_OUT ?= runs/demo/run
+DEMO_RM_OUT ?= runs/demo/rm
 
-.PHONY: demo test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
+.PHONY: demo demo-rm test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
 
 venv: $(STAMP)
 
@@ -28,6 +29,14 @@ $(STAMP): pyproject.toml tests/conformance/requirements-cpu.txt
 demo: $(STAMP)
 	rm -rf $(DEMO_OUT)
 	$(VENV)/bin/fleetrl train --config configs/demo_cpu.yaml trainer.output_dir=$(DEMO_OUT)
+
+# The RLHF demo's reward model (docs/rewards_training.md), afresh; then how it ranks the
+# warm-started policy's own samples against the rule it was labelled by.
+demo-rm: $(STAMP)
+	rm -rf $(DEMO_RM_OUT)
+	$(VENV)/bin/fleetrl rm train --config configs/demo_rm_cpu.yaml trainer.output_dir=$(DEMO_RM_OUT)
+	$(VENV)/bin/fleetrl rm eval --model $(DEMO_RM_OUT)/reward_model --policy runs/demo/add2/model \
+		--prompts runs/demo/add2/data/test.parquet --rule configs/rules/even_answer.py --max-new-tokens 4
 
 test: $(STAMP) lint
 	env -u RAY_ADDRESS $(PY) -m pytest -q tests

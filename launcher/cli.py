@@ -24,10 +24,13 @@ HANDLERS: dict[str, str] = {
     "config docs": "launcher.config_cmd:docs",
     "data gsm8k": "fleetrl.data.gsm8k:main",
     "data synth": "fleetrl.data.synth:main",
+    "data hh-rlhf": "fleetrl.data.hh_rlhf:main",
     "model tiny": "fleetrl.models.cli:tiny_main",
     "engine": "rollout_fleet.engine.cli:main",
     "buffer": "buffer.service:main",
     "export": "learner.export:main",
+    "rm train": "launcher.rm_train:main",
+    "rm eval": "launcher.rm_eval:main",
     "eval": "launcher.evaluate:main",
     "weights push": "launcher.weights_push:main",
     "inspect rollouts": "buffer.inspect:main",
@@ -108,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--train-size", type=int, default=2000)
     s.add_argument("--test-size", type=int, default=200)
     s.add_argument("--seed", type=int, default=0)
+    h = dsub.add_parser(
+        "hh-rlhf",
+        help="convert local Anthropic HH-RLHF files (jsonl[.gz]) to preference Parquet",
+    )
+    h.add_argument(
+        "--input", required=True, help="HH-RLHF folder (subsets included) or one jsonl[.gz] file"
+    )
+    h.add_argument("--out", required=True, help="output folder (train.parquet, test.parquet)")
 
     p = sub.add_parser("model", help="model utilities")
     msub = p.add_subparsers(dest="model_command", required=True)
@@ -143,6 +154,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="rollout bank folder (default: buffer.bank_dir, else ./rollout_bank)",
     )
     _add_config_args(p)
+
+    p = sub.add_parser("rm", help="reward models: train one on preference pairs, evaluate one")
+    rsub = p.add_subparsers(dest="rm_command", required=True)
+    r = rsub.add_parser(
+        "train", help="Bradley-Terry reward-model training on the FSDP2 learner group (Ray)"
+    )
+    _add_config_args(r)
+    r.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address (default: RAY_ADDRESS or a new local instance)",
+    )
+    from launcher.rm_eval import add_arguments as add_rm_eval_arguments
+
+    add_rm_eval_arguments(
+        rsub.add_parser(
+            "eval",
+            help="score preference pairs (accuracy, means) or a policy's samples against a rule",
+        )
+    )
 
     p = sub.add_parser("export", help="write a Hugging Face folder from a learner checkpoint")
     p.add_argument("--ckpt", required=True)
@@ -226,6 +257,7 @@ def _handler_key(args: argparse.Namespace) -> str:
         "model_command",
         "inspect_command",
         "weights_command",
+        "rm_command",
     ):
         if getattr(args, attr, None):
             key = f"{key} {getattr(args, attr)}"

@@ -18,19 +18,14 @@ def show(args: argparse.Namespace) -> int:
     return 0
 
 
-def render_docs() -> str:
-    lines = [
-        "# Configuration reference",
-        "",
-        "Generated from the typed config structs by `fleetrl config docs` (do not edit by hand).",
-        "Every key can be set in a YAML file (`--config`) or as a dotted override on the command line,",
-        "e.g. `fleetrl train --config configs/demo_cpu.yaml learner.optim.lr=1e-6 rollout.n=8`.",
-        "A bad key or value exits with status 2 and one line naming the dotted path.",
-        "",
-    ]
+def _tables(struct: type, only: set[str] | None = None) -> list[str]:
+    """One Markdown table per top-level section of ``struct`` (``only``: those sections)."""
+    lines: list[str] = []
     section = None
-    for key, typ, default, doc in field_docs(RunConfig):
+    for key, typ, default, doc in field_docs(struct):
         top = key.split(".")[0]
+        if only is not None and top not in only:
+            continue
         if top != section:
             section = top
             lines += [
@@ -42,6 +37,36 @@ def render_docs() -> str:
             ]
         cell = typ.replace("|", "\\|")
         lines.append(f"| `{key}` | {cell} | `{default!r}` | {doc} |")
+    return lines
+
+
+def render_docs() -> str:
+    from launcher.rm_config import RM_KEYS, RmRunConfig
+
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from the typed config structs by `fleetrl config docs` (do not edit by hand).",
+        "Every key can be set in a YAML file (`--config`) or as a dotted override on the command line,",
+        "e.g. `fleetrl train --config configs/demo_cpu.yaml learner.optim.lr=1e-6 rollout.n=8`.",
+        "A bad key or value exits with status 2 and one line naming the dotted path.",
+        "",
+    ]
+    lines += _tables(RunConfig)
+    lines += [
+        "",
+        "# Reward-model runs (`fleetrl rm train`)",
+        "",
+        "A reward-model config has its own `data` and `rm` sections (below) and reuses",
+        "`model`, `learner`, `trainer`, `logging` and `ray` from the RL run's reference above,",
+        "accepting only these of their keys (any other is refused with one line):",
+        "",
+        "| section | accepted keys |",
+        "| --- | --- |",
+    ]
+    lines += [f"| `{section}` | {', '.join(f'`{k}`' for k in sorted(keys))} |" for section, keys in RM_KEYS.items()]  # fmt: skip
+    lines += ["| `logging`, `ray` | all |"]
+    lines += _tables(RmRunConfig, only={"data", "rm"})
     return "\n".join(lines) + "\n"
 
 

@@ -82,6 +82,34 @@ def gae_has_a_critic(cfg: RunConfig) -> Iterator[ConfigError]:
 
 
 @rule
+def critic_init_from_has_a_critic(cfg: RunConfig) -> Iterator[ConfigError]:
+    critic = cfg.learner.critic
+    builds_critic = critic.enabled == "on" or (
+        critic.enabled == "auto" and cfg.learner.algorithm.adv_estimator == "gae"
+    )
+    if critic.init_from and not builds_critic:
+        yield refuse(
+            "learner.critic.init_from",
+            "learner.critic.enabled",
+            f"{critic.init_from!r} with enabled={critic.enabled!r} and adv_estimator="
+            f"{cfg.learner.algorithm.adv_estimator!r}",
+            "no critic is built, so nothing starts from the reward model; use "
+            "adv_estimator=gae or critic.enabled=on, or leave init_from empty",
+        )
+
+
+@training_rule
+def critic_init_from_is_a_reward_model(cfg: RunConfig) -> Iterator[ConfigError]:
+    from fleetrl.models.reward_folder import RewardFolderError, check_reward_folder
+
+    if cfg.learner.critic.init_from:
+        try:
+            check_reward_folder(cfg.learner.critic.init_from)
+        except RewardFolderError as err:
+            yield ConfigError("learner.critic.init_from", str(err))
+
+
+@rule
 def context_fits_prompt_and_response(cfg: RunConfig) -> Iterator[ConfigError]:
     # the tiny model built for the run has tiny.max_positions; every request with
     # prompt + max_new_tokens beyond it is refused by the engine, sample by sample

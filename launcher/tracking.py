@@ -76,13 +76,19 @@ class Tracker:
         done = step - (self._first_step or 0) + 1
         elapsed = time.monotonic() - self._start
         eta = elapsed / max(done, 1) * max(self.total_steps - step, 0)
-        parts = [f"step {step}/{self.total_steps}", f"v{m.get('policy_version', '?')}"]
+        parts = [f"step {step}/{self.total_steps}"]
+        if "policy_version" in m:
+            parts.append(f"v{m['policy_version']}")
         for key, label, fmt in (
             ("critic/score/mean", "score", "{:.3f}"),
+            ("train/loss", "loss", "{:.4f}"),  # reward-model runs (fleetrl rm train)
+            ("train/acc", "acc", "{:.3f}"),
+            ("val/accuracy", "val acc", "{:.3f}"),
             ("val/score/mean", "val", "{:.3f}"),
             ("staleness/mean", "stale", "{:.2f}"),
             ("staleness/max", "max", "{:.0f}"),
             ("perf/throughput", "tok/s", "{:.0f}"),
+            ("perf/tokens_per_s", "tok/s", "{:.0f}"),
             ("actor/pg_loss", "pg", "{:+.4f}"),
         ):
             if isinstance(m.get(key), int | float):

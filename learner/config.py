@@ -171,6 +171,12 @@ class CriticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ge=0, description="Std of the value head's normal init (0 = zeros: values start at 0)."
         ),
     ] = 0.0
+    init_from: Annotated[
+        str,
+        Meta(
+            description="A reward-model folder (as `fleetrl rm train` writes it) the critic starts from: its backbone, and the value head from its score head, so the values start as the reward model's scores (OpenRLHF's default; verl's critic.model.path). It must read the policy's tokens (the same vocabulary). Empty = the policy's backbone with a fresh head (value_head_init_std)."
+        ),
+    ] = ""
 
 
 class ReferenceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -5,7 +5,8 @@ Ranks meet at ``master_addr:master_port`` through a ``TCPStore`` that rank 0
 hosts (no environment variables, so the Ray wrapper, ``torch.multiprocessing``
 tests and a hand-started process all init the same way). Backend: gloo on CPU,
 nccl on CUDA. ``broadcast_bytes`` moves an opaque byte string (Arrow IPC) from
-rank 0 as a uint8 tensor: no pickle crosses the group. ``MetricSums`` reduces a
+rank 0 as a uint8 tensor: no pickle crosses the group; ``broadcast_record_batch`` sends a
+whole Arrow batch that way (every learner step's batch). ``MetricSums`` reduces a
 step's weighted metrics over the ranks in one all-reduce.
 
 FSDP shards over the one flat group; sequence-parallel subgroups are formed by
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pyarrow as pa
 import torch
 import torch.distributed as dist
 
+from buffer.arrow_batch import from_ipc, to_ipc
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)
@@ -91,6 +94,18 @@ def broadcast_bytes(payload: bytes | None, device: torch.device, src: int = 0) -
     if n:
         dist.broadcast(buf, src=src)
     return payload if rank == src else bytes(buf.cpu().numpy())
+
+
+def broadcast_record_batch(
+    batch: pa.RecordBatch | None, *, rank: int, world_size: int, device: torch.device
+) -> pa.RecordBatch:
+    """Rank 0's Arrow batch on every rank (its IPC bytes broadcast; one rank: as given)."""
+    if world_size == 1:
+        if batch is None:
+            raise ValueError("the learner step: rank 0 must pass the batch")
+        return batch
+    payload = broadcast_bytes(to_ipc(batch) if rank == 0 and batch is not None else None, device)
+    return batch if rank == 0 else from_ipc(payload)
 
 
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:

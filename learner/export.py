@@ -182,6 +182,11 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, merged: bool = False
     also the merged Hugging Face model in ``out/merged``.
     """
     step_dir = resolve_checkpoint(ckpt)
+    if read_meta(step_dir).get("kind") == "reward_model":
+        raise CheckpointError(
+            f"checkpoint {step_dir} is a reward-model run's: its Hugging Face folder is the "
+            "run's reward_model/ (written at every save by `fleetrl rm train`)"
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if read_meta(step_dir).get("adapter_config") is None:

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from learner.config import OptimConfig
+from learner.dist import all_reduce_sum
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -96,6 +98,30 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, cfg, total_steps)
     )
+
+
+class GuardedStep(NamedTuple):
+    stepped: bool  # False: the loss or the gradient norm was not finite, nothing changed
+    grad_norm: float  # the global pre-clip norm
+    global_loss: float  # the local losses summed over the group
+
+
+def guarded_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, local_loss: torch.Tensor
+) -> GuardedStep:
+    """Collective: clip and step, or skip when the global loss or the gradient norm is not
+    finite; the gradients are zeroed either way.
+
+    The global loss and the gradient norm are the same on every rank, so every rank
+    takes the same decision.
+    """
+    global_loss = float(all_reduce_sum(local_loss.clone()))
+    grad_norm = clip_grad_norm(list(model.parameters()), max_norm)
+    stepped = math.isfinite(global_loss) and math.isfinite(grad_norm)
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return GuardedStep(stepped, grad_norm, global_loss)
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:

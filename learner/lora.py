@@ -48,8 +48,14 @@ _BASE_LAYER = ".base_layer"
 _ADAPTER_PARTS = (".lora_A.", ".lora_B.")
 
 
-def peft_config(cfg: LoraConfig, base_model_path: str | Path) -> Any:
-    """The ``peft.LoraConfig`` of ``cfg`` (``["all-linear"]`` becomes peft's "all-linear")."""
+def peft_config(
+    cfg: LoraConfig, base_model_path: str | Path, *, trained_head: str | None = None
+) -> Any:
+    """The ``peft.LoraConfig`` of ``cfg`` (``["all-linear"]`` becomes peft's "all-linear").
+
+    ``trained_head``: a head that gets no adapter (it trains in full: a reward model's
+    ``score``); the model is then no causal LM and peft's generic wrapper is used.
+    """
     import peft
 
     if cfg.rank <= 0:
@@ -63,13 +69,21 @@ def peft_config(cfg: LoraConfig, base_model_path: str | Path) -> Any:
         lora_dropout=cfg.dropout,
         target_modules=targets,
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type="CAUSAL_LM" if trained_head is None else None,
+        exclude_modules=None if trained_head is None else [trained_head],
         base_model_name_or_path=str(base_model_path),
     )
 
 
-def wrap(model: nn.Module, cfg: LoraConfig, base_model_path: str | Path) -> nn.Module:
-    """``model`` (on the meta device or not) inside a peft LoRA wrapper; base weights frozen.
+def wrap(
+    model: nn.Module,
+    cfg: LoraConfig,
+    base_model_path: str | Path,
+    *,
+    trained_head: str | None = None,
+) -> nn.Module:
+    """``model`` (on the meta device or not) inside a peft LoRA wrapper; base weights frozen
+    but for ``trained_head`` (see ``peft_config``), which stays trainable.
 
     The adapters are created on the device of the layer they attach to (meta here:
     FSDP2 and ``to_empty`` allocate them with the rest).
@@ -77,9 +91,14 @@ def wrap(model: nn.Module, cfg: LoraConfig, base_model_path: str | Path) -> nn.M
     import peft
 
     try:
-        return peft.get_peft_model(model, peft_config(cfg, base_model_path))
+        wrapped = peft.get_peft_model(
+            model, peft_config(cfg, base_model_path, trained_head=trained_head)
+        )
     except ValueError as err:  # peft names the target modules it could not find
         raise ValueError(f"learner.lora.target_modules={cfg.target_modules}: {err}") from err
+    if trained_head is not None:
+        wrapped.get_base_model().get_submodule(trained_head).requires_grad_(True)
+    return wrapped
 
 
 def is_adapter(name: str) -> bool:

@@ -2,9 +2,9 @@
 
 ``build_model`` puts together what ``learner.sharded_load.build_sharded`` does
 generically with the learner's choices for one role: gradient checkpointing
-(training models only), the peft LoRA wrapper (policy only; its base weights
-come from the files under their Hugging Face names, its adapters from the
-seed), FSDP2 sharding (``learner.fsdp.shard_model``: bf16 compute, CPU offload,
+(training models only), the peft LoRA wrapper (the policy, or a reward model being
+trained, whose ``score`` head then trains in full beside the adapters; base weights
+come from the files under their Hugging Face names, adapters from the seed), FSDP2 sharding (``learner.fsdp.shard_model``: bf16 compute, CPU offload,
 reshard after forward), the critic's freshly initialised ``score`` head, and
 Ulysses attention when the sequence is split (``learner.ulysses``, which needs
 the attention and KV head counts divisible by the group size).
@@ -15,6 +15,7 @@ Optimizers and schedulers are built by ``LearnerWorker.setup`` (``learner.fsdp``
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from torch import nn
 from learner import lora, ulysses
 from learner.config import LoraConfig
 from learner.fsdp import shard_model
-from learner.sharded_load import ModelKind, build_sharded, fill_from_full
+from learner.sharded_load import ModelKind, build_sharded, fill_from_full, index_safetensors
 
 
 def build_model(
@@ -60,10 +61,14 @@ def build_model(
             model, bf16=bf16, cpu_offload=offload, reshard_after_forward=reshard_after_forward
         )
 
-    def skip_missing(name: str) -> bool:
-        if lora_on:
-            return lora.is_adapter(name)
-        return kind == "token_classification" and name.startswith("score.")
+    def skip_missing(name: str) -> bool:  # tensors the caller initialises
+        if lora_on and lora.is_adapter(name):
+            return True
+        file_name = lora.checkpoint_name(name) if lora_on else name
+        return kind != "causal_lm" and file_name.startswith("score.")
+
+    # a reward model's head trains in full beside the adapters
+    head = "score" if kind == "reward" else None
 
     model = build_sharded(
         path,
@@ -71,7 +76,9 @@ def build_model(
         device=torch.device("cpu") if offload else device,
         shard=shard,
         prepare=prepare,
-        wrap=(lambda m: lora.wrap(m, lora_cfg, path)) if lora_on else (lambda m: m),
+        wrap=(lambda m: lora.wrap(m, lora_cfg, path, trained_head=head))
+        if lora_on
+        else (lambda m: m),
         skip_missing=skip_missing,
         file_name=lora.checkpoint_name if lora_on else (lambda name: name),
     )
@@ -90,10 +97,20 @@ def build_model(
     return model
 
 
-def init_value_head(critic: nn.Module, seed: int, std: float) -> None:
-    """The value head from the seed (the same full tensor on every rank; each keeps its shard)."""
+def stored_head(path: Path) -> set[str]:
+    """Which of the ``score`` head's tensors ("weight", "bias") the folder's files hold."""
+    return {n.removeprefix("score.") for n in index_safetensors(path) if n.startswith("score.")}
+
+
+def init_value_head(
+    critic: nn.Module, seed: int, std: float, *, keep: Collection[str] = ()
+) -> None:
+    """The head from the seed (the same full tensor on every rank; each keeps its shard):
+    weight ~ N(0, std²), bias 0; the tensors named in ``keep`` were read from the model
+    folder (``stored_head``: a reward model's head) and are left as they are."""
     generator = torch.Generator().manual_seed(seed)
     weight = critic.score.weight
-    fill_from_full(weight, torch.randn(weight.shape, generator=generator) * std)
-    if critic.score.bias is not None:
+    if "weight" not in keep:
+        fill_from_full(weight, torch.randn(weight.shape, generator=generator) * std)
+    if critic.score.bias is not None and "bias" not in keep:
         fill_from_full(critic.score.bias, torch.zeros(critic.score.bias.shape))

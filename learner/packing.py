@@ -98,6 +98,50 @@ def pack_rows(lens: np.ndarray, budget: int | None) -> tuple[np.ndarray, np.ndar
     return row_of, start_of, len(fills), max(fills)
 
 
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Whole sequences laid out in token rows: packed, or one right-padded row each."""
+
+    ids: np.ndarray  # [rows, width]
+    positions: np.ndarray  # [rows, width]
+    mask: np.ndarray | None  # [rows, width] attention mask when padded, None when packed
+    row_of: np.ndarray  # [n] the row of each sequence
+    start_of: np.ndarray  # [n] its first column
+
+
+def layout_sequences(
+    seqs: list[np.ndarray], *, packing: bool, row_tokens: int | None
+) -> SequenceLayout:
+    """Token rows for ``seqs`` (at least one): packed rows with restarting positions
+    (``pack_rows``; unfilled tails restart at 0, a block of their own that nothing reads),
+    or one right-padded row per sequence with an attention mask."""
+    lens = np.array([len(s) for s in seqs], dtype=np.int64)
+    if packing:
+        row_of, start_of, num_rows, width = pack_rows(lens, row_tokens)
+        ids = np.zeros((num_rows, width), dtype=np.int64)
+        positions = np.zeros((num_rows, width), dtype=np.int64)
+        for j, s in enumerate(seqs):
+            r, c = row_of[j], start_of[j]
+            ids[r, c : c + len(s)] = s
+            positions[r, c : c + len(s)] = np.arange(len(s))
+        for r, fill in enumerate(np.bincount(row_of, weights=lens, minlength=num_rows)):
+            positions[r, int(fill) :] = np.arange(width - int(fill))
+        return SequenceLayout(ids, positions, None, row_of, start_of)
+    width = int(lens.max())
+    ids = np.zeros((len(seqs), width), dtype=np.int64)
+    mask = np.zeros((len(seqs), width), dtype=np.int64)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = s
+        mask[r, : len(s)] = 1
+    positions = np.broadcast_to(np.arange(width), ids.shape)
+    return SequenceLayout(ids, positions, mask, np.arange(len(seqs)), np.zeros(len(seqs), np.int64))
+
+
+def as_long(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """An int64 tensor on ``device`` from a writable copy of ``array``."""
+    return torch.from_numpy(np.array(array, dtype=np.int64)).to(device)
+
+
 @dataclass
 class MicroBatchInputs:
     """Tensors for one forward pass over the sequences ``indices`` of the global batch."""
@@ -115,6 +159,17 @@ class MicroBatchInputs:
     @property
     def num_tokens(self) -> int:
         return int(self.labels.numel())
+
+    @classmethod
+    def empty(cls, device: torch.device) -> MicroBatchInputs:
+        """A one-token dummy row that reads nothing: a rank with no sequences in a
+        micro-batch still runs the forward and backward (FSDP's collectives line up)."""
+        zero = torch.zeros(1, 1, dtype=torch.long, device=device)
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(
+            np.zeros(0, np.int64), zero, zero.clone(), None, none, none, none,
+            torch.ones(0, device=device), np.zeros(1, np.int64),
+        )  # fmt: skip
 
 
 def build_inputs(
@@ -134,12 +189,7 @@ def build_inputs(
     response_offsets = np.zeros(len(indices) + 1, dtype=np.int64)
     np.cumsum(response_lens, out=response_offsets[1:])
     if len(indices) == 0:
-        zero = torch.zeros(1, 1, dtype=torch.long, device=device)
-        none = torch.zeros(0, dtype=torch.long, device=device)
-        return MicroBatchInputs(
-            indices, zero, zero.clone(), None, none, none, none,
-            torch.ones(0, device=device), response_offsets,
-        )  # fmt: skip
+        return MicroBatchInputs.empty(device)
     seqs = [np.concatenate([batch.prompt(i), batch.response(i)]) for i in indices]
     prompt_lens = batch.prompt_lens[indices]
     # Column of the token that predicts response token t of sequence j: start_j + P_j - 1 + t.
@@ -147,45 +197,22 @@ def build_inputs(
         [np.arange(p - 1, p - 1 + r) for p, r in zip(prompt_lens, response_lens, strict=True)]
     ).astype(np.int64)
     seq_of_token = np.repeat(np.arange(len(indices)), response_lens)
-    if packing:
-        lens = np.array([len(s) for s in seqs], dtype=np.int64)
-        row_of, start_of, num_rows, width = pack_rows(lens, row_tokens)
-        ids = np.zeros((num_rows, width), dtype=np.int64)
-        # unfilled tails restart at position 0: a block of their own that nothing reads
-        positions = np.zeros((num_rows, width), dtype=np.int64)
-        for j, s in enumerate(seqs):
-            r, c = row_of[j], start_of[j]
-            ids[r, c : c + len(s)] = s
-            positions[r, c : c + len(s)] = np.arange(len(s))
-        for r, fill in enumerate(np.bincount(row_of, weights=lens, minlength=num_rows)):
-            positions[r, int(fill) :] = np.arange(width - int(fill))
-        rows = row_of[seq_of_token]
-        cols = start_of[seq_of_token] + within
-        attention_mask = None
-    else:
-        width = max(len(s) for s in seqs)
-        ids = np.zeros((len(seqs), width), dtype=np.int64)
-        mask = np.zeros((len(seqs), width), dtype=np.int64)
-        for r, s in enumerate(seqs):
-            ids[r, : len(s)] = s
-            mask[r, : len(s)] = 1
-        positions = np.broadcast_to(np.arange(width), ids.shape)
-        rows, cols = seq_of_token, within
-        attention_mask = torch.from_numpy(mask).to(device)
+    layout = layout_sequences(seqs, packing=packing, row_tokens=row_tokens)
+    rows = layout.row_of[seq_of_token]
+    cols = layout.start_of[seq_of_token] + within
     labels = batch.response_values[
         np.concatenate(
             [np.arange(batch.response_offsets[i], batch.response_offsets[i + 1]) for i in indices]
         )
     ]
-    as_long = lambda a: torch.from_numpy(np.array(a, dtype=np.int64)).to(device)  # noqa: E731  (a writable copy)
     return MicroBatchInputs(
         indices=indices,
-        input_ids=as_long(ids),
-        position_ids=as_long(positions),
-        attention_mask=attention_mask,
-        rows=as_long(rows),
-        cols=as_long(cols),
-        labels=as_long(labels),
+        input_ids=as_long(layout.ids, device),
+        position_ids=as_long(layout.positions, device),
+        attention_mask=None if layout.mask is None else as_long(layout.mask, device),
+        rows=as_long(rows, device),
+        cols=as_long(cols, device),
+        labels=as_long(labels, device),
         temperature=torch.from_numpy(batch.temperature[indices][seq_of_token]).to(device),
         response_offsets=response_offsets,
     )

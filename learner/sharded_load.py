@@ -61,7 +61,9 @@ _ST_DTYPES = {
     "BOOL": torch.bool,
 }
 
-ModelKind = Literal["causal_lm", "token_classification"]
+# reward: the reward model being trained, a one-label token classifier whose head has no bias
+# (as transformers' *ForSequenceClassification head), read at each sequence's last token
+ModelKind = Literal["causal_lm", "token_classification", "reward"]
 
 
 class SafetensorsEntry:
@@ -217,9 +219,10 @@ def meta_model(path: str | Path, kind: ModelKind, *, num_labels: int = 1) -> nn.
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    if kind == "token_classification":
+    if kind != "causal_lm":
         config.num_labels = num_labels
         config.classifier_dropout = 0.0  # the HF head defaults to 0.1: values must be deterministic
+        config.token_classification_bias = kind == "token_classification"
     auto = AutoModelForCausalLM if kind == "causal_lm" else AutoModelForTokenClassification
     with torch.device("meta"):
         model = auto.from_config(config, dtype=torch.float32)

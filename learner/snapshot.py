@@ -47,7 +47,7 @@ def snapshot_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / SNAPSHOT_DIR
 
 
-def _config_dtype(model_path: Path) -> torch.dtype | None:
+def config_dtype(model_path: Path) -> torch.dtype | None:
     """The dtype config.json declares (``dtype`` or the older ``torch_dtype``), if any."""
     config = json.loads((model_path / "config.json").read_text())
     name = config.get("dtype") or config.get("torch_dtype")
@@ -80,7 +80,7 @@ def write_hf_snapshot(
             f"policy snapshot: {model_path}/config.json is missing (model.path must be the "
             "Hugging Face folder the policy was built from)"
         )
-    dtype = _config_dtype(model_path)
+    dtype = config_dtype(model_path)
     tensors = {
         name: (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor)
         .detach()

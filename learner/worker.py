@@ -48,7 +48,6 @@ its adapters off (no reference copy is built), and ``named_adapter_tensors`` /
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -60,7 +59,6 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from buffer.arrow_batch import from_ipc, to_ipc
 from fleetrl.log import get_logger
 from fleetrl.models.config import ModelConfig
 from fleetrl.models.loading import check_model_dir
@@ -69,9 +67,9 @@ from learner import dist as ldist
 from learner import lora, ulysses, weights_out, worker_checkpoint
 from learner.batching import GlobalBatch, global_counts, mini_batches, plan_ranks
 from learner.config import LearnerConfig
-from learner.fsdp import build_optimizer, build_scheduler, clip_grad_norm
+from learner.fsdp import build_optimizer, build_scheduler, guarded_step
 from learner.memory import peak_memory_gb, rss_kb
-from learner.model_build import build_model, init_value_head
+from learner.model_build import build_model, init_value_head, stored_head
 from learner.packing import (
     MicroBatchInputs,
     build_inputs,
@@ -197,12 +195,34 @@ class LearnerWorker:
                 path, "causal_lm", self.cfg.reference.param_offload and on_gpu, train=False
             ).requires_grad_(False)
         if self.uses_critic:
-            self.critic = self._build(path, "token_classification", offload, train=True)
-            init_value_head(self.critic, self.seed, self.cfg.critic.value_head_init_std)
+            critic_path = self._critic_path(path)
+            self.critic = self._build(critic_path, "token_classification", offload, train=True)
+            init_value_head(
+                self.critic, self.seed, self.cfg.critic.value_head_init_std,
+                keep=stored_head(critic_path),  # a reward model's head is the value head
+            )  # fmt: skip
             self.critic_optimizer = build_optimizer(self.critic.parameters(), self.cfg.critic.optim)
             self.critic_scheduler = build_scheduler(
                 self.critic_optimizer, self.cfg.critic.optim, self.total_steps
             )
+
+    def _critic_path(self, policy_path: Path) -> Path:
+        """The folder the critic is built from: the policy's, or ``critic.init_from``'s
+        reward model (checked: a one-label classifier over the policy's vocabulary)."""
+        source = self.cfg.critic.init_from
+        if not source:
+            return policy_path
+        from fleetrl.models.reward_folder import check_reward_folder
+
+        reward_config = check_reward_folder(check_model_dir(source))
+        policy_vocab = self.policy.config.vocab_size
+        if reward_config.get("vocab_size") != policy_vocab:
+            raise ValueError(
+                f"learner.critic.init_from={source}: its vocab_size "
+                f"{reward_config.get('vocab_size')} is not the policy's {policy_vocab} (the "
+                "critic reads the policy's tokens)"
+            )
+        return Path(source)
 
     def _build(
         self, path: Path, kind: ModelKind, offload: bool, *, train: bool, lora_on: bool = False
@@ -277,22 +297,16 @@ class LearnerWorker:
                 return self._infer(self.policy, batch, plan, values=False)
         return None
 
-    def _broadcast(self, batch: pa.RecordBatch | None) -> pa.RecordBatch:
-        if self.world_size == 1:
-            if batch is None:
-                raise ValueError("LearnerWorker.step: rank 0 must pass the batch")
-            return batch
-        payload = ldist.broadcast_bytes(
-            to_ipc(batch) if self.rank == 0 and batch is not None else None, self.device
-        )
-        return batch if self.rank == 0 else from_ipc(payload)
-
     def step(self, batch: pa.RecordBatch | None, policy_version: int) -> dict[str, float]:
         """One training step on a global batch (rank 0 passes it, other ranks None)."""
         if self.policy is None:
             raise RuntimeError("LearnerWorker.step called before setup()")
         started = time.perf_counter()
-        gb = GlobalBatch.from_arrow(self._broadcast(batch))
+        gb = GlobalBatch.from_arrow(
+            ldist.broadcast_record_batch(
+                batch, rank=self.rank, world_size=self.world_size, device=self.device
+            )
+        )
         everything = np.arange(gb.size)
         infer_plan = self._plan(gb, everything)
         metrics = batch_metrics(gb, policy_version)
@@ -453,19 +467,15 @@ class LearnerWorker:
         The global loss and the gradient norm are the same on every rank, so every
         rank takes the same decision.
         """
-        global_loss = float(ldist.all_reduce_sum(local_loss.clone()))
-        grad_norm = clip_grad_norm(list(model.parameters()), max_norm)
-        finite = math.isfinite(global_loss) and math.isfinite(grad_norm)
-        if finite:
-            optimizer.step()
-            self._update_stats[f"{role}/grad_norm"].append(grad_norm)
+        update = guarded_step(model, optimizer, max_norm, local_loss)
+        if update.stepped:
+            self._update_stats[f"{role}/grad_norm"].append(update.grad_norm)
         else:
             self._update_stats[f"{role}/skipped_nonfinite"].append(1.0)
             log.warning(
                 "%s update skipped at step %d: loss %s, grad norm %s",
-                role, self.global_step, global_loss, grad_norm,
+                role, self.global_step, update.global_loss, update.grad_norm,
             )  # fmt: skip
-        optimizer.zero_grad(set_to_none=True)
 
     # ------------------------------------------------------------------ weights out
 

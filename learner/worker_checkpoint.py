@@ -36,8 +36,8 @@ def save(worker: LearnerWorker, root: str | Path, extra_state: dict[str, Any]) -
     """Write ``<root>/step_<global_step>`` atomically; returns its path."""
     meta = {
         "policy_version": worker.policy_version,
-        "scheduler": _scheduler_state(worker.scheduler),
-        "critic_scheduler": _scheduler_state(worker.critic_scheduler) if worker.critic else None,
+        "scheduler": scheduler_state(worker.scheduler),
+        "critic_scheduler": scheduler_state(worker.critic_scheduler) if worker.critic else None,
         "kl_ctrl": worker.kl_ctrl.state_dict(),
         "extra_state": extra_state,
         # LoRA: the policy in the checkpoint is a peft model; export rebuilds it from this
@@ -57,7 +57,7 @@ def load(worker: LearnerWorker, step_dir: str | Path) -> dict[str, Any]:
     set_state_dict(
         worker.policy, worker.optimizer,
         model_state_dict=state["policy"], optim_state_dict=state["policy_optim"],
-        options=_policy_state_options(worker.uses_lora),
+        options=frozen_base_options(worker.uses_lora),
     )  # fmt: skip
     if worker.critic is not None:
         set_state_dict(
@@ -73,7 +73,7 @@ def load(worker: LearnerWorker, step_dir: str | Path) -> dict[str, Any]:
     return meta["extra_state"]
 
 
-def _policy_state_options(uses_lora: bool):
+def frozen_base_options(uses_lora: bool):
     """LoRA: the frozen base is not checkpointed (it is re-read from the model folder)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -85,7 +85,7 @@ def _dcp_state(worker: LearnerWorker) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     policy_sd, optim_sd = get_state_dict(
-        worker.policy, worker.optimizer, options=_policy_state_options(worker.uses_lora)
+        worker.policy, worker.optimizer, options=frozen_base_options(worker.uses_lora)
     )
     state = {"policy": policy_sd, "policy_optim": optim_sd}
     if worker.critic is not None:
@@ -94,7 +94,7 @@ def _dcp_state(worker: LearnerWorker) -> dict[str, Any]:
     return state
 
 
-def _scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+def scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
     """A LambdaLR state as JSON (the lambdas themselves are rebuilt from config)."""
     state = scheduler.state_dict()
     state["lr_lambdas"] = [None] * len(state.get("lr_lambdas", []))

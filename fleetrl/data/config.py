@@ -55,3 +55,59 @@ class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             description="Rows of the generated synthetic test file (held-out instances only).",
         ),
     ] = 200
+
+
+class PreferenceDataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Data section of a reward-model run (`fleetrl rm train`): preference pairs."""
+
+    train_files: Annotated[
+        list[str],
+        Meta(
+            description="Parquet files of preference pairs (prompt, chosen, rejected, optional margin; fleetrl.data.preference)."
+        ),
+    ] = []
+    val_files: Annotated[
+        list[str],
+        Meta(
+            description="Held-out preference pairs: pairwise accuracy every trainer.test_freq steps, and the score statistics stored in the exported folder (without them, the statistics come from the training pairs)."
+        ),
+    ] = []
+    train_batch_size: Annotated[
+        int, Meta(ge=1, description="Pairs per optimizer step (global, over every rank).")
+    ] = 64
+    max_length: Annotated[
+        int,
+        Meta(
+            ge=2,
+            description="Most tokens of one sequence (prompt + response + EOS, after the chat template); a pair with a longer one is dropped and counted.",
+        ),
+    ] = 1024
+    apply_chat_template: Annotated[
+        bool,
+        Meta(
+            description="Render chat prompts with the tokenizer's template, the response as the assistant's message (fleetrl.models.reward_input)."
+        ),
+    ] = True
+    shuffle: Annotated[
+        bool, Meta(description="Shuffle each epoch deterministically from `seed`.")
+    ] = True
+    seed: Annotated[
+        int, Meta(description="Shuffle seed (and the split of a generated synthetic set).")
+    ] = 1
+    val_max_pairs: Annotated[int, Meta(ge=-1, description="Cap on held-out pairs (-1 = all).")] = -1
+    synth_task: Annotated[
+        Literal["", "add2", "add2_even"],
+        Meta(
+            description="If set and the files are missing, generate this synthetic preference set there (fleetrl.data.synth_preference), on the RL task add2's own train/held-out split: add2_even (the CPU demo's: an even answer over an odd one), add2 (the correct sum over wrong ones)."
+        ),
+    ] = ""
+    synth_train_size: Annotated[
+        int, Meta(ge=1, description="Pairs of the generated synthetic train file.")
+    ] = 4000
+    synth_test_size: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Pairs of the generated synthetic held-out file (held-out prompts only).",
+        ),
+    ] = 400

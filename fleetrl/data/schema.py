@@ -17,7 +17,7 @@ Left out: verl's optional extra columns are ignored (not rejected) when read;
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,18 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def validate_messages(messages: list[Any], fail: Callable[[str, str], DatasetError]) -> None:
+    """Raise ``fail(field, problem)`` unless every message is a {role, content} of strings."""
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise fail(f"prompt[{i}]", f"expected a {{role, content}} mapping, got {message!r:.80}")
+        role, content = message.get("role"), message.get("content")
+        if role not in MESSAGE_ROLES:
+            raise fail(f"prompt[{i}].role", f"got {role!r}; accepted: {', '.join(MESSAGE_ROLES)}")
+        if not isinstance(content, str):
+            raise fail(f"prompt[{i}].content", f"expected a string, got {_type_name(content)}")
+
+
 def validate_row(row: Any, *, file: str | Path, index: int) -> None:
     """Raise ``DatasetError`` unless ``row`` (a dict, as ``to_pylist`` gives) follows the schema."""
 
@@ -74,14 +86,7 @@ def validate_row(row: Any, *, file: str | Path, index: int) -> None:
         raise fail(
             "prompt", f"expected a non-empty list of {{role, content}} messages, got {prompt!r:.80}"
         )
-    for i, message in enumerate(prompt):
-        if not isinstance(message, Mapping):
-            raise fail(f"prompt[{i}]", f"expected a {{role, content}} mapping, got {message!r:.80}")
-        role, content = message.get("role"), message.get("content")
-        if role not in MESSAGE_ROLES:
-            raise fail(f"prompt[{i}].role", f"got {role!r}; accepted: {', '.join(MESSAGE_ROLES)}")
-        if not isinstance(content, str):
-            raise fail(f"prompt[{i}].content", f"expected a string, got {_type_name(content)}")
+    validate_messages(prompt, fail)
 
     reward_model = row["reward_model"]
     if not isinstance(reward_model, Mapping):
@@ -120,15 +125,20 @@ def validate_columns(schema: pa.Schema, *, file: str | Path) -> None:
         )
 
 
-def read_rows(file: str | Path) -> list[dict[str, Any]]:
-    """Every row of one Parquet file as validated dicts (only the schema's columns are read)."""
-    path = Path(file)
+def open_parquet(path: Path) -> pq.ParquetFile:
+    """The Parquet file at ``path``; ``DatasetError`` if it is missing or unreadable."""
     if not path.is_file():
         raise DatasetError(path, "file not found")
     try:
-        parquet = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as err:
         raise DatasetError(path, f"not a readable Parquet file: {err}") from None
+
+
+def read_rows(file: str | Path) -> list[dict[str, Any]]:
+    """Every row of one Parquet file as validated dicts (only the schema's columns are read)."""
+    path = Path(file)
+    parquet = open_parquet(path)
     validate_columns(parquet.schema_arrow, file=path)
     rows = parquet.read(columns=list(REQUIRED_COLUMNS)).to_pylist()
     for index, row in enumerate(rows):

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from learner import dist as ldist
 from learner import lora
 from learner.batching import GlobalBatch
 from learner.checkpoint import latest_complete_checkpoint
@@ -32,7 +33,11 @@ LORA: dict[str, Any] = {
 
 def probe(worker: LearnerWorker, batch) -> dict[str, Any]:
     """Collective: logprobs with adapters on and off, and adapter gradients (then zeroed)."""
-    gb = GlobalBatch.from_arrow(worker._broadcast(batch))
+    gb = GlobalBatch.from_arrow(
+        ldist.broadcast_record_batch(
+            batch, rank=worker.rank, world_size=worker.world_size, device=worker.device
+        )
+    )
     plan = worker._plan(gb, np.arange(gb.size))
     policy = worker._infer(worker.policy, gb, plan, values=False)
     reference = worker._reference_logprobs(gb, plan)

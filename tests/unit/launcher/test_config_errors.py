@@ -190,12 +190,6 @@ def test_missing_config_file_is_named():
             "its own tokenizer and chat template",
         ),
         (
-            ["reward.model.path=/models/rm"],
-            "reward.model.urls",
-            "reward.model.path",
-            "reward servers already running",
-        ),
-        (
             ["reward.custom_function.data_sources=[mine/*]"],
             "reward.custom_function.data_sources",
             "reward.custom_function.path",

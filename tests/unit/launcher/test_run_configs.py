@@ -10,18 +10,29 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from launcher.config import RunConfig, load_run_config
 from launcher.config_cmd import render_docs
 
 REPO = Path(__file__).resolve().parents[3]
-RUN_CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+# reward-model configs (`fleetrl rm train`) have an `rm` section; the others are RL runs
+RM_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if "rm" in yaml.safe_load(p.read_text()))  # fmt: skip
+RUN_CONFIGS = sorted(set((REPO / "configs").glob("*.yaml")) - set(RM_CONFIGS))
 
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: p.name)
 def test_shipped_run_config_validates(path: Path):
     cfg = load_run_config(path)
     assert cfg.trainer.total_steps >= 1
+
+
+@pytest.mark.parametrize("path", RM_CONFIGS, ids=lambda p: p.name)
+def test_shipped_reward_model_config_validates(path: Path):
+    from launcher.rm_config import load_rm_config
+
+    cfg = load_rm_config(path)
+    assert cfg.trainer.total_steps >= 1 and cfg.data.train_files
 
 
 def test_gpu_configs_follow_the_documented_recipes():
