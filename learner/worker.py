@@ -113,8 +113,21 @@ class LearnerWorker:
                 "learner.algorithm.overlong_buffer_len needs the response cap: pass"
                 " max_response_length (rollout.max_new_tokens)"
             )
+        if "seq-mean-token-sum-norm" in (
+            learner_cfg.policy_loss.loss_agg_mode,
+            learner_cfg.critic.loss_agg_mode,
+        ) and not (learner_cfg.policy_loss.loss_scale_factor or max_response_length > 0):
+            raise ValueError(
+                "loss_agg_mode seq-mean-token-sum-norm needs its constant: set"
+                " learner.policy_loss.loss_scale_factor or pass max_response_length"
+            )
         self.cfg = learner_cfg
         self.max_response_length = max_response_length
+        # seq-mean-token-sum-norm's constant: the same for every micro-batch of every step
+        self.policy_loss_scale = float(
+            learner_cfg.policy_loss.loss_scale_factor or max_response_length or 1
+        )
+        self.value_loss_scale = float(max_response_length or self.policy_loss_scale)
         self.model_cfg = model_cfg
         self.rank = rank
         self.world_size = world_size
@@ -197,7 +210,11 @@ class LearnerWorker:
                 path, "causal_lm", self.cfg.reference.param_offload and on_gpu, train=False
             ).requires_grad_(False)
         if self.uses_critic:
-            self.critic = self._build(path, "token_classification", offload, train=True)
+            critic_path = (
+                check_model_dir(self.cfg.critic.model_path) if self.cfg.critic.model_path else path
+            )
+            check_critic_vocabulary(path, critic_path)
+            self.critic = self._build(critic_path, "token_classification", offload, train=True)
             init_value_head(self.critic, self.seed, self.cfg.critic.value_head_init_std)
             self.critic_optimizer = build_optimizer(self.critic.parameters(), self.cfg.critic.optim)
             self.critic_scheduler = build_scheduler(
@@ -313,20 +330,25 @@ class LearnerWorker:
         tick = time.perf_counter()
         sums = ldist.MetricSums()
         self._update_stats: dict[str, list[float]] = defaultdict(list)
+        # critic warm-up (learner.critic.warmup_steps): the policy waits for useful values
+        train_policy = self.global_step >= self.cfg.critic.warmup_steps
         for _epoch in range(self.cfg.ppo_epochs):
             for mini in mini_batches(gb.group_index, self.cfg.ppo_mini_batch_size):
                 plan = self._plan(gb, mini)
                 counts = global_counts(gb, mini)
-                self._update_policy(gb, plan, targets, counts, sums)
+                if train_policy:
+                    self._update_policy(gb, plan, targets, counts, sums)
                 if self.critic is not None:
                     self._update_critic(gb, plan, targets, counts, sums)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        if train_policy:
+            self.scheduler.step()
         if self.critic is not None:
             metrics["critic/lr"] = self.critic_scheduler.get_last_lr()[0]
             self.critic_scheduler.step()
         metrics.update(sums.reduce(self.device))
-        for role in ("actor", "critic") if self.critic is not None else ("actor",):
+        roles = ("actor",) if train_policy else ()
+        for role in roles + (("critic",) if self.critic is not None else ()):
             norms = self._update_stats[f"{role}/grad_norm"]
             metrics[f"{role}/grad_norm"] = float(np.mean(norms)) if norms else float("nan")
             metrics[f"{role}/skipped_nonfinite"] = float(
@@ -350,7 +372,10 @@ class LearnerWorker:
         sums: ldist.MetricSums,
     ) -> None:
         pl, ws = self.cfg.policy_loss, self.world_size
-        count_kwargs = dict(global_token_count=counts[0], global_seq_count=counts[1], dp_size=ws)
+        count_kwargs = dict(
+            global_token_count=counts[0], global_seq_count=counts[1], dp_size=ws,
+            loss_scale_factor=self.policy_loss_scale,
+        )  # fmt: skip
         pg_loss_local = torch.zeros((), dtype=torch.float64, device=self.device)
         kl_loss_local = torch.zeros((), dtype=torch.float64, device=self.device)
         for indices in plan:
@@ -430,6 +455,7 @@ class LearnerWorker:
             loss, m = alg.value_loss(
                 values, targets.old_values[indices, :width], targets.returns[indices, :width],
                 mask, cc.cliprange_value, cc.loss_agg_mode, counts[0], counts[1], dp_size=ws,
+                loss_scale_factor=self.value_loss_scale,
             )  # fmt: skip
             (loss + anchor).backward()
             vf_loss_local += loss.detach()
@@ -518,6 +544,22 @@ class LearnerWorker:
         """Train on each batch in turn (rank 0's iterable holds batches, others Nones)."""
         for batch in batches:
             yield self.step(batch, policy_version=self.global_step)
+
+
+def check_critic_vocabulary(policy_path: Path, critic_path: Path) -> None:
+    """The critic reads the policy's token ids: its embedding must hold every one of them."""
+    if critic_path == policy_path:
+        return
+    from transformers import AutoConfig
+
+    policy_vocab = AutoConfig.from_pretrained(policy_path).vocab_size
+    critic_vocab = AutoConfig.from_pretrained(critic_path).vocab_size
+    if critic_vocab < policy_vocab:
+        raise ValueError(
+            f"learner.critic.model_path: {critic_path} has a vocabulary of {critic_vocab} tokens, "
+            f"fewer than the policy's {policy_vocab} ({policy_path}); the critic reads the "
+            "policy's token ids, so start it from a model of the same tokenizer"
+        )
 
 
 def _slicer(indices: np.ndarray, width: int):
