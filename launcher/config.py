@@ -25,7 +25,16 @@ from weight_sync.config import WeightSyncConfig
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    total_steps: Annotated[int, Meta(ge=1, description="Learner steps to run.")] = 100
+    total_steps: Annotated[
+        int, Meta(ge=1, description="Learner steps to run (unless total_epochs is set).")
+    ] = 100
+    total_epochs: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="When > 0, passes over data.train_files (verl's trainer.total_epochs): total_steps becomes total_epochs × ⌊prompts ÷ data.train_batch_size⌋, counted from the files when the run starts, with the prompts data.truncation=filter drops left out and a last partial batch not a step (verl's dataloader drops it). 0 = total_steps decides.",
+        ),
+    ] = 0
     output_dir: Annotated[
         str,
         Meta(
@@ -33,7 +42,11 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = "runs/default"
     save_freq: Annotated[
-        int, Meta(ge=-1, description="Checkpoint every this many steps (-1 = only at the end).")
+        int,
+        Meta(
+            ge=-1,
+            description="Checkpoint every this many steps and at the last step; -1 = only at the last step (and on a stop signal); 0 = never, not even on a stop (verl's save_freq: -1 maps to 0).",
+        ),
     ] = -1
     keep_checkpoints: Annotated[
         int,
@@ -46,9 +59,15 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         int,
         Meta(
             ge=-1,
-            description="Validate every this many steps (-1 = never; also once before training when >0).",
+            description="Validate every this many steps and at the last step (-1 = never); validation before the first step is val_before_train's.",
         ),
     ] = -1
+    val_before_train: Annotated[
+        bool,
+        Meta(
+            description="Validate once before the first step (verl's trainer.val_before_train), whatever test_freq says; needs data.val_files. Not repeated when a run resumes.",
+        ),
+    ] = True
     save_hf_freq: Annotated[
         int,
         Meta(
@@ -60,6 +79,12 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         Literal["auto", "disable"],
         Meta(description="auto: continue from the latest complete checkpoint in output_dir."),
     ] = "auto"
+    resume_from_path: Annotated[
+        str,
+        Meta(
+            description="A checkpoint folder (<run dir>/checkpoints/step_N, of this run or another) to start from instead of the newest in output_dir (verl's resume_mode=resume_path); ~ is expanded. Its policy, optimizer, critic, LR schedule, step and data cursor are loaded; the rollout bank starts empty (groups generated but not trained on are generated again) and output_dir's checkpoints newer than it are moved aside, so a later resume=auto continues this branch.",
+        ),
+    ] = ""
     seed: Annotated[int, Meta(description="Global seed.")] = 1
     device: Annotated[
         Literal["auto", "cpu", "cuda"], Meta(description="Where learner and engines compute.")

@@ -214,3 +214,33 @@ def data_to_train_on(cfg: RunConfig) -> Iterator[ConfigError]:
             f"{len(data.train_files)} train and {len(data.val_files)} val files",
             "a synthetic task is written to one train file and at most one val file",
         )
+
+
+@rule
+def critic_warmup_has_a_critic(cfg: RunConfig) -> Iterator[ConfigError]:
+    learner = cfg.learner
+    critic_on = learner.critic.enabled == "on" or (
+        learner.critic.enabled == "auto" and learner.algorithm.adv_estimator == "gae"
+    )
+    if learner.critic.warmup_steps and not critic_on:
+        yield refuse(
+            "learner.critic.warmup_steps",
+            "learner.algorithm.adv_estimator",
+            f"{learner.critic.warmup_steps} without a critic "
+            f"({learner.algorithm.adv_estimator!r}, critic {learner.critic.enabled!r})",
+            "the warm-up trains only the critic, so without one no step would train; "
+            "set it to 0, or use gae (or learner.critic.enabled=on)",
+        )
+
+
+@rule
+def one_warmup_length(cfg: RunConfig) -> Iterator[ConfigError]:
+    for section in ("learner.optim", "learner.critic.optim"):
+        optim = cfg.learner.optim if section == "learner.optim" else cfg.learner.critic.optim
+        if optim.warmup_steps and optim.warmup_ratio:
+            yield refuse(
+                f"{section}.warmup_ratio",
+                f"{section}.warmup_steps",
+                f"{optim.warmup_ratio} with {optim.warmup_steps}",
+                "give the warm-up once: as steps or as a fraction of the run",
+            )

@@ -204,6 +204,8 @@ def checkpoints_on_disk(cfg: RunConfig) -> int:
     """Checkpoints the run holds at most: every one written, or the newest
     ``trainer.keep_checkpoints`` (at least 2: the fallback) when that bounds them."""
     tr = cfg.trainer
+    if tr.save_freq == 0:
+        return 0
     written = (tr.total_steps // tr.save_freq if tr.save_freq > 0 else 0) + 1
     return written if tr.keep_checkpoints == 0 else min(written, max(2, tr.keep_checkpoints))
 

@@ -371,15 +371,13 @@ class RolloutRole:
         self.cfg = cfg
         self.api_key = api_key
         self.tokenizer = load_tokenizer(cfg.model.path)
-        reader_args = dict(
-            max_prompt_length=cfg.data.max_prompt_length,
-            apply_chat_template=cfg.data.apply_chat_template,
-        )
+        reader_args = cfg.data.reader_options()
         self.reader = PromptReader(
             cfg.data.train_files,
             self.tokenizer,
             shuffle=cfg.data.shuffle,
             seed=cfg.data.seed,
+            max_samples=cfg.data.train_max_samples,
             **reader_args,
         )
         self.val_files = cfg.data.val_files

@@ -141,7 +141,9 @@ class Run:
 
         extra: dict[str, Any] = {}
         self.phase = "restoring the latest checkpoint"
-        if cfg.trainer.resume == "auto":
+        if cfg.trainer.resume_from_path:
+            extra = self.restore_checkpoint_at(cfg.trainer.resume_from_path)
+        elif cfg.trainer.resume == "auto":
             extra = self.restore_latest_checkpoint()
 
         self.rollout = remote_class(RolloutRole, num_cpus=0, max_concurrency=16).remote(
@@ -258,21 +260,8 @@ class Run:
                     str(err).strip().splitlines()[-1][:300],
                 )
                 continue
-            self.origin = ray.get(self.learners[0].state.remote(str(candidate)))
-            self.version = self.origin.policy_version
             watermark = int(extra.get("buffer", {}).get("received_watermark", 0))
-            self.last_checkpoint_watermark = watermark
-            self.resumable = [(watermark, _unfinished(extra.get("reader")))]
-            reset = ray.get(self.learners[0].resume_buffer.remote(self.version, watermark))
-            log.info(
-                "resumed from %s: step %d, policy version %d, hand-out watermark %d, "
-                "admission counter reset to %d groups",
-                candidate,
-                self.origin.step,
-                self.version,
-                watermark,
-                reset,
-            )
+            self._resumed(candidate, extra, watermark)
             return extra
         if checkpoint_candidates(self.ckpt_root):
             raise TrainingStopped(
@@ -281,6 +270,33 @@ class Run:
             )
         return {}
 
+    def restore_checkpoint_at(self, path: str) -> dict[str, Any]:
+        """``trainer.resume_from_path``: that checkpoint, with a new bank (launcher/resume_path.py)."""
+        from launcher.resume_path import checkpoint_step, checkpoint_to_resume, set_aside_newer
+
+        folder = checkpoint_to_resume(path)
+        set_aside_newer(self.ckpt_root, checkpoint_step(folder))
+        extra = gather(
+            [w.load_checkpoint.remote(str(folder)) for w in self.learners], f"loading {folder}"
+        )[0]
+        self._resumed(folder, extra, watermark=0)  # the bank started empty
+        return extra
+
+    def _resumed(self, candidate: Path, extra: dict[str, Any], watermark: int) -> None:
+        """After every rank loaded ``candidate``: the run's clock and the buffer follow it."""
+        import ray
+
+        self.origin = ray.get(self.learners[0].state.remote(str(candidate)))
+        self.version = self.origin.policy_version
+        self.last_checkpoint_watermark = watermark
+        self.resumable = [(watermark, _unfinished(extra.get("reader")))]
+        reset = ray.get(self.learners[0].resume_buffer.remote(self.version, watermark))
+        log.info(
+            "resumed from %s: step %d, policy version %d, hand-out watermark %d, "
+            "admission counter reset to %d groups",
+            candidate, self.origin.step, self.version, watermark, reset,
+        )  # fmt: skip
+
     def set_aside_unowned_bank(self) -> None:
         """A bank no checkpoint will resume (fresh start) is moved aside, not reloaded.
 
@@ -288,7 +304,12 @@ class Run:
         starts again at version 0.
         """
         bank = Path(self.bank_dir)
-        resuming = self.cfg.trainer.resume == "auto" and checkpoint_candidates(self.ckpt_root)
+        trainer = self.cfg.trainer
+        resuming = (
+            trainer.resume == "auto"
+            and not trainer.resume_from_path  # a chosen checkpoint starts a new bank
+            and checkpoint_candidates(self.ckpt_root)
+        )
         if resuming or not bank.is_dir() or not any(bank.iterdir()):
             return
         aside = bank.with_name(f"{bank.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -153,6 +153,11 @@ def due(step: int, every: int, last: int) -> bool:
     return every > 0 and (step % every == 0 or step == last)
 
 
+def saves_at(step: int, save_freq: int, last: int) -> bool:
+    """``trainer.save_freq``: every ``save_freq`` steps and at the last (-1: the last only; 0: never)."""
+    return save_freq != 0 and (due(step, save_freq, last) or step == last)
+
+
 def train_loop(roles: Any, cfg: RunConfig, progress: Progress, tracker: Any, stop: Any) -> None:
     """The schedule: wait for a batch, step, publish, snapshot, validate, checkpoint, log; repeat.
 
@@ -179,7 +184,7 @@ def train_loop(roles: Any, cfg: RunConfig, progress: Progress, tracker: Any, sto
             roles.save_hf_snapshot(progress.step)
         if due(progress.step, tr.test_freq, tr.total_steps):
             m.update(validate(roles, progress))
-        if due(progress.step, tr.save_freq, tr.total_steps) or progress.step == tr.total_steps:
+        if saves_at(progress.step, tr.save_freq, tr.total_steps):
             roles.checkpoint(progress.step)
             progress.checkpointed_step = progress.step
         m.update(roles.role_metrics())
@@ -231,7 +236,7 @@ def execute(session: Any, cfg: RunConfig, tracker: Any, stop: Any) -> dict[str, 
         stop.starting = False
         progress = Progress.resuming(origin, wall0)
         summary["resumed_from"] = origin.resumed_from
-        if cfg.trainer.test_freq > 0 and origin.resumed_from is None:
+        if cfg.trainer.val_before_train and cfg.data.val_files and origin.resumed_from is None:
             val = validate(roles, progress)
             tracker.log(progress.step, {**val, "policy_version": progress.version})
             if "val/score/mean" in val:
@@ -247,7 +252,9 @@ def execute(session: Any, cfg: RunConfig, tracker: Any, stop: Any) -> dict[str, 
             interrupted_start = StartupInterrupted(summary["interrupted"], session.phase)
         else:
             log.warning("stopping at step %d on %s", progress.step, summary["interrupted"])
-            if not roles.failed and progress.step != progress.checkpointed_step:
+            if cfg.trainer.save_freq == 0:
+                log.warning("trainer.save_freq=0: no checkpoint written, this run cannot resume")
+            elif not roles.failed and progress.step != progress.checkpointed_step:
                 session.checkpoint(progress.step)
     finally:
         stop.restore()
@@ -274,8 +281,8 @@ def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
         ensure_ready(cfg, address)
         run_dir = Path(cfg.trainer.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        cfg = prepare(cfg)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        prepare(cfg)
         tracker = Tracker(cfg.logging, run_dir, cfg.trainer.total_steps, to_dict(cfg))
         session = Run(cfg, address)
     except (StopRequested, KeyboardInterrupt):
