@@ -86,15 +86,39 @@ def check_data(cfg: RunConfig) -> list[Finding]:
 
 
 def check_model(cfg: RunConfig) -> list[Finding]:
-    if (Path(cfg.model.path) / "config.json").is_file() or cfg.model.create_tiny:
-        return []
-    return [
-        Finding(
-            key="model.path",
-            problem=f"{cfg.model.path} is not a Hugging Face model folder",
-            fix="point it at a local model folder, or set model.create_tiny=true for a tiny one",
+    """The policy's folder, the critic's own (when it has one) and a checkpoint to resume."""
+    out = []
+    if not ((Path(cfg.model.path) / "config.json").is_file() or cfg.model.create_tiny):
+        out.append(
+            Finding(
+                key="model.path",
+                problem=f"{cfg.model.path} is not a Hugging Face model folder",
+                fix="point it at a local model folder, or set model.create_tiny=true for a tiny one",
+            )
         )
-    ]
+    critic_path = cfg.learner.critic.model_path
+    if critic_path and not (Path(critic_path).expanduser() / "config.json").is_file():
+        out.append(
+            Finding(
+                key="learner.critic.model_path",
+                problem=f"{critic_path} is not a Hugging Face model folder",
+                fix="point it at a local model folder, or leave it empty to start from model.path",
+            )
+        )
+    if cfg.trainer.resume_from_path:
+        from learner.checkpoint import checkpoint_problem
+
+        folder = Path(cfg.trainer.resume_from_path).expanduser()
+        problem = checkpoint_problem(folder)
+        if problem is not None:
+            out.append(
+                Finding(
+                    key="trainer.resume_from_path",
+                    problem=f"{folder} is not a complete fleetrl checkpoint ({problem})",
+                    fix="give a <run dir>/checkpoints/step_N folder, or leave it empty",
+                )
+            )
+    return out
 
 
 def check_backend(cfg: RunConfig, probes: Probes, *, local: bool) -> list[Finding]:
