@@ -64,6 +64,7 @@ gpu-check: $(STAMP)
 
 docs: $(STAMP)
 	$(VENV)/bin/fleetrl config docs --out docs/configuration.md
+	$(VENV)/bin/fleetrl config docs --verl --out docs/verl.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

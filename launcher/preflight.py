@@ -36,7 +36,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from fleetrl.log import get_logger
-from launcher.config import RunConfig, load_run_config
+from launcher.config import RunConfig, load_run_config_named
 from launcher.preflight_findings import (
     Finding,
     Node,
@@ -365,8 +365,11 @@ def ensure_ready(cfg: RunConfig, address: str | None = None, probes: Probes | No
 
 def main(args: argparse.Namespace) -> int:
     """`fleetrl check`: the checks of `fleetrl train`, alone; exit 2 listing every failure."""
-    cfg = load_run_config(args.config, args.overrides)
-    ensure_ready(cfg, args.address)
+    cfg, name = load_run_config_named(args.config, args.overrides)
+    try:
+        ensure_ready(cfg, args.address)
+    except PreflightFailed as err:
+        raise err.named(name) from None
     target = resolve_address(cfg, args.address, os.environ) or "a local Ray instance"
     print(f"fleetrl check: ready to run on {target}")  # the CLI's result, on stdout
     return 0

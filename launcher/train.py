@@ -54,8 +54,9 @@ import yaml
 
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
-from launcher.config import RunConfig, load_run_config
+from launcher.config import RunConfig, load_run_config_named
 from launcher.preflight import ensure_ready
+from launcher.preflight_findings import PreflightFailed
 from launcher.prepare import prepare
 from launcher.report import summary_lines, write_score_plot
 from launcher.results import StartRecord
@@ -306,9 +307,11 @@ def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = load_run_config(args.config, args.overrides, training=True)
+    cfg, name = load_run_config_named(args.config, args.overrides, training=True)
     try:
         summary = run(cfg, address=args.address)
+    except PreflightFailed as err:
+        raise err.named(name) from None
     except TrainingStopped as err:
         log.error("training stopped: %s", err)
         return 1

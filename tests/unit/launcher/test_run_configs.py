@@ -43,6 +43,13 @@ def test_configuration_reference_is_generated_from_the_code():
     assert committed == render_docs(), "docs/configuration.md is stale: run `make docs`"
 
 
+def test_the_verl_mapping_page_is_generated_from_the_key_table():
+    from launcher.verl.docs import render_verl_docs
+
+    committed = (REPO / "docs" / "verl.md").read_text()
+    assert committed == render_verl_docs(), "docs/verl.md is stale: run `make docs`"
+
+
 def test_every_documented_default_is_the_default_a_fresh_run_config_holds():
     fresh = RunConfig()
     rows = field_docs(RunConfig)
