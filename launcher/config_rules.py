@@ -244,3 +244,12 @@ def one_warmup_length(cfg: RunConfig) -> Iterator[ConfigError]:
                 f"{optim.warmup_ratio} with {optim.warmup_steps}",
                 "give the warm-up once: as steps or as a fraction of the run",
             )
+
+
+@rule
+def profiled_steps_are_steps(cfg: RunConfig) -> Iterator[ConfigError]:
+    steps = cfg.trainer.profile_steps
+    if any(step < 1 for step in steps):
+        yield ConfigError(
+            "trainer.profile_steps", f"got {steps}; steps count from 1 (the first step is 1)"
+        )

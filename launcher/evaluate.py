@@ -82,7 +82,8 @@ async def _score(cfg: RunConfig, url: str, tokenizer: Any, api_key: str | None) 
     )
     reader = PromptReader(cfg.data.val_files, tokenizer, shuffle=False, **cfg.data.reader_options())
     try:
-        return await worker.validate(reader.iter_once(cfg.data.val_max_samples))
+        validation = await worker.validate(reader.iter_once(cfg.data.val_max_samples))
+        return validation.metrics
     finally:
         await client.close()
 

@@ -187,6 +187,19 @@ def wandb_logged_in(env: Mapping[str, str]) -> bool:
 
 
 def check_tracking(cfg: RunConfig, probes: Probes) -> list[Finding]:
+    out = []
+    if cfg.logging.mlflow and probes.package_version("mlflow-skinny") is None and probes.package_version("mlflow") is None:  # fmt: skip
+        out.append(
+            Finding(
+                key="logging.mlflow",
+                problem="MLflow is not installed",
+                fix='pip install "fleetrl[mlflow]", or logging.mlflow=false',
+            )
+        )
+    return out + check_wandb(cfg, probes)
+
+
+def check_wandb(cfg: RunConfig, probes: Probes) -> list[Finding]:
     if not cfg.logging.wandb:
         return []
     if probes.package_version("wandb") is None:

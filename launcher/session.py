@@ -35,6 +35,7 @@ from launcher.supervision import (
 )
 from rollout_fleet.delivery import group_id_for_index
 from rollout_fleet.membership import WeightTargets
+from rollout_fleet.validation import Validation
 
 log = get_logger(__name__)
 
@@ -386,8 +387,9 @@ class Run:
         """One learner step on the batch rank 0 holds (collective over every rank)."""
         return gather([w.step.remote(version) for w in self.learners], "a learner step")[0]
 
-    def validate(self) -> dict[str, float]:
-        """Score the held-out prompts with the current weights (greedy by default)."""
+    def validate(self) -> Validation:
+        """Score the held-out prompts with the current weights (greedy by default): the
+        metrics, and the samples trainer.log_val_generations keeps."""
         import ray
 
         return ray.get(self.rollout.validate.remote())
@@ -419,6 +421,22 @@ class Run:
         log.info("engines waiting for weights answer: publishing version %d again", self.version)
         self.publish(self.version, targets=targets)
         self.write_roster()  # a replacement is a new process
+
+    def start_profile(self, step: int) -> None:
+        """``trainer.profile_steps``: every learner rank and engine records from here."""
+        import ray
+
+        gather([w.start_profile.remote() for w in self.learners], "starting a profile")
+        ray.get(self.rollout.profile_engines.remote(step, True))
+
+    def stop_profile(self, step: int) -> list[str]:
+        """End the recording; the learner ranks' trace files (the engines write their own)."""
+        import ray
+
+        paths = gather([w.stop_profile.remote(step) for w in self.learners], "writing profiles")
+        engines = ray.get(self.rollout.profile_engines.remote(step, False))
+        log.info("step %d profiled: %s, and engines %s", step, ", ".join(paths), engines or "none")
+        return paths
 
     def save_hf_snapshot(self, step: int) -> str:
         """Write the policy of ``step`` as a Hugging Face folder (``trainer.save_hf_freq``)."""

@@ -26,8 +26,9 @@ One ``step`` (every rank runs the same code on the same global batch):
          -> critic: the same with value_loss
       -> LR schedulers step once; metrics reduced over ranks (token-weighted)
 
-Metric names follow verl (``actor/pg_loss``, ``critic/vf_loss``, ...), plus
-``staleness/*``, ``is/*``, ``timing_s/*``, ``response/*``; ``actor/skipped_nonfinite``
+Metric names follow verl (``actor/pg_loss``, ``critic/vf_loss``, ``timing_s/old_log_prob``,
+``timing_s/ref``, ``timing_s/values``, ``timing_s/adv``, ``timing_s/update_actor``,
+``timing_s/update_critic``, ...), plus ``staleness/*``, ``is/*``, ``response/*``; ``actor/skipped_nonfinite``
 counts mini-batches whose update was skipped (the driver stops after too many in a row).
 Losses and per-token metrics count trained tokens only (``batching.response_mask``).
 
@@ -52,6 +53,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -314,20 +316,28 @@ class LearnerWorker:
         infer_plan = self._plan(gb, everything)
         metrics = batch_metrics(gb, policy_version)
 
-        tick = time.perf_counter()
+        # verl's timing names: old_log_prob (π_prox), ref, values, adv, update_actor/critic
+        timer = _Timer(metrics)
         prox = None
         if self.cfg.correction.mode != "bypass":
-            prox = self._infer(self.policy, gb, infer_plan, values=False)
-        ref = self._reference_logprobs(gb, infer_plan)
-        values = self._infer(self.critic, gb, infer_plan, True) if self.critic else None
-        metrics["timing_s/forward_no_grad"] = time.perf_counter() - tick
-        targets, target_metrics = prepare_targets(
-            gb, self.cfg, prox_logprob=prox, ref_logprob=ref, values=values,
-            kl_ctrl=self.kl_ctrl, device=self.device, max_response_length=self.max_response_length,
-        )  # fmt: skip
+            with timer("old_log_prob"):
+                prox = self._infer(self.policy, gb, infer_plan, values=False)
+        ref = None
+        if self.uses_reference:
+            with timer("ref"):
+                ref = self._reference_logprobs(gb, infer_plan)
+        values = None
+        if self.critic is not None:
+            with timer("values"):
+                values = self._infer(self.critic, gb, infer_plan, True)
+        with timer("adv"):
+            targets, target_metrics = prepare_targets(
+                gb, self.cfg, prox_logprob=prox, ref_logprob=ref, values=values,
+                kl_ctrl=self.kl_ctrl, device=self.device,
+                max_response_length=self.max_response_length,
+            )  # fmt: skip
         metrics.update(target_metrics)
 
-        tick = time.perf_counter()
         sums = ldist.MetricSums()
         self._update_stats: dict[str, list[float]] = defaultdict(list)
         # critic warm-up (learner.critic.warmup_steps): the policy waits for useful values
@@ -337,9 +347,11 @@ class LearnerWorker:
                 plan = self._plan(gb, mini)
                 counts = global_counts(gb, mini)
                 if train_policy:
-                    self._update_policy(gb, plan, targets, counts, sums)
+                    with timer("update_actor"):
+                        self._update_policy(gb, plan, targets, counts, sums)
                 if self.critic is not None:
-                    self._update_critic(gb, plan, targets, counts, sums)
+                    with timer("update_critic"):
+                        self._update_critic(gb, plan, targets, counts, sums)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         if train_policy:
             self.scheduler.step()
@@ -354,7 +366,8 @@ class LearnerWorker:
             metrics[f"{role}/skipped_nonfinite"] = float(
                 len(self._update_stats[f"{role}/skipped_nonfinite"])
             )
-        metrics["timing_s/update"] = time.perf_counter() - tick
+        if train_policy and self.cfg.kl.use_kl_loss:
+            metrics["actor/kl_coef"] = self.cfg.kl.kl_loss_coef
         metrics["timing_s/step"] = time.perf_counter() - started
         metrics["perf/peak_memory_gb"] = peak_memory_gb(
             self.device.type, self._rss_before_models_kb
@@ -544,6 +557,24 @@ class LearnerWorker:
         """Train on each batch in turn (rank 0's iterable holds batches, others Nones)."""
         for batch in batches:
             yield self.step(batch, policy_version=self.global_step)
+
+
+class _Timer:
+    """``with timer("adv"):`` adds the block's seconds to ``metrics["timing_s/adv"]``, and
+    names the block ``learner/adv`` in a profile (``trainer.profile_steps``)."""
+
+    def __init__(self, metrics: dict[str, float]) -> None:
+        self.metrics = metrics
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            with torch.profiler.record_function(f"learner/{name}"):
+                yield
+        finally:
+            key = f"timing_s/{name}"
+            self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - started
 
 
 def check_critic_vocabulary(policy_path: Path, critic_path: Path) -> None:

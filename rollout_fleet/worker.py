@@ -30,7 +30,7 @@ engine failure does (the group is dropped and counted).
 
 ``validate(prompts)`` runs a validation set through the same machinery (one
 greedy sample per prompt by default, multi-turn too when it is on) and returns
-mean scores per data source.
+its metrics and a fixed choice of its samples (rollout_fleet/validation.py).
 
 Staleness: ``running_groups`` counts groups from start until fully sent, plus
 (with a ``ledger``, rollout_fleet/delivery.py) those sent whole that the buffer
@@ -46,9 +46,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
-import statistics
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -65,6 +63,7 @@ from rollout_fleet.multi_turn.driver import MultiTurnDriver
 from rollout_fleet.router import Router
 from rollout_fleet.sample_runner import GenerateClient, SampleFailed, SampleRunner
 from rollout_fleet.trajectory import SampleProgress, build_trajectory
+from rollout_fleet.validation import Validation, ValResult, pick_samples, summarize
 
 log = get_logger(__name__)
 
@@ -281,22 +280,32 @@ class RolloutWorker:
         self._admission_thread.shutdown(wait=False, cancel_futures=True)
 
     async def validate(
-        self, prompts: Iterable[PromptItem], *, temperature: float | None = None
-    ) -> dict[str, float]:
-        """Score one sample per prompt (greedy by default); mean per data source and overall."""
+        self,
+        prompts: Iterable[PromptItem],
+        *,
+        temperature: float | None = None,
+        keep_samples: int = 0,
+        sample_seed: int = 0,
+    ) -> Validation:
+        """Score one sample per prompt (greedy by default): the metrics (rollout_fleet/
+        validation.py) and ``keep_samples`` of the samples, a choice fixed by ``sample_seed``."""
         self.runner.attach()
         temp = self.config.val_temperature if temperature is None else temperature
         sampling = self.sampling_params(temp)
         limit = asyncio.Semaphore(self.config.max_concurrent_groups)
-        results: list[tuple[str, _Scored]] = []
+        results: list[ValResult] = []
         failed: list[str] = []
+        total = 0
 
         async def one(position: int, prompt: PromptItem) -> None:
             async with limit:
                 group_id = f"val-{position}-{group_id_for(prompt)}"
                 try:
                     scored = await self._run_sample(group_id, 0, prompt, sampling)
-                    results.append((prompt.data_source, scored))
+                    results.append(
+                        ValResult(position, prompt, scored.sample, scored.score, scored.turns,
+                                  scored.reward_metrics)
+                    )  # fmt: skip
                 except SampleFailed as err:
                     failed.append(group_id)
                     log.error("validation sample %s failed: %s", group_id, err)
@@ -305,29 +314,12 @@ class RolloutWorker:
 
         async with asyncio.TaskGroup() as tasks:
             for position, prompt in enumerate(prompts):
+                total = position + 1
                 tasks.create_task(one(position, prompt))
-        by_source: dict[str, list[float]] = defaultdict(list)
-        for source, scored in results:
-            by_source[source or "unknown"].append(scored.score)
-        scores = [s.score for _, s in results]
-        out: dict[str, float] = {
-            "val/num_samples": float(len(scores)),
-            "val/num_failed": float(len(failed)),
-        }
-        if scores:
-            out["val/score/mean"] = statistics.fmean(scores)
-            out["val/response_length/mean"] = statistics.fmean(
-                s.sample.num_generated for _, s in results
-            )
-            if self.multi_turn is not None:
-                out["val/turns/mean"] = statistics.fmean(s.turns for _, s in results)
-            versions = [v for _, s in results for v in s.sample.token_versions]
-            if versions:  # which weights validated: should be the version just published
-                out["val/policy_version/min"] = float(min(versions))
-                out["val/policy_version/max"] = float(max(versions))
-        for source, values in sorted(by_source.items()):
-            out[f"val/score/{source}"] = statistics.fmean(values)
-        return out
+        metrics = summarize(results, len(failed), multi_turn=self.multi_turn is not None)
+        decode = functools.partial(self._tokenizer.decode, skip_special_tokens=True)
+        samples = pick_samples(results, total, keep_samples, sample_seed, decode)
+        return Validation(metrics=metrics, samples=samples)
 
     def metrics(self) -> dict[str, float]:
         wall = time.monotonic() - self._started_at if self._started_at is not None else 0.0

@@ -48,6 +48,7 @@ from fleetrl.log import get_logger
 from rollout_fleet import protocol as P
 from rollout_fleet.engine.adapter_routes import AdapterRoutes
 from rollout_fleet.engine.http_json import error_response, json_response, read_body
+from rollout_fleet.engine.profile_routes import ProfileRoutes
 from rollout_fleet.engine.relay import EventRelay
 from rollout_fleet.engine.requests import (
     ModelLimits,
@@ -143,6 +144,7 @@ class EmbeddedEngine:
         self.adapter_routes = AdapterRoutes(
             self.scheduler, engine_id=engine_id, weight_call=self.weight_routes.call
         )
+        self.profile_routes = ProfileRoutes(engine_id)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner_web: web.AppRunner | None = None
@@ -187,6 +189,8 @@ class EmbeddedEngine:
         r.add_post("/get_weights_by_name", weights.get_weights_by_name)
         r.add_post("/load_lora_adapter", lora.load_lora_adapter)
         r.add_post("/unload_lora_adapter", lora.unload_lora_adapter)
+        r.add_post("/start_profile", self.profile_routes.start_profile)
+        r.add_post("/stop_profile", self.profile_routes.stop_profile)
         return app
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:

@@ -17,6 +17,7 @@ from launcher.session import StopRequested
 from launcher.supervision import BufferDown, Supervised, TrainingStopped
 from launcher.tracking import Tracker, read_metrics
 from launcher.train import execute
+from rollout_fleet.validation import Validation
 
 
 class RoleFault(Exception):
@@ -98,7 +99,7 @@ class FakeSession:
         self.calls.append(("step", version))
         self._maybe_fail("step")
         self.steps += 1
-        metrics = {"perf/tokens": 100.0, "actor/pg_loss": 0.1}
+        metrics = {"perf/total_num_tokens": 100.0, "actor/pg_loss": 0.1}
         if self.skipped_nonfinite:
             metrics["actor/skipped_nonfinite"] = 1.0
         return StepResult.from_metrics(version, metrics)
@@ -111,9 +112,16 @@ class FakeSession:
     def rejoin_engines(self) -> None:
         self.calls.append(("rejoin_engines",))
 
-    def validate(self) -> dict[str, float]:
+    def validate(self) -> Validation:
         self.calls.append(("validate", self.steps))
-        return {"val/score/mean": 0.5 + 0.1 * self.steps}
+        return Validation(metrics={"val/score/mean": 0.5 + 0.1 * self.steps})
+
+    def start_profile(self, step: int) -> None:
+        self.calls.append(("start_profile", step))
+
+    def stop_profile(self, step: int) -> list[str]:
+        self.calls.append(("stop_profile", step))
+        return [f"profile/step_{step}/learner_rank0.json"]
 
     def save_hf_snapshot(self, step: int) -> str:
         self.calls.append(("save_hf_snapshot", step))
@@ -189,6 +197,20 @@ def test_validation_before_training_is_val_before_train_not_test_freq(
     session = FakeSession()
     _execute(tmp_path, session, None, *overrides)
     assert [c[1] for c in session.calls if c[0] == "validate"] == validated_at
+
+
+def test_a_profiled_step_is_recorded_from_its_wait_to_its_checkpoint(tmp_path):
+    session = FakeSession()
+    _execute(
+        tmp_path, session, None, "trainer.profile_steps=[2,4]", "trainer.val_before_train=false"
+    )
+    names = _names(session)
+    first = names[names.index("start_profile") : names.index("stop_profile") + 1]
+    assert first == ["start_profile", "wait_for_batch", "step", "publish", "rejoin_engines",
+                     "validate", "checkpoint", "stop_profile"]  # fmt: skip
+    assert [c for c in session.calls if "profile" in c[0]] == [
+        ("start_profile", 2), ("stop_profile", 2), ("start_profile", 4), ("stop_profile", 4),
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("save_freq", "saved_at"), [(2, [2, 4]), (3, [3, 4]), (-1, [4]), (0, [])])
