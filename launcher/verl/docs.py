@@ -55,6 +55,12 @@ one) and the rest to learner ranks of one GPU each. 8 GPUs with TP 2: 4 learner 
 `fleetrl.learner.num_ranks` or `fleetrl.rollout.num_engines` (or both) to split otherwise;
 the other side gets what is left. Every command says the split it chose on stderr.
 
+On a cluster (`trainer.nnodes` > 1, or `--address`), the learner ranks go to nodes marked
+with Ray's custom resource `learner` and the engines to nodes marked `rollout` (verl's
+nodes carry no marks): start each node with `ray start ... --resources='{"learner": 8}'`
+or `'{"rollout": 8}'`, or one node with both, `'{"rollout": 4, "learner": 4}'`
+(docs/cluster.md). `fleetrl check --address auto` says what each node lacks.
+
 ## What differs from verl
 
 - **Rollouts are SGLang servers** (`actor_rollout_ref.rollout.name: sglang`); vLLM, HF and

@@ -20,6 +20,7 @@ from fleetrl.config import field_docs, load_yaml
 from launcher.verl.load import VerlLoad, is_verl_layout, load_verl
 from launcher.verl.translate import Setting
 
+FLEETRL = "a fleetrl key, given beside the verl ones"
 HEADER = """\
 # fleetrl run config written by `fleetrl config from-verl` from {source}.
 # Each key names the verl key it comes from (and what verl means by it, where that needs
@@ -38,7 +39,7 @@ def render(loaded: VerlLoad, source: str) -> str:
     order = {key: i for i, (key, *_rest) in enumerate(field_docs(RunConfig))}
     settings = dict(loaded.translation.settings)
     for key in loaded.fleetrl_keys:  # given in fleetrl terms beside the verl file
-        settings[key] = Setting(key, _lookup(loaded.raw, key), "fleetrl", "given as a fleetrl key")
+        settings[key] = Setting(key, _lookup(loaded.raw, key), FLEETRL)
     lines = [HEADER.format(source=source)]
     opened: list[str] = []
     for key in sorted(settings, key=lambda k: order.get(k, len(order))):
@@ -50,7 +51,7 @@ def render(loaded: VerlLoad, source: str) -> str:
         for depth in range(common, len(parents)):
             lines.append(f"{'  ' * depth}{parents[depth]}:")
         opened = parents
-        comment = setting.source if setting.source != "fleetrl" else "fleetrl key"
+        comment = setting.source
         if setting.why:
             comment += f": {setting.why}"
         value = _lookup(loaded.raw, key)

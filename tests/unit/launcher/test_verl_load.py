@@ -104,7 +104,7 @@ def test_from_verl_writes_a_commented_fleetrl_file_that_runs_the_same_config(tmp
     assert from_verl(args) == 0
     text = out.read_text()
     assert "  lr: 3.0e-06  # actor_rollout_ref.actor.optim.lr" in text
-    assert "  max_staleness: 2  # fleetrl key" in text
+    assert "  max_staleness: 2  # a fleetrl key, given beside the verl ones" in text
     assert "  num_ranks: 2  # trainer.n_gpus_per_node, trainer.nnodes: learner ranks, one GPU each" in text  # fmt: skip
     assert "#   GPUs: verl's 4" in text and "#   hydra: has no effect here" in text
     assert "actor_rollout_ref" not in yaml.safe_load(text)  # a fleetrl file
