@@ -179,6 +179,10 @@ class LearnerWorker:
                 "learner.policy_loss.loss_agg_mode=%s reduces only the entropy bonus and KL loss",
                 alg.GSPO_AGG_MODE, pl.loss_agg_mode,
             )  # fmt: skip
+        if self.uses_critic and self.cfg.critic.model_path:  # checked before the group forms
+            check_critic_vocabulary(
+                check_model_dir(self.model_cfg.path), check_model_dir(self.cfg.critic.model_path)
+            )
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -212,10 +216,7 @@ class LearnerWorker:
                 path, "causal_lm", self.cfg.reference.param_offload and on_gpu, train=False
             ).requires_grad_(False)
         if self.uses_critic:
-            critic_path = (
-                check_model_dir(self.cfg.critic.model_path) if self.cfg.critic.model_path else path
-            )
-            check_critic_vocabulary(path, critic_path)
+            critic_path = Path(self.cfg.critic.model_path) if self.cfg.critic.model_path else path
             self.critic = self._build(critic_path, "token_classification", offload, train=True)
             init_value_head(self.critic, self.seed, self.cfg.critic.value_head_init_std)
             self.critic_optimizer = build_optimizer(self.critic.parameters(), self.cfg.critic.optim)

@@ -492,6 +492,7 @@ class Check:
             f"trainer.output_dir={run_dir}",
             "trainer.total_steps=5",
             "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
             "trainer.resume=disable",
             "trainer.device=cuda",
             "learner.mixed_precision=bf16",

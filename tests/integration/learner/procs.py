@@ -79,7 +79,11 @@ def make_worker(
         master_addr="127.0.0.1", master_port=port, seed=7, total_steps=4,
         max_response_length=max_response_length,
     )  # fmt: skip
-    worker.setup()
+    try:
+        worker.setup()
+    except BaseException:
+        worker.close()  # a setup that failed after joining leaves no group behind
+        raise
     return worker
 
 
