@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml tests/conformance/requirements-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[dev,tensorboard]"
+	$(PY) -m pip install -q -e ".[dev,tensorboard,mlflow]"
 	$(PY) -m pip install -q --no-deps "$(SGLANG)"
 	$(PY) -m pip install -q -r tests/conformance/requirements-cpu.txt
 	touch $(STAMP)
@@ -85,6 +85,7 @@ device-check: device-bundle
 
 docs: $(STAMP)
 	$(VENV)/bin/fleetrl config docs --out docs/configuration.md
+	$(VENV)/bin/fleetrl config docs --verl --out docs/verl.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .device-bundle .device-cache

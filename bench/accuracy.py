@@ -325,6 +325,7 @@ def run(
                 f"trainer.seed={seed}",
                 # no in-run validation: snapshots, scored after the run (see the docstring)
                 "trainer.test_freq=-1",
+                "trainer.val_before_train=false",
                 f"trainer.save_hf_freq={work_sizes.test_freq}",
             ]
             if sizes.learning_rate is not None:

@@ -59,7 +59,12 @@ DEFAULT_BASE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo
 # metrics.jsonl keys (the launcher's contract), with the alternatives accepted for each
 ELAPSED_KEYS = ("time/elapsed_s", "timing_s/elapsed", "elapsed_s", "wall_s")
 STEP_TIME_KEYS = ("timing_s/step",)
-VALIDATION_TIME_KEYS = ("timing_s/validate", "timing_s/val", "timing_s/validation")
+VALIDATION_TIME_KEYS = (
+    "timing_s/testing",
+    "timing_s/validate",
+    "timing_s/val",
+    "timing_s/validation",
+)
 SAMPLES_KEYS = ("batch/samples", "samples", "train/samples", "perf/samples")
 SCORE_KEYS = ("val/score/mean",)
 RESPONSE_LENGTH_KEYS = (

@@ -70,7 +70,7 @@ def alternate_packing(
             rates = []
             for _ in range(STEPS_PER_ARM):
                 metrics = worker.step(batch, policy_version=rep)
-                rates.append(metrics["perf/tokens"] / metrics["timing_s/step"])
+                rates.append(metrics["perf/total_num_tokens"] / metrics["timing_s/step"])
             if rep:
                 samples[arm].append(max(rates))
     return samples

@@ -208,11 +208,21 @@ def to_dict(struct: msgspec.Struct) -> dict[str, Any]:
     return msgspec.to_builtins(struct)
 
 
-def field_docs(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
-    """(dotted key, type, default, description) for every leaf field, for docs and `config show`."""
+def field_docs(
+    cls: type, prefix: str = "", defaults: Any = None
+) -> list[tuple[str, str, Any, str]]:
+    """(dotted key, type, default, description) for every leaf field, for docs and `config show`.
+
+    Defaults are read from ``defaults``, an instance of ``cls`` built with its own defaults
+    (made here when not given), not from each nested struct's class: a section whose default
+    is built with other values (``CriticConfig.optim`` is ``OptimConfig(lr=1e-5)``) documents
+    the values the run really gets.
+    """
     rows: list[tuple[str, str, Any, str]] = []
     info = msgspec.inspect.type_info(cls)
     assert isinstance(info, msgspec.inspect.StructType)
+    if defaults is None:
+        defaults = _default_instance(cls)
     for f in info.fields:
         key = f"{prefix}{f.name}"
         typ = f.type
@@ -222,18 +232,29 @@ def field_docs(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
             desc = (typ.extra_json_schema or {}).get("description", "")
             constraints = _constraints(typ)
             typ = typ.type
+        default = getattr(defaults, f.name) if defaults is not None else _field_default(f)
         if isinstance(typ, msgspec.inspect.StructType):
-            rows.extend(field_docs(typ.cls, key + "."))
+            nested = default if isinstance(default, msgspec.Struct) else None
+            rows.extend(field_docs(typ.cls, key + ".", nested))
             continue
-        default = (
-            f.default
-            if f.default is not msgspec.NODEFAULT
-            else (
-                f.default_factory() if f.default_factory is not msgspec.NODEFAULT else "(required)"
-            )
-        )
         rows.append((key, _type_name(typ) + constraints, default, desc))
     return rows
+
+
+def _field_default(f: msgspec.inspect.Field) -> Any:
+    if f.default is not msgspec.NODEFAULT:
+        return f.default
+    if f.default_factory is not msgspec.NODEFAULT:
+        return f.default_factory()
+    return "(required)"
+
+
+def _default_instance(cls: type) -> Any:
+    """``cls()`` when every field has a default, else None (then each field's own default)."""
+    try:
+        return cls()
+    except TypeError:
+        return None
 
 
 def _constraints(meta: msgspec.inspect.Metadata) -> str:

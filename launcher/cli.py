@@ -22,6 +22,7 @@ HANDLERS: dict[str, str] = {
     "config show": "launcher.config_cmd:show",
     "plan": "launcher.plan:main",
     "config docs": "launcher.config_cmd:docs",
+    "config from-verl": "launcher.verl.from_verl:main",
     "data gsm8k": "fleetrl.data.gsm8k:main",
     "data synth": "fleetrl.data.synth:main",
     "data hh-rlhf": "fleetrl.data.hh_rlhf:main",
@@ -95,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(csub.add_parser("show", help="print the resolved config as YAML"))
     d = csub.add_parser("docs", help="write the configuration reference (Markdown)")
     d.add_argument("--out", default=None, help="file to write (default: stdout)")
+    d.add_argument(
+        "--verl", action="store_true", help="the verl key mapping (docs/verl.md) instead"
+    )
+    v = csub.add_parser(
+        "from-verl", help="write a verl config (ppo_trainer.yaml layout) as a fleetrl YAML file"
+    )
+    v.add_argument("input", help="the verl YAML file")
+    v.add_argument("overrides", nargs="*", help="dotted verl (or fleetrl) overrides")
+    v.add_argument("--out", default=None, help="file to write (default: stdout)")
 
     p = sub.add_parser("data", help="prepare datasets (verl Parquet schema)")
     dsub = p.add_subparsers(dest="data_command", required=True)

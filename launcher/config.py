@@ -7,8 +7,9 @@ with the dotted path on any problem.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -25,7 +26,16 @@ from weight_sync.config import WeightSyncConfig
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    total_steps: Annotated[int, Meta(ge=1, description="Learner steps to run.")] = 100
+    total_steps: Annotated[
+        int, Meta(ge=1, description="Learner steps to run (unless total_epochs is set).")
+    ] = 100
+    total_epochs: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="When > 0, passes over data.train_files (verl's trainer.total_epochs): total_steps becomes total_epochs × ⌊prompts ÷ data.train_batch_size⌋, counted from the files when the run starts, with the prompts data.truncation=filter drops left out and a last partial batch not a step (verl's dataloader drops it). 0 = total_steps decides.",
+        ),
+    ] = 0
     output_dir: Annotated[
         str,
         Meta(
@@ -33,7 +43,11 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = "runs/default"
     save_freq: Annotated[
-        int, Meta(ge=-1, description="Checkpoint every this many steps (-1 = only at the end).")
+        int,
+        Meta(
+            ge=-1,
+            description="Checkpoint every this many steps and at the last step; -1 = only at the last step (and on a stop signal); 0 = never, not even on a stop (verl's save_freq: -1 maps to 0).",
+        ),
     ] = -1
     keep_checkpoints: Annotated[
         int,
@@ -46,9 +60,15 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         int,
         Meta(
             ge=-1,
-            description="Validate every this many steps (-1 = never; also once before training when >0).",
+            description="Validate every this many steps and at the last step (-1 = never); validation before the first step is val_before_train's.",
         ),
     ] = -1
+    val_before_train: Annotated[
+        bool,
+        Meta(
+            description="Validate once before the first step (verl's trainer.val_before_train), whatever test_freq says; needs data.val_files. Not repeated when a run resumes.",
+        ),
+    ] = True
     save_hf_freq: Annotated[
         int,
         Meta(
@@ -60,10 +80,29 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         Literal["auto", "disable"],
         Meta(description="auto: continue from the latest complete checkpoint in output_dir."),
     ] = "auto"
+    resume_from_path: Annotated[
+        str,
+        Meta(
+            description="A checkpoint folder (<run dir>/checkpoints/step_N, of this run or another) to start from instead of the newest in output_dir (verl's resume_mode=resume_path); ~ is expanded. Its policy, optimizer, critic, LR schedule, step and data cursor are loaded; the rollout bank starts empty (groups generated but not trained on are generated again) and output_dir's checkpoints newer than it are moved aside, so a later resume=auto continues this branch.",
+        ),
+    ] = ""
     seed: Annotated[int, Meta(description="Global seed.")] = 1
     device: Annotated[
         Literal["auto", "cpu", "cuda"], Meta(description="Where learner and engines compute.")
     ] = "auto"
+    log_val_generations: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Validation samples written per validation to <run dir>/generations.jsonl (step, prompt, response, score, data_source, ground truth, policy version, ...) and, with logging.wandb, to a wandb table (verl's trainer.log_val_generations); 0 = none. The same prompts each time (a seeded choice), so a sample's answers can be followed across steps.",
+        ),
+    ] = 0
+    profile_steps: Annotated[
+        list[int],
+        Meta(
+            description="Steps (counted from 1) to profile with torch.profiler (verl's global_profiler.steps): each learner rank writes <run dir>/profile/step_<N>/learner_rank<r>.json, a Chrome trace (chrome://tracing, Perfetto), and each embedded engine its own for the same span.",
+        ),
+    ] = []
     max_bad_steps: Annotated[
         int,
         Meta(
@@ -89,6 +128,12 @@ class LoggingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = ""
     tensorboard: Annotated[
         bool, Meta(description="Also write TensorBoard event files to <run dir>/tensorboard.")
+    ] = False
+    mlflow: Annotated[
+        bool,
+        Meta(
+            description="Also log metrics and the resolved config (as params) to MLflow, at MLFLOW_TRACKING_URI or else a SQLite store at <run dir>/mlflow.db; the experiment is logging.project, the run logging.run_name."
+        ),
     ] = False
     console_every: Annotated[
         int, Meta(ge=1, description="Print a progress line every this many steps.")
@@ -154,12 +199,32 @@ def load_run_config(
 ) -> RunConfig:
     """YAML + dotted overrides -> a validated ``RunConfig``, cross-section rules included.
 
-    ``training`` also applies the rules only a training run needs (``launcher.config_rules``).
+    A file (or command line) in verl's layout is read with verl's meaning
+    (``launcher.verl``). ``training`` also applies the rules only a training run needs
+    (``launcher.config_rules``).
     """
-    from launcher.config_rules import validate_run
+    return load_run_config_named(path, overrides, training=training)[0]
+
+
+def load_run_config_named(
+    path: str | Path | None, overrides: list[str] | None = None, *, training: bool = False
+) -> tuple[RunConfig, Callable[[str], str]]:
+    """``load_run_config``, and how to name a fleetrl key to the user: for a verl config, the
+    verl key it came from (``"trainer.n_gpus_per_node (fleetrl learner.num_ranks)"``)."""
+    from launcher.verl.load import is_verl_layout, load_verl
 
     raw = load_yaml(path) if path else {}
-    raw = apply_overrides(raw, overrides or [])
+    if is_verl_layout(raw, overrides or []):
+        verl = load_verl(raw, overrides or [])
+        return verl.run_config(training=training), verl.name
+    cfg = build_run_config(apply_overrides(raw, overrides or []), training=training)
+    return cfg, str
+
+
+def build_run_config(raw: dict[str, Any], *, training: bool = False) -> RunConfig:
+    """A fleetrl config dict -> a validated ``RunConfig`` (every rule of a loaded config)."""
+    from launcher.config_rules import validate_run
+
     cfg = validate_run(convert(RunConfig, raw), training=training)
     check_run_config(cfg)
     return cfg

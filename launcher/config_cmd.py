@@ -13,8 +13,21 @@ from launcher.config import RunConfig, load_run_config
 
 
 def show(args: argparse.Namespace) -> int:
+    """The resolved config as YAML; ``trainer.total_epochs`` counted into steps when the data
+    is here to count (else a comment says the run counts them when it starts)."""
+    from launcher.prepare import resolve_total_steps
+
     config = load_run_config(args.config, args.overrides)
-    sys.stdout.write(yaml.safe_dump(to_dict(config), sort_keys=False))
+    note = ""
+    if config.trainer.total_epochs > 0:
+        try:
+            config = resolve_total_steps(config)
+        except (OSError, ValueError) as err:  # data or tokenizer not on this machine
+            note = (
+                "# trainer.total_steps is counted from data.train_files when the run starts "
+                f"(trainer.total_epochs={config.trainer.total_epochs}); not here: {err}\n"
+            )
+    sys.stdout.write(yaml.safe_dump(to_dict(config), sort_keys=False) + note)
     return 0
 
 
@@ -71,7 +84,12 @@ def render_docs() -> str:
 
 
 def docs(args: argparse.Namespace) -> int:
-    text = render_docs()
+    if getattr(args, "verl", False):
+        from launcher.verl.docs import render_verl_docs
+
+        text = render_verl_docs()
+    else:
+        text = render_docs()
     if args.out:
         Path(args.out).write_text(text)
     else:

@@ -275,6 +275,23 @@ def reward_has_a_source(cfg: RunConfig) -> Iterator[ConfigError]:
 
 
 @rule
+def critic_warmup_has_a_critic(cfg: RunConfig) -> Iterator[ConfigError]:
+    learner = cfg.learner
+    critic_on = learner.critic.enabled == "on" or (
+        learner.critic.enabled == "auto" and learner.algorithm.adv_estimator == "gae"
+    )
+    if learner.critic.warmup_steps and not critic_on:
+        yield refuse(
+            "learner.critic.warmup_steps",
+            "learner.algorithm.adv_estimator",
+            f"{learner.critic.warmup_steps} without a critic "
+            f"({learner.algorithm.adv_estimator!r}, critic {learner.critic.enabled!r})",
+            "the warm-up trains only the critic, so without one no step would train; "
+            "set it to 0, or use gae (or learner.critic.enabled=on)",
+        )
+
+
+@rule
 def reward_model_urls_name_their_model(cfg: RunConfig) -> Iterator[ConfigError]:
     # the scorer re-renders prompt + response with the reward model's own tokenizer and
     # chat template: it reads them from the folder
@@ -305,4 +322,26 @@ def custom_reward_sources_are_patterns(cfg: RunConfig) -> Iterator[ConfigError]:
             f"{custom.data_sources} with no path",
             "the data sources a custom function claims need the function: set "
             "reward.custom_function.path",
+        )
+
+
+@rule
+def one_warmup_length(cfg: RunConfig) -> Iterator[ConfigError]:
+    for section in ("learner.optim", "learner.critic.optim"):
+        optim = cfg.learner.optim if section == "learner.optim" else cfg.learner.critic.optim
+        if optim.warmup_steps and optim.warmup_ratio:
+            yield refuse(
+                f"{section}.warmup_ratio",
+                f"{section}.warmup_steps",
+                f"{optim.warmup_ratio} with {optim.warmup_steps}",
+                "give the warm-up once: as steps or as a fraction of the run",
+            )
+
+
+@rule
+def profiled_steps_are_steps(cfg: RunConfig) -> Iterator[ConfigError]:
+    steps = cfg.trainer.profile_steps
+    if any(step < 1 for step in steps):
+        yield ConfigError(
+            "trainer.profile_steps", f"got {steps}; steps count from 1 (the first step is 1)"
         )

@@ -89,15 +89,10 @@ async def _score(cfg: RunConfig, url: str, tokenizer: Any, api_key: str | None) 
         rewards=rewards,
         tokenizer=tokenizer,
     )
-    reader = PromptReader(
-        cfg.data.val_files,
-        tokenizer,
-        shuffle=False,
-        max_prompt_length=cfg.data.max_prompt_length,
-        apply_chat_template=cfg.data.apply_chat_template,
-    )
+    reader = PromptReader(cfg.data.val_files, tokenizer, shuffle=False, **cfg.data.reader_options())
     try:
-        return await worker.validate(reader.iter_once(cfg.data.val_max_samples))
+        validation = await worker.validate(reader.iter_once(cfg.data.val_max_samples))
+        return validation.metrics
     finally:
         await client.close()
         await rewards.aclose()

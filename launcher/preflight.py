@@ -40,7 +40,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from fleetrl.log import get_logger
-from launcher.config import RunConfig, load_run_config
+from launcher.config import RunConfig, load_run_config_named
 from launcher.preflight_findings import (
     Finding,
     Node,
@@ -91,15 +91,39 @@ def check_data(cfg: RunConfig) -> list[Finding]:
 
 
 def check_model(cfg: RunConfig) -> list[Finding]:
-    if (Path(cfg.model.path) / "config.json").is_file() or cfg.model.create_tiny:
-        return []
-    return [
-        Finding(
-            key="model.path",
-            problem=f"{cfg.model.path} is not a Hugging Face model folder",
-            fix="point it at a local model folder, or set model.create_tiny=true for a tiny one",
+    """The policy's folder, the critic's own (when it has one) and a checkpoint to resume."""
+    out = []
+    if not ((Path(cfg.model.path) / "config.json").is_file() or cfg.model.create_tiny):
+        out.append(
+            Finding(
+                key="model.path",
+                problem=f"{cfg.model.path} is not a Hugging Face model folder",
+                fix="point it at a local model folder, or set model.create_tiny=true for a tiny one",
+            )
         )
-    ]
+    critic_path = cfg.learner.critic.model_path
+    if critic_path and not (Path(critic_path).expanduser() / "config.json").is_file():
+        out.append(
+            Finding(
+                key="learner.critic.model_path",
+                problem=f"{critic_path} is not a Hugging Face model folder",
+                fix="point it at a local model folder, or leave it empty to start from model.path",
+            )
+        )
+    if cfg.trainer.resume_from_path:
+        from learner.checkpoint import checkpoint_problem
+
+        folder = Path(cfg.trainer.resume_from_path).expanduser()
+        problem = checkpoint_problem(folder)
+        if problem is not None:
+            out.append(
+                Finding(
+                    key="trainer.resume_from_path",
+                    problem=f"{folder} is not a complete fleetrl checkpoint ({problem})",
+                    fix="give a <run dir>/checkpoints/step_N folder, or leave it empty",
+                )
+            )
+    return out
 
 
 def check_backend(cfg: RunConfig, probes: Probes, *, local: bool) -> list[Finding]:
@@ -198,6 +222,19 @@ def wandb_logged_in(env: Mapping[str, str]) -> bool:
 
 
 def check_tracking(cfg: RunConfig, probes: Probes) -> list[Finding]:
+    out = []
+    if cfg.logging.mlflow and probes.package_version("mlflow-skinny") is None and probes.package_version("mlflow") is None:  # fmt: skip
+        out.append(
+            Finding(
+                key="logging.mlflow",
+                problem="MLflow is not installed",
+                fix='pip install "fleetrl[mlflow]", or logging.mlflow=false',
+            )
+        )
+    return out + check_wandb(cfg, probes)
+
+
+def check_wandb(cfg: RunConfig, probes: Probes) -> list[Finding]:
     if not cfg.logging.wandb:
         return []
     if probes.package_version("wandb") is None:
@@ -239,6 +276,8 @@ def checkpoints_on_disk(cfg: RunConfig) -> int:
     """Checkpoints the run holds at most: every one written, or the newest
     ``trainer.keep_checkpoints`` (at least 2: the fallback) when that bounds them."""
     tr = cfg.trainer
+    if tr.save_freq == 0:
+        return 0
     written = (tr.total_steps // tr.save_freq if tr.save_freq > 0 else 0) + 1
     return written if tr.keep_checkpoints == 0 else min(written, max(2, tr.keep_checkpoints))
 
@@ -375,8 +414,11 @@ def ensure_ready(cfg: RunConfig, address: str | None = None, probes: Probes | No
 
 def main(args: argparse.Namespace) -> int:
     """`fleetrl check`: the checks of `fleetrl train`, alone; exit 2 listing every failure."""
-    cfg = load_run_config(args.config, args.overrides)
-    ensure_ready(cfg, args.address)
+    cfg, name = load_run_config_named(args.config, args.overrides)
+    try:
+        ensure_ready(cfg, args.address)
+    except PreflightFailed as err:
+        raise err.named(name) from None
     target = resolve_address(cfg, args.address, os.environ) or "a local Ray instance"
     print(f"fleetrl check: ready to run on {target}")  # the CLI's result, on stdout
     return 0

@@ -52,6 +52,10 @@ class PreflightFailed(ValueError):
         self.lines = [f.line() for f in findings]
         super().__init__("; ".join(self.lines))
 
+    def named(self, name: Callable[[str], str]) -> PreflightFailed:
+        """The same findings with each key as ``name`` gives it (a verl config's own keys)."""
+        return PreflightFailed([msgspec.structs.replace(f, key=name(f.key)) for f in self.findings])
+
 
 @dataclass
 class Probes:

@@ -6,11 +6,16 @@ model is built there (and optionally warm-started by supervision, see
 ``learner.sft``); with ``data.synth_task`` the synthetic train/test Parquet
 files are generated. Real runs point at existing folders and files, and a
 missing one is a clear error naming the config key.
+
+Once the data exists, ``trainer.total_epochs`` becomes a step count
+(``resolve_total_steps``): verl's rule, ⌊prompts ÷ batch⌋ steps per epoch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import msgspec
 
 from fleetrl.config import ConfigError
 from fleetrl.log import get_logger
@@ -105,6 +110,56 @@ def _warmstart_examples(cfg: RunConfig) -> list[tuple[list[dict[str, str]], str]
     return examples
 
 
-def prepare(cfg: RunConfig) -> None:
+def count_train_prompts(cfg: RunConfig) -> int:
+    """Training prompts of one epoch as the rollout side's reader will keep them.
+
+    With ``data.truncation=filter`` each prompt is rendered and measured (as verl does for
+    ``filter_overlong_prompts``); otherwise every row (or ``train_max_samples`` of them) stays.
+    """
+    data = cfg.data
+    if data.truncation == "filter":
+        from fleetrl.data.reader import PromptReader
+        from fleetrl.models.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model.path)
+        reader = PromptReader(
+            data.train_files, tokenizer, shuffle=data.shuffle, seed=data.seed,
+            max_samples=data.train_max_samples, **data.reader_options(),
+        )  # fmt: skip
+        return len(reader)
+    import pyarrow.parquet as pq
+
+    rows = sum(pq.ParquetFile(path).metadata.num_rows for path in data.train_files)
+    return min(rows, data.train_max_samples) if data.train_max_samples > 0 else rows
+
+
+def resolve_total_steps(cfg: RunConfig, prompts: int | None = None) -> RunConfig:
+    """``cfg`` with ``trainer.total_steps`` from ``trainer.total_epochs`` when that is set.
+
+    verl: ``len(train_dataloader) × total_epochs``, the dataloader batching
+    ``data.train_batch_size`` prompts with ``drop_last=True``.
+    """
+    trainer = cfg.trainer
+    if trainer.total_epochs <= 0:
+        return cfg
+    prompts = count_train_prompts(cfg) if prompts is None else prompts
+    per_epoch = prompts // cfg.data.train_batch_size
+    if per_epoch == 0:
+        raise ConfigError(
+            "trainer.total_epochs",
+            f"data.train_files hold {prompts} prompts, fewer than one batch of "
+            f"data.train_batch_size={cfg.data.train_batch_size}: no step would run",
+        )
+    steps = per_epoch * trainer.total_epochs
+    log.info(
+        "trainer.total_epochs=%d: %d steps (%d prompts, %d steps per epoch of %d prompts)",
+        trainer.total_epochs, steps, prompts, per_epoch, cfg.data.train_batch_size,
+    )  # fmt: skip
+    return msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(trainer, total_steps=steps))
+
+
+def prepare(cfg: RunConfig) -> RunConfig:
+    """Build what is missing, then resolve what depends on the data: the config to run."""
     ensure_data(cfg)
     ensure_model(cfg)
+    return resolve_total_steps(cfg)

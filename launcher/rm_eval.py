@@ -179,13 +179,20 @@ def agreement(rm: np.ndarray, rule: np.ndarray, groups: np.ndarray) -> float:
 
 def rule_function(spec: str) -> Any:
     """The judge of ``--rule FILE[:NAME]``, or the built-in scorers by data_source."""
-    from rollout_fleet.rewards.custom import load_custom_reward
+    from rollout_fleet.rewards.custom import RewardLoadError, load_custom_reward
     from rollout_fleet.rewards.registry import default_registry
 
     if not spec:
         return default_registry().compute_score
     path, _, name = spec.partition(":")
-    return load_custom_reward(path, name or "compute_score")
+    custom = load_custom_reward(path, name or "compute_score")
+    if custom.batched or custom.is_async:
+        raise RewardLoadError(
+            f"--rule {spec}: {custom.name} is batched or async; rm eval calls a rule once per "
+            "sample: give a plain compute_score(data_source, solution_str, ground_truth, "
+            "extra_info)"
+        )
+    return custom.fn
 
 
 def eval_policy_samples(folder: str | Path, args: argparse.Namespace) -> dict[str, Any]:

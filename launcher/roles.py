@@ -32,9 +32,11 @@ from typing import Any
 
 from fleetrl.config import convert
 from fleetrl.log import get_logger, setup_logging
+from fleetrl.profiling import TraceSpan, step_dir
 from launcher.config import RunConfig, resolve_device
 from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
 from rollout_fleet.membership import SyncOutcome, WeightTargets
+from rollout_fleet.validation import Validation
 
 log = get_logger(__name__)
 
@@ -144,6 +146,7 @@ class LearnerRole:
         from learner.worker import LearnerWorker
 
         self.engine_api_key = engine_api_key
+        self.trace = TraceSpan()
 
         self.worker = LearnerWorker(
             self.cfg.learner,
@@ -204,6 +207,15 @@ class LearnerRole:
             policy_version=self.worker.policy_version,
             watermark=watermark,
         )
+
+    def start_profile(self) -> None:
+        """``trainer.profile_steps``: record this rank from here (fleetrl/profiling.py)."""
+        self.trace.start()
+
+    def stop_profile(self, step: int) -> str:
+        """End the recording; write ``<run dir>/profile/step_<N>/learner_rank<r>.json``."""
+        folder = step_dir(self.cfg.trainer.output_dir, step)
+        return str(self.trace.stop(folder / f"learner_rank{self.rank}.json"))
 
     def save_hf_snapshot(self, step: int) -> str:
         """Collective: the policy as a Hugging Face folder (learner/snapshot.py); rank 0 writes."""
@@ -309,7 +321,7 @@ class LearnerRole:
             send = self.sender.publish_restored if restored else self.sender.publish
             metrics = send(stream, version)
             out = metrics.as_log_dict()
-            out["weight_sync/seconds"] = metrics.total_s
+            out["timing_s/update_weights"] = metrics.total_s
             outcome = SyncOutcome(version=version, targets=targets.engines)
             result = PublishResult(
                 version=version, outcome=outcome, seconds=metrics.total_s, metrics=out
@@ -320,7 +332,7 @@ class LearnerRole:
             out = err.metrics.as_log_dict() if err.metrics is not None else {}
             out["weight_sync/num_failed"] = float(len(err.engines))
             out["weight_sync/needs_resend"] = float(err.needs_resend)
-            out["weight_sync/seconds"] = seconds
+            out["timing_s/update_weights"] = seconds
             statuses = err.metrics.engines if err.metrics is not None else {}
             failed = {
                 n: (statuses[n].error if n in statuses and statuses[n].error else str(err))
@@ -374,16 +386,15 @@ class RolloutRole:
         setup_logging("rollout", cfg.logging.level)
         self.cfg = cfg
         self.api_key = api_key
+        self.run_dir = run_dir
         self.tokenizer = load_tokenizer(cfg.model.path)
-        reader_args = dict(
-            max_prompt_length=cfg.data.max_prompt_length,
-            apply_chat_template=cfg.data.apply_chat_template,
-        )
+        reader_args = cfg.data.reader_options()
         self.reader = PromptReader(
             cfg.data.train_files,
             self.tokenizer,
             shuffle=cfg.data.shuffle,
             seed=cfg.data.seed,
+            max_samples=cfg.data.train_max_samples,
             **reader_args,
         )
         self.val_files = cfg.data.val_files
@@ -580,13 +591,39 @@ class RolloutRole:
             out.update(self.reward_servers.metrics())
         return out
 
-    async def validate(self) -> dict[str, float]:
+    async def validate(self) -> Validation:
         from fleetrl.data.reader import PromptReader
 
         if not self.val_files:
-            return {}
+            return Validation()
         reader = PromptReader(self.val_files, self.tokenizer, shuffle=False, **self._reader_args)
-        return await self.worker.validate(reader.iter_once(self.cfg.data.val_max_samples))
+        return await self.worker.validate(
+            reader.iter_once(self.cfg.data.val_max_samples),
+            keep_samples=self.cfg.trainer.log_val_generations,
+            sample_seed=self.cfg.data.seed,
+        )
+
+    async def profile_engines(self, step: int, start: bool) -> list[str]:
+        """SGLang's /start_profile or /stop_profile on every engine (their traces go to
+        ``<run dir>/profile/step_<N>/engine_<name>.json`` on the engine's node); the engines
+        that answered. Profiling is best effort: an engine that refuses is logged, not fatal."""
+        from rollout_fleet.client import EngineClient, EngineError
+
+        folder = str(step_dir(Path(self.run_dir).resolve(), step))
+        gpu = resolve_device(self.cfg) == "cuda"
+        answered = []
+        for name, url in sorted(self.fleet.urls().items()):
+            client = EngineClient(url, api_key=self.api_key, timeout_s=60.0, retries=0)
+            try:
+                await (
+                    client.start_profile(folder, "engine_", gpu) if start else client.stop_profile()
+                )
+                answered.append(name)
+            except EngineError as err:
+                log.warning("engine %s: no profile for step %d: %s", name, step, err)
+            finally:
+                await client.close()
+        return answered
 
     async def reader_state(self) -> dict[str, Any]:
         """The reader's cursor plus the prompts started but not yet accepted by the buffer."""

@@ -35,6 +35,7 @@ from launcher.supervision import (
 )
 from rollout_fleet.delivery import group_id_for_index
 from rollout_fleet.membership import WeightTargets
+from rollout_fleet.validation import Validation
 
 log = get_logger(__name__)
 
@@ -141,7 +142,9 @@ class Run:
 
         extra: dict[str, Any] = {}
         self.phase = "restoring the latest checkpoint"
-        if cfg.trainer.resume == "auto":
+        if cfg.trainer.resume_from_path:
+            extra = self.restore_checkpoint_at(cfg.trainer.resume_from_path)
+        elif cfg.trainer.resume == "auto":
             extra = self.restore_latest_checkpoint()
 
         self.rollout = remote_class(RolloutRole, num_cpus=0, max_concurrency=16).remote(
@@ -259,21 +262,8 @@ class Run:
                     str(err).strip().splitlines()[-1][:300],
                 )
                 continue
-            self.origin = ray.get(self.learners[0].state.remote(str(candidate)))
-            self.version = self.origin.policy_version
             watermark = int(extra.get("buffer", {}).get("received_watermark", 0))
-            self.last_checkpoint_watermark = watermark
-            self.resumable = [(watermark, _unfinished(extra.get("reader")))]
-            reset = ray.get(self.learners[0].resume_buffer.remote(self.version, watermark))
-            log.info(
-                "resumed from %s: step %d, policy version %d, hand-out watermark %d, "
-                "admission counter reset to %d groups",
-                candidate,
-                self.origin.step,
-                self.version,
-                watermark,
-                reset,
-            )
+            self._resumed(candidate, extra, watermark)
             return extra
         if checkpoint_candidates(self.ckpt_root):
             raise TrainingStopped(
@@ -282,6 +272,33 @@ class Run:
             )
         return {}
 
+    def restore_checkpoint_at(self, path: str) -> dict[str, Any]:
+        """``trainer.resume_from_path``: that checkpoint, with a new bank (launcher/resume_path.py)."""
+        from launcher.resume_path import checkpoint_step, checkpoint_to_resume, set_aside_newer
+
+        folder = checkpoint_to_resume(path)
+        set_aside_newer(self.ckpt_root, checkpoint_step(folder))
+        extra = gather(
+            [w.load_checkpoint.remote(str(folder)) for w in self.learners], f"loading {folder}"
+        )[0]
+        self._resumed(folder, extra, watermark=0)  # the bank started empty
+        return extra
+
+    def _resumed(self, candidate: Path, extra: dict[str, Any], watermark: int) -> None:
+        """After every rank loaded ``candidate``: the run's clock and the buffer follow it."""
+        import ray
+
+        self.origin = ray.get(self.learners[0].state.remote(str(candidate)))
+        self.version = self.origin.policy_version
+        self.last_checkpoint_watermark = watermark
+        self.resumable = [(watermark, _unfinished(extra.get("reader")))]
+        reset = ray.get(self.learners[0].resume_buffer.remote(self.version, watermark))
+        log.info(
+            "resumed from %s: step %d, policy version %d, hand-out watermark %d, "
+            "admission counter reset to %d groups",
+            candidate, self.origin.step, self.version, watermark, reset,
+        )  # fmt: skip
+
     def set_aside_unowned_bank(self) -> None:
         """A bank no checkpoint will resume (fresh start) is moved aside, not reloaded.
 
@@ -289,7 +306,12 @@ class Run:
         starts again at version 0.
         """
         bank = Path(self.bank_dir)
-        resuming = self.cfg.trainer.resume == "auto" and checkpoint_candidates(self.ckpt_root)
+        trainer = self.cfg.trainer
+        resuming = (
+            trainer.resume == "auto"
+            and not trainer.resume_from_path  # a chosen checkpoint starts a new bank
+            and checkpoint_candidates(self.ckpt_root)
+        )
         if resuming or not bank.is_dir() or not any(bank.iterdir()):
             return
         aside = bank.with_name(f"{bank.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -369,8 +391,9 @@ class Run:
         """One learner step on the batch rank 0 holds (collective over every rank)."""
         return gather([w.step.remote(version) for w in self.learners], "a learner step")[0]
 
-    def validate(self) -> dict[str, float]:
-        """Score the held-out prompts with the current weights (greedy by default)."""
+    def validate(self) -> Validation:
+        """Score the held-out prompts with the current weights (greedy by default): the
+        metrics, and the samples trainer.log_val_generations keeps."""
         import ray
 
         return ray.get(self.rollout.validate.remote())
@@ -402,6 +425,22 @@ class Run:
         log.info("engines waiting for weights answer: publishing version %d again", self.version)
         self.publish(self.version, targets=targets)
         self.write_roster()  # a replacement is a new process
+
+    def start_profile(self, step: int) -> None:
+        """``trainer.profile_steps``: every learner rank and engine records from here."""
+        import ray
+
+        gather([w.start_profile.remote() for w in self.learners], "starting a profile")
+        ray.get(self.rollout.profile_engines.remote(step, True))
+
+    def stop_profile(self, step: int) -> list[str]:
+        """End the recording; the learner ranks' trace files (the engines write their own)."""
+        import ray
+
+        paths = gather([w.stop_profile.remote(step) for w in self.learners], "writing profiles")
+        engines = ray.get(self.rollout.profile_engines.remote(step, False))
+        log.info("step %d profiled: %s, and engines %s", step, ", ".join(paths), engines or "none")
+        return paths
 
     def save_hf_snapshot(self, step: int) -> str:
         """Write the policy of ``step`` as a Hugging Face folder (``trainer.save_hf_freq``)."""

@@ -1,11 +1,14 @@
-"""Run tracking: metrics.jsonl (always), console progress, wandb and TensorBoard (optional).
+"""Run tracking: metrics.jsonl (always), console progress, wandb, TensorBoard and MLflow
+(optional), validation samples.
 
 One ``Tracker`` per run, owned by the driver. ``log(step, metrics)`` appends one
 JSON object per step (with ``step`` and ``policy_version``) to
 ``<run dir>/metrics.jsonl``, forwards to wandb (respecting ``WANDB_MODE``;
-offline works with no network) and TensorBoard when enabled, and prints a
-progress line every ``console_every`` steps (step, score, staleness,
-throughput, ETA) through the logger.
+offline works with no network), TensorBoard and MLflow (launcher/mlflow_sink.py) when
+enabled, and prints a progress line every ``console_every`` steps (step, score,
+staleness, throughput, ETA) through the logger. ``log_generations(step, version,
+samples)`` writes validation samples to ``<run dir>/generations.jsonl``, a wandb table
+and MLflow (launcher/generations.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any
 
 from fleetrl.log import get_logger
 from launcher.config import LoggingConfig
+from launcher.generations import WANDB_COLUMNS, WANDB_KEY, GenerationLog
+from rollout_fleet.validation import ValSample
 
 log = get_logger(__name__)
 
@@ -55,6 +60,12 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self._mlflow = None
+        if cfg.mlflow:
+            from launcher.mlflow_sink import MlflowSink
+
+            self._mlflow = MlflowSink(cfg.project, cfg.run_name or run_dir.name, run_dir, config_dict)  # fmt: skip
+        self.generations = GenerationLog(run_dir)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
@@ -67,6 +78,8 @@ class Tracker:
         if self._tb is not None:
             for key, value in numeric.items():
                 self._tb.add_scalar(key, value, step)
+        if self._mlflow is not None:
+            self._mlflow.log(step, numeric)
         if self._first_step is None:
             self._first_step = step
         if step % self.cfg.console_every == 0 or step == self.total_steps:
@@ -96,12 +109,27 @@ class Tracker:
         parts.append(f"ETA {eta:.0f}s")
         log.info(" | ".join(parts))
 
+    def log_generations(self, step: int, policy_version: int, samples: list[ValSample]) -> None:
+        """Validation samples (``trainer.log_val_generations``): the file, wandb, MLflow."""
+        if not samples:
+            return
+        rows = self.generations.write(step, policy_version, samples)
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=list(WANDB_COLUMNS), data=self.generations.table_rows)
+            self._wandb.log({WANDB_KEY: table}, step=step)
+        if self._mlflow is not None:
+            self._mlflow.log_generations(step, rows)
+
     def close(self) -> None:
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
         if self._tb is not None:
             self._tb.close()
+        if self._mlflow is not None:
+            self._mlflow.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -54,8 +54,9 @@ import yaml
 
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
-from launcher.config import RunConfig, load_run_config
+from launcher.config import RunConfig, load_run_config_named
 from launcher.preflight import ensure_ready
+from launcher.preflight_findings import PreflightFailed
 from launcher.prepare import prepare
 from launcher.report import summary_lines, write_score_plot
 from launcher.results import StartRecord
@@ -153,17 +154,38 @@ def due(step: int, every: int, last: int) -> bool:
     return every > 0 and (step % every == 0 or step == last)
 
 
-def train_loop(roles: Any, cfg: RunConfig, progress: Progress, tracker: Any, stop: Any) -> None:
-    """The schedule: wait for a batch, step, publish, snapshot, validate, checkpoint, log; repeat.
+def run_gpus(cfg: RunConfig) -> float:
+    """GPUs the run reserves: learner ranks, rollout engines and reward servers."""
+    rm = cfg.reward.model
+    reward = rm.num_engines * rm.gpus_per_engine if cfg.reward.uses_model and not rm.urls else 0.0
+    return (
+        cfg.learner.num_ranks * cfg.learner.gpus_per_rank
+        + cfg.rollout.num_engines * cfg.rollout.gpus_per_engine
+        + reward
+    )
 
-    ``roles``: the role calls (``Run.supervised()``, or fakes); ``stop.check()`` raises
-    ``StopRequested`` between steps and while waiting.
+
+def saves_at(step: int, save_freq: int, last: int) -> bool:
+    """``trainer.save_freq``: every ``save_freq`` steps and at the last (-1: the last only; 0: never)."""
+    return save_freq != 0 and (due(step, save_freq, last) or step == last)
+
+
+def train_loop(roles: Any, cfg: RunConfig, progress: Progress, tracker: Any, stop: Any) -> None:
+    """The schedule: wait for a batch, step, publish, snapshot, validate, checkpoint, log; repeat
+    (a step listed in ``trainer.profile_steps`` is recorded by every learner rank and engine).
+
+        ``roles``: the role calls (``Run.supervised()``, or fakes); ``stop.check()`` raises
+        ``StopRequested`` between steps and while waiting.
     """
     tr, bad_steps = cfg.trainer, BadStepGuard(cfg.trainer.max_bad_steps)
+    devices = run_gpus(cfg) or 1.0
     progress.loop_started_at = time.monotonic()
     while progress.step < tr.total_steps:
         stop.check()
         t_step = time.monotonic()
+        profiled = progress.step + 1 in tr.profile_steps
+        if profiled:  # the whole step: the wait, the update, the publish, validation, saving
+            roles.start_profile(progress.step + 1)
         waited = roles.wait_for_batch(progress.version, stop.check)
         result = roles.step(progress.version)
         progress.step += 1
@@ -178,40 +200,61 @@ def train_loop(roles: Any, cfg: RunConfig, progress: Progress, tracker: Any, sto
         if due(progress.step, tr.save_hf_freq, tr.total_steps):
             roles.save_hf_snapshot(progress.step)
         if due(progress.step, tr.test_freq, tr.total_steps):
-            m.update(validate(roles, progress))
-        if due(progress.step, tr.save_freq, tr.total_steps) or progress.step == tr.total_steps:
+            m.update(validate(roles, progress, tracker))
+        if saves_at(progress.step, tr.save_freq, tr.total_steps):
+            t_save = time.monotonic()
             roles.checkpoint(progress.step)
             progress.checkpointed_step = progress.step
+            m["timing_s/save_checkpoint"] = time.monotonic() - t_save
+        if profiled:
+            roles.stop_profile(progress.step)
         m.update(roles.role_metrics())
         m.update(roles.supervision_metrics())
-        tracker.log(progress.step, m | clock_metrics(progress, m, waited, t_step))
+        tracker.log(progress.step, m | clock_metrics(progress, m, waited, t_step, devices))
 
 
-def validate(roles: Any, progress: Progress) -> dict[str, float]:
+def validate(roles: Any, progress: Progress, tracker: Any) -> dict[str, float]:
+    """Validation metrics (verl's ``timing_s/testing`` with them); its samples to the tracker."""
     t0 = time.monotonic()
-    metrics = dict(roles.validate())
-    metrics["timing_s/validate"] = time.monotonic() - t0
+    result = roles.validate()
+    metrics = dict(result.metrics)
+    metrics["timing_s/testing"] = time.monotonic() - t0
     if "val/score/mean" in metrics:
         progress.val_scores.append((progress.step, metrics["val/score/mean"]))
+    tracker.log_generations(progress.step, progress.version, result.samples)
     return metrics
 
 
 def clock_metrics(
-    progress: Progress, m: dict[str, Any], waited: float, t_step: float
+    progress: Progress, m: dict[str, Any], waited: float, t_step: float, devices: float = 1.0
 ) -> dict[str, float]:
-    """Timing and throughput of this step (``m`` gives the step's token count)."""
+    """Timing and throughput of this step (``m`` gives the step's token count); ``devices``:
+    the GPUs of the run (1 on a CPU), verl's divisor of ``perf/throughput``."""
     progress.waited_s += waited
     now = time.monotonic()
     elapsed, step_s = now - progress.loop_started_at, now - t_step
-    return {
+    tokens = m.get("perf/total_num_tokens", 0.0)
+    out = {
         "policy_version": progress.version,
+        "training/global_step": progress.step,
         "timing_s/step": step_s,
         "timing_s/gen": waited,  # time this step waited for generated data
         "time/elapsed_s": now - progress.started_at,
         "trainer/idle_fraction": progress.waited_s / elapsed if elapsed > 0 else 0.0,
-        "perf/throughput": m.get("perf/tokens", 0.0) / step_s if step_s > 0 else 0.0,
+        # verl's: tokens of the batch per second and per device of the run
+        "perf/time_per_step": step_s,
+        "perf/throughput": tokens / (step_s * devices) if step_s > 0 else 0.0,
         "perf/samples_per_s": progress.samples / elapsed if elapsed > 0 else 0.0,
     }
+    # verl's timing_per_token_ms: generation per response token, the rest per token
+    per_token = {"gen": (waited, m.get("perf/response_tokens", 0.0))}
+    for stage in ("ref", "values", "adv", "update_critic", "update_actor"):
+        if f"timing_s/{stage}" in m:
+            per_token[stage] = (m[f"timing_s/{stage}"], tokens)
+    for stage, (seconds, count) in per_token.items():
+        if count > 0:
+            out[f"timing_per_token_ms/{stage}"] = seconds * 1000 / count
+    return out
 
 
 def execute(session: Any, cfg: RunConfig, tracker: Any, stop: Any) -> dict[str, Any]:
@@ -231,8 +274,8 @@ def execute(session: Any, cfg: RunConfig, tracker: Any, stop: Any) -> dict[str, 
         stop.starting = False
         progress = Progress.resuming(origin, wall0)
         summary["resumed_from"] = origin.resumed_from
-        if cfg.trainer.test_freq > 0 and origin.resumed_from is None:
-            val = validate(roles, progress)
+        if cfg.trainer.val_before_train and cfg.data.val_files and origin.resumed_from is None:
+            val = validate(roles, progress, tracker)
             tracker.log(progress.step, {**val, "policy_version": progress.version})
             if "val/score/mean" in val:
                 summary["initial_val_score"] = val["val/score/mean"]
@@ -247,7 +290,9 @@ def execute(session: Any, cfg: RunConfig, tracker: Any, stop: Any) -> dict[str, 
             interrupted_start = StartupInterrupted(summary["interrupted"], session.phase)
         else:
             log.warning("stopping at step %d on %s", progress.step, summary["interrupted"])
-            if not roles.failed and progress.step != progress.checkpointed_step:
+            if cfg.trainer.save_freq == 0:
+                log.warning("trainer.save_freq=0: no checkpoint written, this run cannot resume")
+            elif not roles.failed and progress.step != progress.checkpointed_step:
                 session.checkpoint(progress.step)
     finally:
         stop.restore()
@@ -274,8 +319,8 @@ def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
         ensure_ready(cfg, address)
         run_dir = Path(cfg.trainer.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        cfg = prepare(cfg)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        prepare(cfg)
         tracker = Tracker(cfg.logging, run_dir, cfg.trainer.total_steps, to_dict(cfg))
         session = Run(cfg, address)
     except (StopRequested, KeyboardInterrupt):
@@ -299,9 +344,11 @@ def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = load_run_config(args.config, args.overrides, training=True)
+    cfg, name = load_run_config_named(args.config, args.overrides, training=True)
     try:
         summary = run(cfg, address=args.address)
+    except PreflightFailed as err:
+        raise err.named(name) from None
     except TrainingStopped as err:
         log.error("training stopped: %s", err)
         return 1

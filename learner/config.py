@@ -40,6 +40,14 @@ class OptimConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     betas: Annotated[tuple[float, float], Meta(description="AdamW betas.")] = (0.9, 0.999)
     eps: Annotated[float, Meta(gt=0, description="AdamW epsilon.")] = 1e-8
     warmup_steps: Annotated[int, Meta(ge=0, description="Linear warm-up steps.")] = 0
+    warmup_ratio: Annotated[
+        float,
+        Meta(
+            ge=0,
+            lt=1,
+            description="Warm-up as a fraction of the run's steps (verl's optim.lr_warmup_steps_ratio), used when warmup_steps is 0: int(ratio × total steps) steps.",
+        ),
+    ] = 0.0
     schedule: Annotated[
         Literal["constant", "cosine"], Meta(description="LR schedule after warm-up.")
     ] = "constant"
@@ -97,8 +105,18 @@ class PolicyLossConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         float, Meta(gt=1, description="Dual-clip bound c for negative advantages.")
     ] = 3.0
     loss_agg_mode: Annotated[
-        LossAggMode, Meta(description="How per-token losses reduce to a scalar (verl names).")
+        LossAggMode,
+        Meta(
+            description="How per-token losses reduce to a scalar (verl names): token-mean over the trained tokens of the mini-batch; seq-mean-token-sum / seq-mean-token-mean over its sequences; seq-mean-token-sum-norm (Dr. GRPO): the sequence mean of token sums over the constant loss_scale_factor. Every mode is exact whatever the split into ranks and micro-batches."
+        ),
     ] = "token-mean"
+    loss_scale_factor: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="seq-mean-token-sum-norm's constant C (verl's actor.loss_scale_factor); 0 = rollout.max_new_tokens, the maximum response length (verl's default). Fixed, so the scale never moves with how dynamic batching pads a micro-batch.",
+        ),
+    ] = 0
     entropy_coeff: Annotated[
         float, Meta(ge=0, description="Entropy bonus coefficient (0 = off).")
     ] = 0.0
@@ -156,6 +174,19 @@ class CriticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         Literal["auto", "on", "off"],
         Meta(description="auto: a critic is built exactly when adv_estimator is gae."),
     ] = "auto"
+    model_path: Annotated[
+        str,
+        Meta(
+            description="Hugging Face folder the critic's body starts from (verl's critic.model.path); empty = model.path. It reads the policy's token ids, so its vocabulary must cover the policy's; its value head is new (value_head_init_std)."
+        ),
+    ] = ""
+    warmup_steps: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="The first this many steps train the critic only: the policy, its optimizer and LR schedule stay as they are (verl's trainer.critic_warmup, which counts one more: its critic_warmup N trains the critic alone for N-1 steps).",
+        ),
+    ] = 0
     optim: Annotated[OptimConfig, Meta(description="Critic optimizer.")] = msgspec.field(
         default_factory=lambda: OptimConfig(lr=1e-5)
     )

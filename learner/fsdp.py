@@ -80,14 +80,22 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig) -> torch.o
     )
 
 
+def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
+    """``warmup_steps``, or ``warmup_ratio`` of the schedule's steps when that is 0 (verl's rule)."""
+    if cfg.warmup_steps:
+        return cfg.warmup_steps
+    return int(cfg.warmup_ratio * (cfg.total_steps or total_steps))
+
+
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """LR multiplier after ``step`` optimizer steps: linear warm-up, then constant or cosine."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
+    warmup = warmup_steps(cfg, total_steps)
+    if warmup and step < warmup:
+        return (step + 1) / warmup
     if cfg.schedule == "constant":
         return 1.0
-    span = max(1, (cfg.total_steps or total_steps) - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    span = max(1, (cfg.total_steps or total_steps) - warmup)
+    progress = min(1.0, (step - warmup) / span)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
 

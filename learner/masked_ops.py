@@ -134,11 +134,16 @@ def agg_loss(
     * ``token-mean``: Σ_it L·m / N. With ``global_token_count`` G: Σ L·m / G.
     * ``seq-mean-token-sum``: Σ_{i∈S} (Σ_t L·m) / |S| (``global_seq_count`` replaces |S|).
     * ``seq-mean-token-mean``: Σ_{i∈S} (Σ_t L·m / n_i) / |S| (``global_seq_count`` replaces |S|).
-    * ``seq-mean-token-sum-norm`` (Dr. GRPO): Σ_it L·m / ``loss_scale_factor``, a
-      constant (default: the padded length T of this tensor, as verl). As in
-      verl this is a sum over sequences divided by a constant, so it is already
-      additive over micro-batches; pass a fixed ``loss_scale_factor`` (e.g. the
-      max new tokens) so that micro-batches padded to different T agree.
+    * ``seq-mean-token-sum-norm`` (Dr. GRPO, arXiv 2503.20783): Σ_{i∈S} (Σ_t L·m) / (|S|·C)
+      with C = ``loss_scale_factor``, a constant (``global_seq_count`` replaces |S|). The
+      learner passes the maximum response length (verl's default for C: its responses are
+      padded to ``data.max_response_length``), so the scale is the same for every
+      micro-batch, however dynamic batching cuts and pads them; without it C is the padded
+      width T of this tensor (verl's fallback), which moves with the padding. verl's
+      ``agg_loss`` leaves out the 1/|S| and its actor then scales by the micro-batch's
+      share, which makes its value grow with the micro-batch size (equal to this one with
+      one sequence per micro-batch); here it is the sequence mean the name says, so the
+      step does not grow with the batch.
 
     Every mode is then multiplied by ``dp_size`` (see the module docstring: pass
     the FSDP data-parallel world size together with global counts; leave 1 for a
@@ -174,7 +179,11 @@ def agg_loss(
         scale = float(loss_mat.shape[-1]) if loss_scale_factor is None else loss_scale_factor
         if scale <= 0:
             raise ValueError(f"agg_loss: loss_scale_factor must be > 0, got {scale}")
-        loss = (loss_mat * mask).sum() / scale
+        if global_seq_count is None:
+            seqs = (mask.sum(dim=-1) > 0).to(loss_mat.dtype).sum().clamp(min=1)
+        else:
+            seqs = _as_count(global_seq_count, loss_mat, "global_seq_count")
+        loss = (loss_mat * mask).sum() / (seqs * scale)
     else:
         raise ValueError(f"agg_loss: unknown mode {mode!r}; expected one of {LOSS_AGG_MODES}")
     return loss * dp_size if dp_size != 1 else loss

@@ -166,15 +166,8 @@ def prepare_targets(
             metrics["is/" + key.removeprefix("is_")] = float(value)
 
     behavior_clip = corr.mode == "decoupled" and corr.decoupled_behavior_clip
-    metrics["critic/advantages/mean"] = float(alg.masked_mean(advantages, mask))
-    trained = mask > 0
-    if bool(trained.any()):
-        metrics["critic/advantages/max"] = float(advantages[trained].max())
-        metrics["critic/advantages/min"] = float(advantages[trained].min())
     ret = returns if returns is not None else token_rewards.flip(-1).cumsum(-1).flip(-1)
-    metrics["critic/returns/mean"] = float(alg.masked_mean(ret, mask))
-    if values is not None:
-        metrics["critic/values/mean"] = float(alg.masked_mean(values, mask))
+    metrics.update(target_metrics(token_rewards, scores, advantages, ret, values, mask))
     return (
         Targets(
             mask,
@@ -188,6 +181,42 @@ def prepare_targets(
         ),
         metrics,
     )
+
+
+def target_metrics(
+    token_rewards: torch.Tensor,
+    scores: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor,
+) -> dict[str, float]:
+    """verl's critic/* statistics (its metric_utils.compute_data_metrics): the sequence
+    rewards (score and KL penalty, summed), and advantages, returns and values over the
+    trained tokens, each mean/max/min; the value head's explained variance with a critic."""
+    out: dict[str, float] = {}
+    trained = mask > 0
+    rewards = _sequence_rewards(token_rewards, scores, mask)
+    out.update(_stats("critic/rewards", rewards))
+    if not bool(trained.any()):
+        out["critic/advantages/mean"] = 0.0
+        return out
+    out.update(_stats("critic/advantages", advantages[trained]))
+    out.update(_stats("critic/returns", returns[trained]))
+    if values is not None:
+        out.update(_stats("critic/values", values[trained]))
+        residual_var = torch.var(returns[trained] - values[trained], unbiased=False)
+        return_var = torch.var(returns[trained], unbiased=False)
+        out["critic/vf_explained_var"] = float(1.0 - residual_var / (return_var + 1e-5))
+    return out
+
+
+def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
+    return {
+        f"{name}/mean": float(values.float().mean()),
+        f"{name}/max": float(values.max()),
+        f"{name}/min": float(values.min()),
+    }
 
 
 def _sequence_rewards(
@@ -215,7 +244,8 @@ def batch_metrics(batch: GlobalBatch, policy_version: int) -> dict[str, float]:
         "response_length/clip_ratio": float(batch.truncated.mean()),
         "prompt_length/mean": float(batch.prompt_lens.mean()),
         "prompt_length/max": float(batch.prompt_lens.max()),
-        "perf/tokens": float(batch.seq_lens.sum()),
+        "prompt_length/min": float(batch.prompt_lens.min()),
+        "perf/total_num_tokens": float(batch.seq_lens.sum()),
         "perf/response_tokens": float(response_lens.sum()),
         # the share of response tokens trained on: the policy's own (multi-turn: not a tool
         # reply), of samples whose reward was scored

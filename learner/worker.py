@@ -26,8 +26,9 @@ One ``step`` (every rank runs the same code on the same global batch):
          -> critic: the same with value_loss
       -> LR schedulers step once; metrics reduced over ranks (token-weighted)
 
-Metric names follow verl (``actor/pg_loss``, ``critic/vf_loss``, ...), plus
-``staleness/*``, ``is/*``, ``timing_s/*``, ``response/*``; ``actor/skipped_nonfinite``
+Metric names follow verl (``actor/pg_loss``, ``critic/vf_loss``, ``timing_s/old_log_prob``,
+``timing_s/ref``, ``timing_s/values``, ``timing_s/adv``, ``timing_s/update_actor``,
+``timing_s/update_critic``, ...), plus ``staleness/*``, ``is/*``, ``response/*``; ``actor/skipped_nonfinite``
 counts mini-batches whose update was skipped (the driver stops after too many in a row).
 Losses and per-token metrics count trained tokens only (``batching.response_mask``).
 
@@ -51,6 +52,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +113,21 @@ class LearnerWorker:
                 "learner.algorithm.overlong_buffer_len needs the response cap: pass"
                 " max_response_length (rollout.max_new_tokens)"
             )
+        if "seq-mean-token-sum-norm" in (
+            learner_cfg.policy_loss.loss_agg_mode,
+            learner_cfg.critic.loss_agg_mode,
+        ) and not (learner_cfg.policy_loss.loss_scale_factor or max_response_length > 0):
+            raise ValueError(
+                "loss_agg_mode seq-mean-token-sum-norm needs its constant: set"
+                " learner.policy_loss.loss_scale_factor or pass max_response_length"
+            )
         self.cfg = learner_cfg
         self.max_response_length = max_response_length
+        # seq-mean-token-sum-norm's constant: the same for every micro-batch of every step
+        self.policy_loss_scale = float(
+            learner_cfg.policy_loss.loss_scale_factor or max_response_length or 1
+        )
+        self.value_loss_scale = float(max_response_length or self.policy_loss_scale)
         self.model_cfg = model_cfg
         self.rank = rank
         self.world_size = world_size
@@ -162,6 +177,10 @@ class LearnerWorker:
                 "learner.policy_loss.loss_agg_mode=%s reduces only the entropy bonus and KL loss",
                 alg.GSPO_AGG_MODE, pl.loss_agg_mode,
             )  # fmt: skip
+        if self.uses_critic and self.cfg.critic.model_path:  # checked before the group forms
+            check_critic_vocabulary(
+                check_model_dir(self.model_cfg.path), check_model_dir(self.cfg.critic.model_path)
+            )
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -207,11 +226,12 @@ class LearnerWorker:
             )
 
     def _critic_path(self, policy_path: Path) -> Path:
-        """The folder the critic is built from: the policy's, or ``critic.init_from``'s
-        reward model (checked: a one-label classifier over the policy's vocabulary)."""
+        """The folder the critic is built from: ``critic.model_path`` (its vocabulary checked
+        before the group formed), ``critic.init_from``'s reward model (checked: a one-label
+        classifier over the policy's vocabulary), or the policy's."""
         source = self.cfg.critic.init_from
         if not source:
-            return policy_path
+            return Path(self.cfg.critic.model_path) if self.cfg.critic.model_path else policy_path
         from fleetrl.models.reward_folder import check_reward_folder
 
         reward_config = check_reward_folder(check_model_dir(source))
@@ -311,42 +331,58 @@ class LearnerWorker:
         infer_plan = self._plan(gb, everything)
         metrics = batch_metrics(gb, policy_version)
 
-        tick = time.perf_counter()
+        # verl's timing names: old_log_prob (π_prox), ref, values, adv, update_actor/critic
+        timer = _Timer(metrics)
         prox = None
         if self.cfg.correction.mode != "bypass":
-            prox = self._infer(self.policy, gb, infer_plan, values=False)
-        ref = self._reference_logprobs(gb, infer_plan)
-        values = self._infer(self.critic, gb, infer_plan, True) if self.critic else None
-        metrics["timing_s/forward_no_grad"] = time.perf_counter() - tick
-        targets, target_metrics = prepare_targets(
-            gb, self.cfg, prox_logprob=prox, ref_logprob=ref, values=values,
-            kl_ctrl=self.kl_ctrl, device=self.device, max_response_length=self.max_response_length,
-        )  # fmt: skip
+            with timer("old_log_prob"):
+                prox = self._infer(self.policy, gb, infer_plan, values=False)
+        ref = None
+        if self.uses_reference:
+            with timer("ref"):
+                ref = self._reference_logprobs(gb, infer_plan)
+        values = None
+        if self.critic is not None:
+            with timer("values"):
+                values = self._infer(self.critic, gb, infer_plan, True)
+        with timer("adv"):
+            targets, target_metrics = prepare_targets(
+                gb, self.cfg, prox_logprob=prox, ref_logprob=ref, values=values,
+                kl_ctrl=self.kl_ctrl, device=self.device,
+                max_response_length=self.max_response_length,
+            )  # fmt: skip
         metrics.update(target_metrics)
 
-        tick = time.perf_counter()
         sums = ldist.MetricSums()
         self._update_stats: dict[str, list[float]] = defaultdict(list)
+        # critic warm-up (learner.critic.warmup_steps): the policy waits for useful values
+        train_policy = self.global_step >= self.cfg.critic.warmup_steps
         for _epoch in range(self.cfg.ppo_epochs):
             for mini in mini_batches(gb.group_index, self.cfg.ppo_mini_batch_size):
                 plan = self._plan(gb, mini)
                 counts = global_counts(gb, mini)
-                self._update_policy(gb, plan, targets, counts, sums)
+                if train_policy:
+                    with timer("update_actor"):
+                        self._update_policy(gb, plan, targets, counts, sums)
                 if self.critic is not None:
-                    self._update_critic(gb, plan, targets, counts, sums)
+                    with timer("update_critic"):
+                        self._update_critic(gb, plan, targets, counts, sums)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        if train_policy:
+            self.scheduler.step()
         if self.critic is not None:
             metrics["critic/lr"] = self.critic_scheduler.get_last_lr()[0]
             self.critic_scheduler.step()
         metrics.update(sums.reduce(self.device))
-        for role in ("actor", "critic") if self.critic is not None else ("actor",):
+        roles = ("actor",) if train_policy else ()
+        for role in roles + (("critic",) if self.critic is not None else ()):
             norms = self._update_stats[f"{role}/grad_norm"]
             metrics[f"{role}/grad_norm"] = float(np.mean(norms)) if norms else float("nan")
             metrics[f"{role}/skipped_nonfinite"] = float(
                 len(self._update_stats[f"{role}/skipped_nonfinite"])
             )
-        metrics["timing_s/update"] = time.perf_counter() - tick
+        if train_policy and self.cfg.kl.use_kl_loss:
+            metrics["actor/kl_coef"] = self.cfg.kl.kl_loss_coef
         metrics["timing_s/step"] = time.perf_counter() - started
         metrics["perf/peak_memory_gb"] = peak_memory_gb(
             self.device.type, self._rss_before_models_kb
@@ -364,7 +400,10 @@ class LearnerWorker:
         sums: ldist.MetricSums,
     ) -> None:
         pl, ws = self.cfg.policy_loss, self.world_size
-        count_kwargs = dict(global_token_count=counts[0], global_seq_count=counts[1], dp_size=ws)
+        count_kwargs = dict(
+            global_token_count=counts[0], global_seq_count=counts[1], dp_size=ws,
+            loss_scale_factor=self.policy_loss_scale,
+        )  # fmt: skip
         pg_loss_local = torch.zeros((), dtype=torch.float64, device=self.device)
         kl_loss_local = torch.zeros((), dtype=torch.float64, device=self.device)
         for indices in plan:
@@ -444,6 +483,7 @@ class LearnerWorker:
             loss, m = alg.value_loss(
                 values, targets.old_values[indices, :width], targets.returns[indices, :width],
                 mask, cc.cliprange_value, cc.loss_agg_mode, counts[0], counts[1], dp_size=ws,
+                loss_scale_factor=self.value_loss_scale,
             )  # fmt: skip
             (loss + anchor).backward()
             vf_loss_local += loss.detach()
@@ -528,6 +568,40 @@ class LearnerWorker:
         """Train on each batch in turn (rank 0's iterable holds batches, others Nones)."""
         for batch in batches:
             yield self.step(batch, policy_version=self.global_step)
+
+
+class _Timer:
+    """``with timer("adv"):`` adds the block's seconds to ``metrics["timing_s/adv"]``, and
+    names the block ``learner/adv`` in a profile (``trainer.profile_steps``)."""
+
+    def __init__(self, metrics: dict[str, float]) -> None:
+        self.metrics = metrics
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            with torch.profiler.record_function(f"learner/{name}"):
+                yield
+        finally:
+            key = f"timing_s/{name}"
+            self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - started
+
+
+def check_critic_vocabulary(policy_path: Path, critic_path: Path) -> None:
+    """The critic reads the policy's token ids: its embedding must hold every one of them."""
+    if critic_path == policy_path:
+        return
+    from transformers import AutoConfig
+
+    policy_vocab = AutoConfig.from_pretrained(policy_path).vocab_size
+    critic_vocab = AutoConfig.from_pretrained(critic_path).vocab_size
+    if critic_vocab < policy_vocab:
+        raise ValueError(
+            f"learner.critic.model_path: {critic_path} has a vocabulary of {critic_vocab} tokens, "
+            f"fewer than the policy's {policy_vocab} ({policy_path}); the critic reads the "
+            "policy's token ids, so start it from a model of the same tokenizer"
+        )
 
 
 def _slicer(indices: np.ndarray, width: int):

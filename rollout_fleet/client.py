@@ -255,6 +255,15 @@ class EngineClient:
             "POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all}, expect_json=False
         )
 
+    async def start_profile(self, output_dir: str, prefix: str = "", gpu: bool = False) -> str:
+        """``POST /start_profile``: record a trace (CPU, and GPU if asked) into ``output_dir``."""
+        body = {"output_dir": output_dir, "profile_prefix": prefix, "activities": ["CPU", "GPU"] if gpu else ["CPU"]}  # fmt: skip
+        return await self._request("POST", "/start_profile", body, retry="never", expect_json=False)  # fmt: skip
+
+    async def stop_profile(self) -> str:
+        """``POST /stop_profile``: end the trace; the engine writes it."""
+        return await self._request("POST", "/stop_profile", None, retry="never", expect_json=False)  # fmt: skip
+
     async def flush_cache(self) -> str:
         return await self._request("POST", "/flush_cache", None, expect_json=False)
 

@@ -332,3 +332,26 @@ class EmbeddingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     multi_item_delimiter_indices: None = None
     token_indices_to_pool: None = None
     decision_layout: list[int | list[int]] | None = None
+
+
+class ProfileRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Body of ``POST /start_profile`` (SGLang ``ProfileReq``, all optional; ``/stop_profile``
+    has none). The embedded engine records one torch.profiler span from start to stop and
+    writes it to ``<output_dir>/<profile_prefix><engine id>.json`` (output_dir default:
+    ``SGLANG_TORCH_PROFILER_DIR``, else /tmp, as SGLang); ``activities`` ["CPU"] or with
+    "GPU"; the step and stage options (``start_step``, ``num_steps``, ``profile_by_stage``,
+    ``profile_stages``) and the detail switches are SGLang's and have nothing to act on here.
+    """
+
+    output_dir: str | None = None
+    start_step: int | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    profile_by_stage: bool = False
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    profile_id: str | None = None
+    merge_profiles: bool = False
+    profile_prefix: str | None = None
+    profile_stages: list[str] | None = None
+    detailed_annotations: bool = False

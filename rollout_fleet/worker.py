@@ -38,8 +38,8 @@ engine failure does (the group is dropped and counted).
 
 ``validate(prompts)`` runs a validation set through the same machinery (one
 greedy sample per prompt by default, multi-turn too when it is on) and returns
-mean scores per data source: the combined reward (``val/score``) and, apart, the
-rule score and the model score.
+mean scores per data source (the combined reward ``val/score`` and, apart, the rule
+score and the model score), and a fixed choice of its samples (rollout_fleet/validation.py).
 
 Staleness: ``running_groups`` counts groups from start until fully sent, plus
 (with a ``ledger``, rollout_fleet/delivery.py) those sent whole that the buffer
@@ -55,7 +55,6 @@ import asyncio
 import contextlib
 import functools
 import inspect
-import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -70,10 +69,11 @@ from rollout_fleet.adapters import AdapterNames
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.delivery import group_id_for
 from rollout_fleet.multi_turn.driver import MultiTurnDriver
-from rollout_fleet.rewards.pipeline import SampleReward, validation_metrics
+from rollout_fleet.rewards.pipeline import SampleReward
 from rollout_fleet.router import Router
 from rollout_fleet.sample_runner import GenerateClient, SampleFailed, SampleRunner
 from rollout_fleet.trajectory import SampleProgress, build_trajectory
+from rollout_fleet.validation import Validation, ValResult, pick_samples, summarize
 
 log = get_logger(__name__)
 
@@ -301,15 +301,22 @@ class RolloutWorker:
         self._admission_thread.shutdown(wait=False, cancel_futures=True)
 
     async def validate(
-        self, prompts: Iterable[PromptItem], *, temperature: float | None = None
-    ) -> dict[str, float]:
-        """Score one sample per prompt (greedy by default); mean per data source and overall."""
+        self,
+        prompts: Iterable[PromptItem],
+        *,
+        temperature: float | None = None,
+        keep_samples: int = 0,
+        sample_seed: int = 0,
+    ) -> Validation:
+        """Score one sample per prompt (greedy by default): the metrics (rollout_fleet/
+        validation.py) and ``keep_samples`` of the samples, a choice fixed by ``sample_seed``."""
         self.runner.attach()
         temp = self.config.val_temperature if temperature is None else temperature
         sampling = self.sampling_params(temp)
         limit = asyncio.Semaphore(self.config.max_concurrent_groups)
-        results: list[tuple[str, _Generated, SampleReward]] = []
+        results: list[ValResult] = []
         failed: list[str] = []
+        total = 0
 
         async def one(position: int, prompt: PromptItem) -> None:
             async with limit:
@@ -325,27 +332,16 @@ class RolloutWorker:
                 (reward,) = await self._rewards.score_group(
                     prompt, [done.text], [done.rule], record=False
                 )
-                results.append((prompt.data_source, done, reward))
+                results.append(ValResult(position, prompt, done.sample, reward, done.turns))
 
         async with asyncio.TaskGroup() as tasks:
             for position, prompt in enumerate(prompts):
+                total = position + 1
                 tasks.create_task(one(position, prompt))
-        out: dict[str, float] = {
-            "val/num_samples": float(len(results)),
-            "val/num_failed": float(len(failed)),
-        }
-        if results:
-            out["val/response_length/mean"] = statistics.fmean(
-                s.sample.num_generated for _, s, _ in results
-            )
-            if self.multi_turn is not None:
-                out["val/turns/mean"] = statistics.fmean(s.turns for _, s, _ in results)
-            versions = [v for _, s, _ in results for v in s.sample.token_versions]
-            if versions:  # which weights validated: should be the version just published
-                out["val/policy_version/min"] = float(min(versions))
-                out["val/policy_version/max"] = float(max(versions))
-        out.update(validation_metrics([(source, reward) for source, _, reward in results]))
-        return out
+        metrics = summarize(results, len(failed), multi_turn=self.multi_turn is not None)
+        decode = functools.partial(self._tokenizer.decode, skip_special_tokens=True)
+        samples = pick_samples(results, total, keep_samples, sample_seed, decode)
+        return Validation(metrics=metrics, samples=samples)
 
     def metrics(self) -> dict[str, float]:
         wall = time.monotonic() - self._started_at if self._started_at is not None else 0.0

@@ -56,6 +56,7 @@ SOAK_OVERRIDES = [
     "rollout.n=16",
     "rollout.max_concurrent_groups=128",
     "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
     "trainer.save_freq=5",
     "learner.correction.mode=bypass",  # no recompute of the proximal policy: a faster learner
     "trainer.keep_checkpoints=2",

@@ -4,7 +4,8 @@ synthetic task generated when the files are missing (CPU demo). Task names must 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import os
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -12,9 +13,17 @@ from msgspec import Meta
 
 class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     train_files: Annotated[
-        list[str], Meta(description="Parquet files of training prompts (verl schema).")
+        list[str] | str,
+        Meta(
+            description="Parquet files of training prompts (verl schema): a list, or one path as a string (as verl accepts); a leading ~ is expanded."
+        ),
     ] = []
-    val_files: Annotated[list[str], Meta(description="Parquet files of validation prompts.")] = []
+    val_files: Annotated[
+        list[str] | str,
+        Meta(
+            description="Parquet files of validation prompts: a list or one path, ~ expanded (empty = no validation)."
+        ),
+    ] = []
     train_batch_size: Annotated[
         int,
         Meta(
@@ -26,9 +35,22 @@ class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         int,
         Meta(
             ge=1,
-            description="Prompts longer than this (in tokens, after the chat template) are filtered out and counted.",
+            description="Longest prompt in tokens, after the chat template; a longer one is handled as truncation says.",
         ),
     ] = 512
+    truncation: Annotated[
+        Literal["filter", "error", "left", "right", "middle"],
+        Meta(
+            description="A prompt longer than max_prompt_length: filter = dropped and counted (one log line); error = the run refuses to start, naming its file and row (verl's data.truncation default); left = keep its last max_prompt_length tokens; right = its first; middle = its first and last halves (verl's values)."
+        ),
+    ] = "filter"
+    train_max_samples: Annotated[
+        int,
+        Meta(
+            ge=-1,
+            description="Train on at most this many rows of train_files (-1 or 0 = all; verl's data.train_max_samples): a random choice seeded by data.seed when shuffle is on, else the first rows.",
+        ),
+    ] = -1
     apply_chat_template: Annotated[
         bool, Meta(description="Render `prompt` messages with the tokenizer's chat template.")
     ] = True
@@ -56,18 +78,32 @@ class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = 200
 
+    def __post_init__(self) -> None:
+        # one path given as a string (verl's `data.train_files: ~/data/train.parquet`) is a
+        # list of one; `~` is expanded here so that every reader of the config sees real paths
+        self.train_files = _paths(self.train_files)
+        self.val_files = _paths(self.val_files)
+
+    def reader_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``fleetrl.data.reader.PromptReader`` these keys set."""
+        return {
+            "max_prompt_length": self.max_prompt_length,
+            "apply_chat_template": self.apply_chat_template,
+            "truncation": self.truncation,
+        }
+
 
 class PreferenceDataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Data section of a reward-model run (`fleetrl rm train`): preference pairs."""
 
     train_files: Annotated[
-        list[str],
+        list[str] | str,
         Meta(
-            description="Parquet files of preference pairs (prompt, chosen, rejected, optional margin; fleetrl.data.preference)."
+            description="Parquet files of preference pairs (prompt, chosen, rejected, optional margin; fleetrl.data.preference): a list, or one path as a string; a leading ~ is expanded."
         ),
     ] = []
     val_files: Annotated[
-        list[str],
+        list[str] | str,
         Meta(
             description="Held-out preference pairs: pairwise accuracy every trainer.test_freq steps, and the score statistics stored in the exported folder (without them, the statistics come from the training pairs)."
         ),
@@ -111,3 +147,12 @@ class PreferenceDataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
             description="Pairs of the generated synthetic held-out file (held-out prompts only).",
         ),
     ] = 400
+
+    def __post_init__(self) -> None:
+        self.train_files = _paths(self.train_files)
+        self.val_files = _paths(self.val_files)
+
+
+def _paths(value: list[str] | str) -> list[str]:
+    files = [value] if isinstance(value, str) else value
+    return [os.path.expanduser(f) for f in files if f]

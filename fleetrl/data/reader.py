@@ -3,7 +3,9 @@
 ``PromptReader`` reads and validates every file once, renders each prompt with
 the tokenizer's chat template (``add_generation_prompt=True``), tokenizes it,
 and drops prompts longer than ``max_prompt_length`` tokens (counted in
-``num_filtered``, logged once). It then hands out ``PromptItem``s forever:
+``num_filtered``, logged once), or truncates them or refuses the file
+(``truncation``, verl's values). ``max_samples`` keeps a subset of the rows (verl's
+``train_max_samples``). It then hands out ``PromptItem``s forever:
 epoch ``e`` visits every kept prompt once, in file order or in a permutation
 drawn from ``numpy.random.default_rng([seed, e])`` — the same seed and epoch
 always give the same order, independent of how many items were taken before.
@@ -71,6 +73,34 @@ def render_prompt(
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+TRUNCATIONS = ("filter", "error", "left", "right", "middle")
+
+
+def truncate(ids: list[int], limit: int, side: str) -> list[int]:
+    """verl's truncation of an over-long prompt: left keeps the end, right the start, middle both."""
+    if side == "left":
+        return ids[-limit:]
+    if side == "right":
+        return ids[:limit]
+    head = limit // 2
+    return ids[:head] + ids[len(ids) - (limit - head) :]
+
+
+def _sample(
+    files: list[str], max_samples: int, shuffle: bool, seed: int
+) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """(file, row, row dict) of every row, or of ``max_samples`` of them (verl's
+    ``train_max_samples``: a seeded random choice when shuffling, else the first ones)."""
+    rows = [(file, i, row) for file in files for i, row in enumerate(read_rows(file))]
+    if 0 < max_samples < len(rows):
+        if shuffle:
+            chosen = np.random.default_rng(seed).choice(len(rows), size=max_samples, replace=False)
+            rows = [rows[i] for i in sorted(chosen.tolist())]
+        else:
+            rows = rows[:max_samples]
+    yield from rows
+
+
 class PromptReader:
     """Endless, deterministic, resumable stream of ``PromptItem``s (see the module docstring)."""
 
@@ -83,6 +113,8 @@ class PromptReader:
         apply_chat_template: bool = True,
         shuffle: bool = True,
         seed: int = 1,
+        truncation: str = "filter",
+        max_samples: int = -1,
     ) -> None:
         if isinstance(files, (str, Path)):
             files = [files]
@@ -90,32 +122,44 @@ class PromptReader:
             raise DatasetError("<no files>", "no dataset files given")
         if max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
         self.files = [str(f) for f in files]
         self.max_prompt_length = max_prompt_length
         self.shuffle = shuffle
         self.seed = seed
         self.num_filtered = 0
+        self.num_truncated = 0
         self._rows: list[dict[str, Any]] = []
         self._origin: list[tuple[str, int]] = []
         offsets = [0]
         chunks: list[np.ndarray] = []
-        for file in self.files:
-            for row_index, row in enumerate(read_rows(file)):
-                ids = render_prompt(tokenizer, row["prompt"], apply_chat_template)
-                if len(ids) > max_prompt_length:
+        for file, row_index, row in _sample(self.files, max_samples, shuffle, seed):
+            ids = render_prompt(tokenizer, row["prompt"], apply_chat_template)
+            if len(ids) > max_prompt_length:
+                if truncation == "filter":
                     self.num_filtered += 1
                     continue
-                chunks.append(np.asarray(ids, dtype=np.int32))
-                offsets.append(offsets[-1] + len(ids))
-                self._rows.append(row)
-                self._origin.append((file, row_index))
+                if truncation == "error":
+                    raise DatasetError(
+                        f"{file} row {row_index}",
+                        f"prompt of {len(ids)} tokens is longer than data.max_prompt_length="
+                        f"{max_prompt_length}; set data.truncation to filter, left, right or middle",
+                    )
+                ids = truncate(ids, max_prompt_length, truncation)
+                self.num_truncated += 1
+            chunks.append(np.asarray(ids, dtype=np.int32))
+            offsets.append(offsets[-1] + len(ids))
+            self._rows.append(row)
+            self._origin.append((file, row_index))
         self._ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int32)
         self._ids.flags.writeable = False
         self._offsets = np.asarray(offsets, dtype=np.int64)
-        if self.num_filtered:
+        if self.num_filtered or self.num_truncated:
             log.warning(
-                "filtered %d of %d prompts longer than max_prompt_length=%d tokens (%s)",
-                self.num_filtered,
+                "%s %d of %d prompts longer than max_prompt_length=%d tokens (%s)",
+                "filtered" if self.num_filtered else f"{truncation}-truncated",
+                self.num_filtered or self.num_truncated,
                 self.num_filtered + len(self._rows),
                 max_prompt_length,
                 ", ".join(self.files),

@@ -46,6 +46,7 @@ from rollout_fleet import protocol as P
 from rollout_fleet.engine.adapter_routes import AdapterRoutes
 from rollout_fleet.engine.http_json import json_response, read_body
 from rollout_fleet.engine.http_service import MAX_BODY_BYTES, HttpService
+from rollout_fleet.engine.profile_routes import ProfileRoutes
 from rollout_fleet.engine.relay import EventRelay
 from rollout_fleet.engine.requests import (
     ModelLimits,
@@ -114,6 +115,7 @@ class EmbeddedEngine(HttpService):
         self.adapter_routes = AdapterRoutes(
             self.scheduler, engine_id=engine_id, weight_call=self.weight_routes.call
         )
+        self.profile_routes = ProfileRoutes(engine_id)
         self._relays: list[EventRelay] = []
         self.scheduler.add_delivery_hook(self._wake_relays)
         self.scheduler.start()
@@ -154,6 +156,8 @@ class EmbeddedEngine(HttpService):
         r.add_post("/get_weights_by_name", weights.get_weights_by_name)
         r.add_post("/load_lora_adapter", lora.load_lora_adapter)
         r.add_post("/unload_lora_adapter", lora.unload_lora_adapter)
+        r.add_post("/start_profile", self.profile_routes.start_profile)
+        r.add_post("/stop_profile", self.profile_routes.stop_profile)
 
     def _served_from(self, model_path: str) -> None:
         """After ``/update_weights_from_disk``: /model_info names the folder, as SGLang's does."""

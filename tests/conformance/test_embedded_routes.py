@@ -118,3 +118,36 @@ def test_our_clients_disk_update_body_is_valid_for_sglangs_route(monkeypatch):
         assert parsed.model_path == body["model_path"] and parsed.abort_all_requests is False
     assert adapter.validate_python(sent[0][1]).weight_version == "8"
     assert adapter.validate_python(sent[1][1]).weight_version is None
+
+
+def test_the_profile_body_mirrors_sglangs_and_our_clients_body_parses_as_sglangs_route():
+    """``/start_profile`` takes SGLang's ``ProfileReq`` (its route parses the body with
+    pydantic into it): our mirror has its fields and defaults, and what
+    ``rollout_fleet.client.EngineClient.start_profile`` sends is a valid ``ProfileReq``."""
+    import asyncio
+
+    import pydantic
+    from sglang.srt.managers import io_struct as io
+
+    from rollout_fleet.client import EngineClient
+
+    theirs = {
+        f.name: f.default
+        for f in msgspec.structs.fields(io.ProfileReq)
+        if f.name not in ROUTING_FIELDS | {"req_type"}  # req_type: set by the route itself
+    }
+    ours = {f.name: f.default for f in msgspec.structs.fields(P.ProfileRequest)}
+    assert ours == theirs
+    sent: list[dict] = []
+
+    async def capture(self, method, endpoint, body=None, **_):
+        sent.append(body)
+        return ""
+
+    client = EngineClient("http://127.0.0.1:1")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EngineClient, "_request", capture)
+        asyncio.run(client.start_profile("/runs/x/profile/step_2", "engine_", gpu=True))
+    parsed = pydantic.TypeAdapter(io.ProfileReq).validate_python(sent[0])
+    assert parsed.output_dir == "/runs/x/profile/step_2" and parsed.activities == ["CPU", "GPU"]
+    assert parsed.profile_prefix == "engine_" and set(sent[0]) <= set(theirs)

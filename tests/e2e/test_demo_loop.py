@@ -37,7 +37,7 @@ REQUIRED_METRICS = [
     "staleness/max",
     "buffer/size",
     "buffer/refused_stale",
-    "weight_sync/seconds",
+    "timing_s/update_weights",
     "fleet/engines_alive",
     "rollout/idle_fraction",
     "trainer/idle_fraction",

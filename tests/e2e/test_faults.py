@@ -52,6 +52,7 @@ def _cmd(tmp: Path, run_dir: Path, steps: int) -> list[str]:
         f"trainer.total_steps={steps}",
         f"trainer.save_freq={SAVE_FREQ}",
         "trainer.test_freq=-1",
+        "trainer.val_before_train=false",  # the faults' timing is set without validation
         f"buffer.max_staleness={ETA}",
         "buffer.prune_committed=false",  # the audit below reads every group back from the bank
         f"model.path={tmp / 'model'}",

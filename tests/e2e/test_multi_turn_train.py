@@ -35,7 +35,7 @@ def test_training_with_a_tool_environment_masks_its_tokens_and_runs(tmp_path: Pa
     cmd = [
         sys.executable, "-m", "launcher.cli", "train", "--config", "configs/demo_cpu.yaml",
         f"trainer.output_dir={run_dir}", f"trainer.total_steps={STEPS}",
-        "trainer.test_freq=-1", "trainer.save_freq=-1",
+        "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
         "data.synth_task=calc", "data.train_batch_size=4",
         f"data.train_files=[{tmp_path / 'data' / 'train.parquet'}]",
         f"data.val_files=[{tmp_path / 'data' / 'test.parquet'}]",

@@ -55,7 +55,8 @@ def test_run_places_the_reward_fleet_and_replaces_a_killed_reward_server(tmp_pat
     cmd = [
         sys.executable, "-m", "launcher.cli", "train", "--config", "configs/demo_cpu.yaml",
         f"trainer.output_dir={run_dir}", f"trainer.total_steps={STEPS}",
-        "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.resume=disable",
+        "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
+        "trainer.resume=disable",
         f"model.path={tmp_path / 'model'}", "model.warmstart.steps=20",
         f"data.train_files=[{tmp_path / 'data' / 'train.parquet'}]",
         f"data.val_files=[{tmp_path / 'data' / 'test.parquet'}]",

@@ -63,7 +63,12 @@ def make_batch(step: int):
 
 
 def make_worker(
-    model_dir: str, rank: int, world_size: int, port: int, overrides: dict[str, Any]
+    model_dir: str,
+    rank: int,
+    world_size: int,
+    port: int,
+    overrides: dict[str, Any],
+    max_response_length: int = 0,
 ) -> LearnerWorker:
     raw = msgspec.convert(BASE_CONFIG, dict)
     for key, value in overrides.items():
@@ -72,8 +77,13 @@ def make_worker(
     worker = LearnerWorker(
         cfg, ModelConfig(path=model_dir), rank=rank, world_size=world_size,
         master_addr="127.0.0.1", master_port=port, seed=7, total_steps=4,
+        max_response_length=max_response_length,
     )  # fmt: skip
-    worker.setup()
+    try:
+        worker.setup()
+    except BaseException:
+        worker.close()  # a setup that failed after joining leaves no group behind
+        raise
     return worker
 
 

@@ -26,10 +26,12 @@ def two_rank_run(tiny_model_dir, tmp_path_factory):
     return out
 
 
-def one_rank_steps(model_dir, steps: int, overrides=None, out_dir=None):
+def one_rank_steps(model_dir, steps: int, overrides=None, out_dir=None, max_response_length=0):
     """Run ``steps`` steps on one rank in this process; returns (metrics, weights per step)."""
     torch.set_num_threads(1)
-    worker = procs.make_worker(str(model_dir), 0, 1, procs.free_port(), overrides or {})
+    worker = procs.make_worker(
+        str(model_dir), 0, 1, procs.free_port(), overrides or {}, max_response_length
+    )
     metrics, weights = [], []
     try:
         for step in range(steps):
@@ -218,3 +220,67 @@ def test_gspo_steps_are_finite_move_the_weights_and_ignore_the_micro_batch_split
     assert "actor/seq_ratio_mean" not in vanilla_metrics[0]
     apart = max((vanilla_weights[0][n] - small_weights[0][n]).abs().max().item() for n in start)
     assert apart > 1e-5  # not vacuous: GSPO trains to other weights than PPO
+
+
+SUM_NORM = {
+    "policy_loss": {"loss_agg_mode": "seq-mean-token-sum-norm", "entropy_coeff": 0.01},
+    "critic": {"optim": {"lr": 1e-3}, "loss_agg_mode": "seq-mean-token-sum-norm"},
+}
+
+
+def test_seq_mean_token_sum_norm_divides_by_a_constant_whatever_the_micro_batch_split(
+    tiny_model_dir,
+):
+    """Dr. GRPO's constant is the maximum response length, not each micro-batch's padded
+    width: with a 24-token budget (micro-batches of widths 1 to 20) the step trains exactly
+    as with one micro-batch, and the constant, not the widths, sets the loss's scale."""
+    small_metrics, small_weights = one_rank_steps(
+        tiny_model_dir, 2, SUM_NORM, max_response_length=20
+    )
+    big_metrics, big_weights = one_rank_steps(
+        tiny_model_dir, 2, {**SUM_NORM, "max_tokens_per_micro_batch": 100000},
+        max_response_length=20,
+    )  # fmt: skip
+    for step in range(2):
+        for key in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss"):
+            assert small_metrics[step][key] == pytest.approx(big_metrics[step][key], abs=ATOL)
+        assert_weights_close(small_weights[step], big_weights[step])
+    # one mini-batch, so every loss is taken before any update: twice the constant, half the loss
+    whole = {**SUM_NORM, "ppo_mini_batch_size": 0}
+    single, _ = one_rank_steps(tiny_model_dir, 1, whole, max_response_length=20)
+    doubled, _ = one_rank_steps(tiny_model_dir, 1, whole, max_response_length=40)
+    for key in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss"):
+        assert doubled[0][key] == pytest.approx(single[0][key] / 2, rel=1e-6), key
+    with pytest.raises(ValueError, match="seq-mean-token-sum-norm needs its constant"):
+        procs.make_worker(str(tiny_model_dir), 0, 1, procs.free_port(), SUM_NORM)
+
+
+def test_critic_warmup_trains_only_the_critic_then_the_policy(tiny_model_dir):
+    """learner.critic.warmup_steps=1: the first step leaves the policy, its optimizer and LR
+    schedule as they were and reports no actor update; the second trains both."""
+    from fleetrl.models.loading import load_causal_lm
+
+    metrics, weights = one_rank_steps(tiny_model_dir, 2, {"critic": {"warmup_steps": 1}})
+    start = dict(load_causal_lm(tiny_model_dir).named_parameters())
+    first_move = max((weights[0][n] - start[n]).abs().max().item() for n in start)
+    second_move = max((weights[1][n] - weights[0][n]).abs().max().item() for n in start)
+    assert first_move == 0.0 and second_move > 1e-4
+    assert "actor/pg_loss" not in metrics[0] and "actor/grad_norm" not in metrics[0]
+    assert metrics[0]["critic/vf_loss"] > 0 and math.isfinite(metrics[0]["critic/grad_norm"])
+    # warm-up (lr 1e-3 after 1 warm-up step): the policy's schedule did not advance in step 1
+    assert metrics[0]["actor/lr"] == metrics[1]["actor/lr"]
+    assert "actor/pg_loss" in metrics[1]
+
+
+def test_critic_starts_from_its_own_folder_whose_vocabulary_covers_the_policys(
+    tiny_model_dir, tmp_path
+):
+    from fleetrl.models.tiny import make_tiny_model
+
+    same = tmp_path / "critic"
+    shutil.copytree(tiny_model_dir, same)
+    metrics, _ = one_rank_steps(tiny_model_dir, 1, {"critic": {"model_path": str(same)}})
+    assert math.isfinite(metrics[0]["critic/vf_loss"])
+    small = make_tiny_model(tmp_path / "small_vocab", alphabet="0123456789")
+    with pytest.raises(ValueError, match=r"learner\.critic\.model_path.*fewer than the policy"):
+        one_rank_steps(tiny_model_dir, 1, {"critic": {"model_path": str(small)}})

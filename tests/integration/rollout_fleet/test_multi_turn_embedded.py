@@ -267,8 +267,10 @@ def test_validation_runs_the_same_driver(engine, tokenizer):
         engine, tokenizer, [], env="replies_twice", max_new_tokens=300, max_turns=5
     )
     # sampled, not greedy: a greedy random model may never write a stop token
-    result = run_then_close(worker, worker.validate(items, temperature=1.0))
+    validation = run_then_close(worker, worker.validate(items, temperature=1.0, keep_samples=3))
+    result = validation.metrics
     assert result["val/num_samples"] == 3 and result["val/num_failed"] == 0
-    assert result["val/turns/mean"] == REPLIES + 1
+    assert result["val-aux/num_turns/mean"] == result["val-aux/num_turns/max"] == REPLIES + 1
+    assert [s.turns for s in validation.samples] == [REPLIES + 1] * 3
     assert all(len(_calls[f"v{i}"]) == REPLIES + 1 for i in range(3))
     assert sink.trajectories == []

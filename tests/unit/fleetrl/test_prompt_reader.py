@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fleetrl.data.reader import PromptReader
+from fleetrl.data.reader import PromptReader, render_prompt
 from fleetrl.data.schema import DatasetError, write_rows
 from fleetrl.models.loading import load_tokenizer
 
@@ -125,3 +125,38 @@ def test_bad_file_fails_at_construction_naming_the_row(tmp_path, tokenizer):
     pq.write_table(pa.Table.from_pylist([_row("1+1=", "2", 0), bad]), tmp_path / "bad.parquet")
     with pytest.raises(DatasetError, match=r"row 1: field 'prompt\[0\].content'"):
         PromptReader([tmp_path / "bad.parquet"], tokenizer, max_prompt_length=64)
+
+
+def test_over_long_prompts_truncated_as_verl_or_refused_naming_file_and_row(files, tokenizer):
+    full = render_prompt(tokenizer, [{"role": "user", "content": "x" * 200}], True)
+    assert len(full) > 64
+    by_mode = {}
+    for mode in ("left", "right", "middle"):
+        reader = PromptReader(
+            files, tokenizer, max_prompt_length=64, shuffle=False, truncation=mode
+        )
+        assert len(reader) == 11 and reader.num_truncated == 1 and reader.num_filtered == 0
+        by_mode[mode] = list(reader.iter_once())[-1].prompt_ids.tolist()
+    assert by_mode["left"] == full[-64:]  # verl's left: the end survives
+    assert by_mode["right"] == full[:64]
+    assert by_mode["middle"] == full[:32] + full[-32:]
+    with pytest.raises(DatasetError, match=r"b\.parquet row 4.*data\.truncation"):
+        PromptReader(files, tokenizer, max_prompt_length=64, truncation="error")
+    with pytest.raises(ValueError, match="truncation must be one of"):
+        PromptReader(files, tokenizer, max_prompt_length=64, truncation="drop")
+
+
+def test_max_samples_keeps_a_seeded_choice_or_the_first_rows(files, tokenizer):
+    first = PromptReader(files, tokenizer, max_prompt_length=64, shuffle=False, max_samples=4)
+    assert _contents(first.iter_once()) == ["0+1=", "1+1=", "2+1=", "3+1="]
+    picks = [
+        _contents(
+            PromptReader(
+                files, tokenizer, max_prompt_length=64, seed=seed, max_samples=4
+            ).iter_once()
+        )  # fmt: skip
+        for seed in (3, 3, 4)
+    ]
+    assert len(picks[0]) <= 4 and picks[0] == picks[1] != picks[2]
+    every = PromptReader(files, tokenizer, max_prompt_length=64, shuffle=False, max_samples=0)
+    assert len(every) == 10  # 0 (and -1) = all rows, as verl; the over-long one filtered

@@ -24,7 +24,7 @@ def _prompts(rows) -> set[str]:
 
 
 def test_add2_even_pairs_are_labelled_by_the_shipped_rule(tmp_path):
-    rule = load_custom_reward(REPO / "configs/rules/even_answer.py")
+    rule = load_custom_reward(REPO / "configs/rules/even_answer.py").fn
     train, test = synth_preference.write_preference_set("add2_even", tmp_path, 600, 200, seed=1)
     for rows in (read_preference_rows(train), read_preference_rows(test)):
         for row in rows:
@@ -37,7 +37,7 @@ def test_add2_even_pairs_are_labelled_by_the_shipped_rule(tmp_path):
 
 
 def test_the_rule_reads_the_response_as_the_rl_scorer_does():
-    rule = load_custom_reward(REPO / "configs/rules/even_answer.py")
+    rule = load_custom_reward(REPO / "configs/rules/even_answer.py").fn
 
     def score(text: str) -> float:
         return rule(data_source="synth/add2", solution_str=text, ground_truth="7", extra_info=None)

@@ -17,6 +17,7 @@ from launcher.session import StopRequested
 from launcher.supervision import BufferDown, Supervised, TrainingStopped
 from launcher.tracking import Tracker, read_metrics
 from launcher.train import execute
+from rollout_fleet.validation import Validation
 
 
 class RoleFault(Exception):
@@ -98,7 +99,7 @@ class FakeSession:
         self.calls.append(("step", version))
         self._maybe_fail("step")
         self.steps += 1
-        metrics = {"perf/tokens": 100.0, "actor/pg_loss": 0.1}
+        metrics = {"perf/total_num_tokens": 100.0, "actor/pg_loss": 0.1}
         if self.skipped_nonfinite:
             metrics["actor/skipped_nonfinite"] = 1.0
         return StepResult.from_metrics(version, metrics)
@@ -111,9 +112,16 @@ class FakeSession:
     def rejoin_engines(self) -> None:
         self.calls.append(("rejoin_engines",))
 
-    def validate(self) -> dict[str, float]:
+    def validate(self) -> Validation:
         self.calls.append(("validate", self.steps))
-        return {"val/score/mean": 0.5 + 0.1 * self.steps}
+        return Validation(metrics={"val/score/mean": 0.5 + 0.1 * self.steps})
+
+    def start_profile(self, step: int) -> None:
+        self.calls.append(("start_profile", step))
+
+    def stop_profile(self, step: int) -> list[str]:
+        self.calls.append(("stop_profile", step))
+        return [f"profile/step_{step}/learner_rank0.json"]
 
     def save_hf_snapshot(self, step: int) -> str:
         self.calls.append(("save_hf_snapshot", step))
@@ -136,6 +144,7 @@ def _cfg(tmp_path: Path, *overrides: str):
             "trainer.test_freq=2",
             "trainer.save_freq=2",
             "data.train_batch_size=2",
+            f"data.val_files={tmp_path / 'val.parquet'}",
             "rollout.n=3",
             *overrides,
         ],
@@ -173,9 +182,57 @@ def test_one_step_is_wait_step_publish_rejoin_then_validate_and_checkpoint_when_
     assert session.closed_failed is False
 
 
+@pytest.mark.parametrize(
+    ("overrides", "validated_at"),
+    [
+        (["trainer.val_before_train=false"], [2, 4]),  # test_freq alone: no validation first
+        (["trainer.test_freq=-1"], [0]),  # verl's default: once before training, then never
+        (["trainer.test_freq=-1", "trainer.val_before_train=false"], []),
+        (["trainer.test_freq=-1", "data.val_files=[]"], []),  # nothing to validate on
+    ],
+)
+def test_validation_before_training_is_val_before_train_not_test_freq(
+    tmp_path, overrides, validated_at
+):
+    session = FakeSession()
+    _execute(tmp_path, session, None, *overrides)
+    assert [c[1] for c in session.calls if c[0] == "validate"] == validated_at
+
+
+def test_a_profiled_step_is_recorded_from_its_wait_to_its_checkpoint(tmp_path):
+    session = FakeSession()
+    _execute(
+        tmp_path, session, None, "trainer.profile_steps=[2,4]", "trainer.val_before_train=false"
+    )
+    names = _names(session)
+    first = names[names.index("start_profile") : names.index("stop_profile") + 1]
+    assert first == ["start_profile", "wait_for_batch", "step", "publish", "rejoin_engines",
+                     "validate", "checkpoint", "stop_profile"]  # fmt: skip
+    assert [c for c in session.calls if "profile" in c[0]] == [
+        ("start_profile", 2), ("stop_profile", 2), ("start_profile", 4), ("stop_profile", 4),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("save_freq", "saved_at"), [(2, [2, 4]), (3, [3, 4]), (-1, [4]), (0, [])])
+def test_save_freq_minus_one_saves_the_last_step_only_and_zero_never(tmp_path, save_freq, saved_at):
+    session = FakeSession()
+    _execute(tmp_path, session, None, f"trainer.save_freq={save_freq}")
+    assert [c[1] for c in session.calls if c[0] == "checkpoint"] == saved_at
+
+
+def test_a_stop_with_save_freq_zero_writes_no_checkpoint(tmp_path):
+    session = FakeSession()
+    summary, _ = _execute(tmp_path, session, FakeStop(after_step=1), "trainer.save_freq=0")
+    assert summary["interrupted"] == "SIGTERM"
+    assert "checkpoint" not in _names(session)
+
+
 def test_policy_snapshots_before_training_every_save_hf_freq_steps_and_at_the_end(tmp_path):
     session = FakeSession()
-    _execute(tmp_path, session, None, "trainer.save_hf_freq=3", "trainer.test_freq=-1")
+    _execute(
+        tmp_path, session, None, "trainer.save_hf_freq=3", "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+    )  # fmt: skip
     assert [c[1] for c in session.calls if c[0] == "save_hf_snapshot"] == [0, 3, 4]
     # each snapshot follows its step's publish: it holds the weights the engines serve
     names = _names(session)

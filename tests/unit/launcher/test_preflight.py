@@ -23,6 +23,7 @@ from launcher.preflight import (
     Probes,
     check_backend,
     check_cluster,
+    check_model,
     check_output_dir,
     check_tracking,
     ensure_ready,
@@ -404,3 +405,17 @@ def test_too_few_learner_units_name_the_learner_resource(tmp_path):
     nodes = [Node("node a", {"CPU": 64, "learner": 2, "rollout": 1})]
     [f] = check_resources(cfg, nodes, local=False)
     assert f.key == "ray.learner_resource" and "not enough learner (3 learner needed, 2 there" in f.problem  # fmt: skip
+
+
+def test_a_critic_folder_and_a_checkpoint_to_resume_that_are_not_there_are_findings(tmp_path):
+    fine = _cfg(tmp_path)
+    assert check_model(fine) == []
+    cfg = _cfg(
+        tmp_path,
+        f"learner.critic.model_path={tmp_path / 'no_critic'}",
+        f"trainer.resume_from_path={tmp_path / 'run/checkpoints/step_3'}",
+    )
+    findings = {f.key: f for f in check_model(cfg)}
+    assert set(findings) == {"learner.critic.model_path", "trainer.resume_from_path"}
+    assert "not a Hugging Face model folder" in findings["learner.critic.model_path"].problem
+    assert "not a complete fleetrl checkpoint" in findings["trainer.resume_from_path"].problem

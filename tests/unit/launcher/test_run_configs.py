@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fleetrl.config import field_docs
 from launcher.config import RunConfig, load_run_config
 from launcher.config_cmd import render_docs
 
@@ -51,6 +52,29 @@ def test_gpu_configs_follow_the_documented_recipes():
 def test_configuration_reference_is_generated_from_the_code():
     committed = (REPO / "docs" / "configuration.md").read_text()
     assert committed == render_docs(), "docs/configuration.md is stale: run `make docs`"
+
+
+def test_the_verl_mapping_page_is_generated_from_the_key_table():
+    from launcher.verl.docs import render_verl_docs
+
+    committed = (REPO / "docs" / "verl.md").read_text()
+    assert committed == render_verl_docs(), "docs/verl.md is stale: run `make docs`"
+
+
+def test_every_documented_default_is_the_default_a_fresh_run_config_holds():
+    fresh = RunConfig()
+    rows = field_docs(RunConfig)
+    for key, _type, documented, _meaning in rows:
+        value = fresh
+        for part in key.split("."):
+            value = getattr(value, part)
+        assert documented == value, (
+            f"{key}: documented {documented!r}, the code's default {value!r}"
+        )
+    # a section built with other values than its class's defaults (CriticConfig.optim)
+    critic_lr = next(row for row in rows if row[0] == "learner.critic.optim.lr")
+    assert critic_lr[2] == fresh.learner.critic.optim.lr == 1e-5
+    assert "| `learner.critic.optim.lr` | float (>0) | `1e-05` |" in render_docs()
 
 
 def test_run_groups_per_version_is_the_buffers_rule_a_batch_per_step_times_steps_per_version():

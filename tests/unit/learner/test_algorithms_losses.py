@@ -33,7 +33,10 @@ def ref_agg(loss, mask, mode, scale=None):
         return sum(sum(seq) for seq in seqs) / len(seqs)
     if mode == "seq-mean-token-mean":
         return sum(sum(seq) / len(seq) for seq in seqs) / len(seqs)
-    return sum(sum(seq) for seq in seqs) / (scale if scale is not None else len(loss[0]))
+    # seq-mean-token-sum-norm (Dr. GRPO): the sequence mean of token sums over a constant
+    return (
+        sum(sum(seq) for seq in seqs) / len(seqs) / (scale if scale is not None else len(loss[0]))
+    )
 
 
 def ref_policy_token_losses(logprob, old, adv, low, high, c, weights=None):
@@ -64,10 +67,14 @@ def test_agg_loss_hand_values_and_empty_rows_are_not_sequences():
     assert agg_loss(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
     assert agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
     assert agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
-    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(10 / 3)
+    # Dr. GRPO: token sums 6 and 4 over 2 sequences, over the constant (T = 3 unless given)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(10 / 2 / 3)
     assert agg_loss(
         loss, mask, "seq-mean-token-sum-norm", loss_scale_factor=5.0
-    ).item() == pytest.approx(2.0)
+    ).item() == pytest.approx(1.0)
+    assert agg_loss(
+        loss, mask, "seq-mean-token-sum-norm", global_seq_count=4, loss_scale_factor=5.0
+    ).item() == pytest.approx(0.5)
     assert agg_loss(loss, mask, "token-mean", global_token_count=20).item() == pytest.approx(0.5)
     assert agg_loss(loss, mask, "seq-mean-token-mean", global_seq_count=6).item() == pytest.approx(
         1
@@ -134,9 +141,8 @@ def test_agg_loss_with_global_counts_is_invariant_to_a_2_rank_2_micro_batch_spli
     torch.testing.assert_close(split_grad, full_grad)
     assert split_loss == pytest.approx(full_loss)
 
-    if mode != "seq-mean-token-sum-norm":  # the only mode that is additive without counts
-        naive_grad, _ = _split_grad_and_loss(features, targets, mask, mode, 2, 2, False)
-        assert not torch.allclose(naive_grad, full_grad), "the split must matter without counts"
+    naive_grad, _ = _split_grad_and_loss(features, targets, mask, mode, 2, 2, False)
+    assert not torch.allclose(naive_grad, full_grad), "the split must matter without counts"
 
 
 def test_agg_loss_rejects_bad_counts_and_dp_size():

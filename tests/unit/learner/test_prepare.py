@@ -34,7 +34,7 @@ def test_staleness_is_learner_version_minus_oldest_token_version():
     assert (metrics["staleness/hist_0"], metrics["staleness/hist_1"]) == (1.0, 1.0)
     assert metrics["staleness/hist_2"] == 1.0
     assert metrics["response_length/clip_ratio"] == 0.5
-    assert metrics["perf/tokens"] == 4 * 3 + 9
+    assert metrics["perf/total_num_tokens"] == 4 * 3 + 9
 
 
 def test_mid_sequence_weight_update_uses_the_oldest_version():

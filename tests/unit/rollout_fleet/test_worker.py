@@ -417,11 +417,19 @@ def test_validate_scores_one_greedy_sample_per_prompt_by_data_source():
     engine = FakeEngine("a")
     prompts = [prompt(0, "src/a"), prompt(1, "src/a"), prompt(2, "src/b")]
     worker, _, sender = make_worker([engine], n=4, max_new_tokens=4)
-    result = asyncio.run(worker.validate(prompts))
+
+    async def twice():
+        return [await worker.validate(prompts, keep_samples=2, sample_seed=5) for _ in range(2)]
+
+    validation, again = asyncio.run(twice())
+    result = validation.metrics
     assert result["val/num_samples"] == 3
     assert result["val/score/mean"] == 1.0
-    assert result["val/score/src/a"] == 1.0 and result["val/score/src/b"] == 1.0
-    assert len(engine.calls) == 3
+    # verl's names: val-core/<data_source>/reward/mean@1
+    assert result["val-core/src/a/reward/mean@1"] == result["val-core/src/b/reward/mean@1"] == 1.0
+    assert len(validation.samples) == 2 and validation.samples[0].score == 1.0
+    assert [s.index for s in again.samples] == [s.index for s in validation.samples]
+    assert len(engine.calls) == 6
     assert all(c["params"]["temperature"] == 0.0 for c in engine.calls)
     assert sender.trajectories == []
 

@@ -149,7 +149,7 @@ def test_validation_reports_combined_rule_and_model_scores_per_data_source():
     rewards = model_pipeline(fleet, rule_fn=lambda **kw: 1.0, rule_weight=1.0, weight=1.0)
     worker, _, _ = make_worker([FakeEngine("a")], n=4, rewards=rewards)
     rows = [prompt(0, "src/a"), prompt(1, "src/a"), prompt(2, "src/b")]
-    out = asyncio.run(worker.validate(rows))
+    out = asyncio.run(worker.validate(rows)).metrics
     assert out["val/num_samples"] == 3 and out["val/num_reward_failed"] == 0
     assert out["val/rule_score/mean"] == 1.0 and out["val/rule_score/src/b"] == 1.0
     model = out["val/model_score/src/a"]
@@ -158,5 +158,8 @@ def test_validation_reports_combined_rule_and_model_scores_per_data_source():
     assert out["val/score/mean"] == pytest.approx(
         (2 * out["val/score/src/a"] + out["val/score/src/b"]) / 3
     )
+    # verl's names beside ours: the combined reward as val-core, the parts as val-aux
+    assert out["val-core/src/a/reward/mean@1"] == pytest.approx(out["val/score/src/a"])
+    assert out["val-aux/src/b/rule_score/mean@1"] == 1.0
     # validation leaves the run's reward counters and per-step means alone
     assert worker.metrics()["reward/samples_scored"] == 0.0
