@@ -130,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-id", default="engine-0")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="free released memory on /release_memory_occupation (SGLang's flag; co-located runs)",
+    )
 
     p = sub.add_parser("buffer", help="run the replay buffer service standalone")
     p.add_argument(

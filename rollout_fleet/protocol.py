@@ -45,6 +45,13 @@ loads a PEFT folder by path, ``/unload_lora_adapter`` ``{lora_name}`` unloads
 it; both answer ``{success, error_message, loaded_adapters}``. A ``/generate``
 request names its adapter in ``lora_path``.
 
+Co-located engines (SGLang 0.5.23): ``/release_memory_occupation`` and
+``/resume_memory_occupation`` ``{tags}`` (``weights``, ``kv_cache``, ``cuda_graph``;
+null = all) answer 200 with a null body; ``/update_weights_from_tensor``
+``{serialized_named_tensors, load_format, flush_cache, abort_all_requests,
+weight_version, ...}`` carries tensors by handle (``weight_sync.ipc_payload``) and
+answers ``{success, message}``, refused outside the update session like every update.
+
 Left out: multimodal inputs, sessions, top-logprobs, input (prompt) logprobs.
 """
 
@@ -271,3 +278,23 @@ class UpdateWeightsFromDiskRequest(msgspec.Struct, forbid_unknown_fields=True, k
             )
         if self.is_async or self.manifest is not None:
             raise ValueError("is_async and manifest (streamed loads) are not supported")
+
+
+class MemoryOccupationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``/release_memory_occupation`` and ``/resume_memory_occupation`` (SGLang
+    ``ReleaseMemoryOccupationReqInput`` / ``ResumeMemoryOccupationReqInput``): None = all tags."""
+
+    tags: list[str] | None = None
+
+
+class UpdateWeightsFromTensorRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Body of ``POST /update_weights_from_tensor`` (SGLang ``UpdateWeightsFromTensorReqInput``):
+    one base64 payload per engine TP rank (``weight_sync.ipc_payload``)."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False

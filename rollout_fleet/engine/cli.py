@@ -23,6 +23,7 @@ def main(args: argparse.Namespace) -> int:
             device=args.device,
             max_running_requests=args.max_running_requests,
             api_key=args.api_key,
+            memory_saver=args.enable_memory_saver,
         )
     except (EngineStartupError, FileNotFoundError, ValueError) as err:
         log.error("engine: %s", err)
@@ -59,6 +60,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine-id", default="engine-0")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--enable-memory-saver", action="store_true")
     return p.parse_args(argv)
 
 

@@ -46,7 +46,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class WeightLoadError(ValueError):
-    """Received tensors do not match the model (unknown name, shape or dtype)."""
+    """Received tensors do not match the model (unknown name, shape or dtype), or its
+    weight memory is released (``memory_saver``)."""
+
+
+def is_resident(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's storage holds its bytes (not released by the memory saver)."""
+    needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    return tensor.numel() == 0 or tensor.untyped_storage().nbytes() >= needed
 
 
 class ModelRunner:
@@ -181,6 +188,11 @@ class ModelRunner:
                 )
             if not (tensor.is_floating_point() or tensor.dtype == targets[name].dtype):
                 raise WeightLoadError(f"received weight {name!r} has dtype {tensor.dtype}")
+            if not is_resident(targets[name]):
+                raise WeightLoadError(
+                    f"the memory of weight {name!r} is released: resume the engine's weights "
+                    "(/resume_memory_occupation) before loading"
+                )
         for name, tensor in named_tensors:
             targets[name].data.copy_(tensor.to(device=self.device), non_blocking=False)
         if self._base_weights:
@@ -237,6 +249,6 @@ class ModelRunner:
         """The leading ``rows`` rows of the tensor named ``name`` (HF name) as float lists,
         as SGLang's ``/get_weights_by_name`` returns them; None for an unknown name."""
         tensor = self.model.state_dict(keep_vars=True).get(name)  # tied names included
-        if tensor is None:
+        if tensor is None or not is_resident(tensor):
             return None
         return tensor.detach()[:rows].to("cpu", torch.float32).tolist()

@@ -14,7 +14,10 @@ pending), ``POST /update_weight_version``, ``GET /health``,
 ``/begin_weight_update``, ``/end_weight_update``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``, ``/get_weights_by_name``,
 ``/update_weights_from_disk``), handled by
-``weight_routes.WeightRoutes``; and for LoRA ``/load_lora_adapter`` and
+``weight_routes.WeightRoutes``; for co-located engines ``/release_memory_occupation``,
+``/resume_memory_occupation`` and ``/update_weights_from_tensor``, handled by
+``colocated_routes.ColocatedRoutes`` (``memory_saver=True`` is SGLang's
+``--enable-memory-saver``: released memory is freed); and for LoRA ``/load_lora_adapter`` and
 ``/unload_lora_adapter``, handled by ``adapter_routes.AdapterRoutes`` (which says
 how this engine's one merged adapter differs from SGLang's per-request adapters).
 ``EmbeddedEngine.app`` lists every route in one table. No route exists here that
@@ -47,6 +50,7 @@ from aiohttp import web
 from fleetrl.log import get_logger
 from rollout_fleet import protocol as P
 from rollout_fleet.engine.adapter_routes import AdapterRoutes
+from rollout_fleet.engine.colocated_routes import ColocatedRoutes
 from rollout_fleet.engine.http_json import error_response, json_response, read_body
 from rollout_fleet.engine.relay import EventRelay
 from rollout_fleet.engine.requests import (
@@ -108,6 +112,7 @@ class EmbeddedEngine:
         weight_version: str = P.INITIAL_WEIGHT_VERSION,
         receiver_factory: Any = None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        memory_saver: bool = False,
     ) -> None:
         import torch
 
@@ -143,6 +148,14 @@ class EmbeddedEngine:
         self.adapter_routes = AdapterRoutes(
             self.scheduler, engine_id=engine_id, weight_call=self.weight_routes.call
         )
+        self.colocated_routes = ColocatedRoutes(
+            self.runner,
+            self.scheduler,
+            engine_id=engine_id,
+            memory_saver=memory_saver,
+            session_open=lambda: self.weight_routes.session_open,
+            weight_call=self.weight_routes.call,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner_web: web.AppRunner | None = None
@@ -176,7 +189,7 @@ class EmbeddedEngine:
         r.add_post("/abort_request", self.abort_request)
         r.add_get("/flush_cache", self.flush_cache)
         r.add_post("/flush_cache", self.flush_cache)
-        weights, lora = self.weight_routes, self.adapter_routes
+        weights, lora, coloc = self.weight_routes, self.adapter_routes, self.colocated_routes
         r.add_post("/init_weights_update_group", weights.init_weights_update_group)
         r.add_post("/begin_weight_update", weights.begin_weight_update)
         r.add_post("/end_weight_update", weights.end_weight_update)
@@ -185,6 +198,10 @@ class EmbeddedEngine:
         r.add_post("/update_weights_from_disk", weights.update_weights_from_disk)
         r.add_get("/get_weights_by_name", weights.get_weights_by_name)
         r.add_post("/get_weights_by_name", weights.get_weights_by_name)
+        r.add_post("/update_weights_from_tensor", coloc.update_weights_from_tensor)
+        for method in (r.add_get, r.add_post):  # SGLang's api_route takes both
+            method("/release_memory_occupation", coloc.release_memory_occupation)
+            method("/resume_memory_occupation", coloc.resume_memory_occupation)
         r.add_post("/load_lora_adapter", lora.load_lora_adapter)
         r.add_post("/unload_lora_adapter", lora.unload_lora_adapter)
         return app
@@ -423,8 +440,8 @@ class EmbeddedEngine:
         sched = self.scheduler
         if not sched.alive:
             return web.Response(status=503)
-        if sched.paused_mode is not None or sched.running:
-            return web.Response(status=200)  # busy or paused: a probe would only queue
+        if sched.paused_mode is not None or sched.running or sched.memory_released:
+            return web.Response(status=200)  # busy, paused or released: a probe would only queue
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         body = P.GenerateRequest(
@@ -469,6 +486,8 @@ class EmbeddedEngine:
                 "max_running_requests": self.scheduler.max_running_requests,
                 "context_length": self.runner.max_context,
                 "weight_version": self.scheduler.weight_version,
-                "internal_states": [self.scheduler.load()],
+                "internal_states": [
+                    {**self.scheduler.load(), "memory_usage": self.colocated_routes.memory.usage()}
+                ],
             }
         )
