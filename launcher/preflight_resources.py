@@ -15,17 +15,9 @@ from collections.abc import Mapping
 import msgspec
 
 from launcher.config import RunConfig
-from launcher.placement import LOCAL_CUSTOM_UNITS, requested_cpus
+from launcher.placement import LOCAL_CUSTOM_UNITS, learner_bundle, requested_cpus
 from launcher.preflight_findings import Finding, Node, Probes, _num
 from rollout_fleet.actors import NODE_MARKER_SHARE
-
-
-def learner_bundle(cfg: RunConfig) -> dict[str, float]:
-    """One learner rank's bundle, as launcher.placement asks for it."""
-    bundle = {"CPU": cfg.learner.cpus_per_rank, cfg.ray.learner_resource: 1.0}
-    if cfg.learner.gpus_per_rank:
-        bundle["GPU"] = cfg.learner.gpus_per_rank
-    return bundle
 
 
 def engine_demand(cfg: RunConfig) -> dict[str, float]:
@@ -141,8 +133,8 @@ def check_resources(
         ("the rollout fleet", "engines", engine_demand(cfg), cfg.rollout.num_engines, "rollout", "engine"),
     )  # fmt: skip
     for what, unit, demand, count, section, per in groups:
-        if section not in parts:
-            continue
+        if section not in parts or (section == "rollout" and cfg.rollout.colocated):
+            continue  # co-located engines live in the learner's bundles
         marker = cfg.ray.learner_resource if section == "learner" else cfg.ray.rollout_resource
         count_key = "learner.num_ranks" if section == "learner" else "rollout.num_engines"
         keys = {

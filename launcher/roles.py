@@ -11,6 +11,12 @@
                    fleet (engine actors of its own), the router and the asyncio
                    ``RolloutWorker`` that streams trajectories to the buffer.
 
+Co-located runs (``rollout.placement: colocated``): engine i sits in learner rank i's
+bundle; the rollout role's ``ColocatedEngines`` pauses and releases the engines before
+each step (``yield_devices``) and resumes them around the push; every learner rank
+pushes to its own engine by handle (``launcher.colocated_publish``) and moves its state
+off the device while the engine generates (``learner.offload``).
+
 The classes are plain Python; ``remote_class(cls)`` applies ``ray.remote`` on demand so
 importing this module needs no running Ray. Every actor receives the run config as
 plain builtins (``msgspec.to_builtins``) and re-validates it. Calls the driver branches
@@ -26,6 +32,8 @@ import os
 import socket
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from fleetrl.config import convert
 from fleetrl.log import get_logger, setup_logging
@@ -123,6 +131,8 @@ class LearnerRole:
         self.engine_api_key: str | None = None
         self.device = resolve_device(cfg)
         self.lora = cfg.learner.lora.rank > 0  # publish adapter weights only
+        self.residency: Any = None  # co-located: learner.offload.DeviceResidency
+        self.tensor_sender: Any = None  # co-located: pushes to this rank's engine by handle
 
     def pid(self) -> int:
         return os.getpid()
@@ -155,6 +165,8 @@ class LearnerRole:
             max_response_length=self.cfg.rollout.max_new_tokens,
         )
         self.worker.setup()
+        if self.cfg.rollout.colocated:
+            self._setup_colocated()
         from launcher.plan import learner_gb
 
         try:  # the plan for this device, logged beside the measured peak
@@ -184,9 +196,27 @@ class LearnerRole:
                     self.cfg.weight_sync, master_address=node_ip(self.local), device=self.device
                 )
 
+    def _setup_colocated(self) -> None:
+        from learner.offload import residency_for
+        from weight_sync.tensor_push import TensorSender
+
+        self.residency = residency_for(
+            self.worker, enabled=self.cfg.rollout.colocate.offload_learner
+        )
+        self.tensor_sender = TensorSender(
+            self.cfg.weight_sync, device=self.device, tp_size=self.cfg.rollout.tp_size
+        )
+
+    def _resident(self) -> Any:
+        """The model on the device for the block (co-located runs offload it between steps)."""
+        from contextlib import nullcontext
+
+        return self.residency.resident() if self.residency is not None else nullcontext()
+
     # ---- checkpoints (collective) ---------------------------------------------------------
     def load_checkpoint(self, step_dir: str) -> dict[str, Any]:
-        return self.worker.load_checkpoint(step_dir)
+        with self._resident():
+            return self.worker.load_checkpoint(step_dir)
 
     def save_checkpoint(self, root: str, extra_state: dict[str, Any]) -> CheckpointRecord:
         watermark = -1
@@ -194,7 +224,8 @@ class LearnerRole:
             buffer_state = self.buffer.state_dict()
             watermark = int(buffer_state["received_watermark"])
             extra_state = {**extra_state, "buffer": buffer_state}
-        path = self.worker.save_checkpoint(root, extra_state)
+        with self._resident():
+            path = self.worker.save_checkpoint(root, extra_state)
         return CheckpointRecord(
             path=str(path),
             step=self.worker.global_step,
@@ -206,13 +237,14 @@ class LearnerRole:
         """Collective: the policy as a Hugging Face folder (learner/snapshot.py); rank 0 writes."""
         from learner.snapshot import snapshot_root, write_hf_snapshot
 
-        path = write_hf_snapshot(
-            self.worker.named_full_tensors(),
-            model_path=self.cfg.model.path,
-            root=snapshot_root(self.cfg.trainer.output_dir),
-            step=step,
-            rank=self.rank,
-        )
+        with self._resident():
+            path = write_hf_snapshot(
+                self.worker.named_full_tensors(),
+                model_path=self.cfg.model.path,
+                root=snapshot_root(self.cfg.trainer.output_dir),
+                step=step,
+                rank=self.rank,
+            )
         return str(path)
 
     def state(self, resumed_from: str | None = None) -> StartRecord:
@@ -251,7 +283,10 @@ class LearnerRole:
     def step(self, version: int) -> StepResult:
         """Collective: rank 0 takes its batch from the batch source and broadcasts it."""
         batch = self.batches.take() if self.rank == 0 else None
+        onload_s = self.residency.onload() if self.residency is not None else None
         metrics = self.worker.step(batch, version)
+        if onload_s is not None:
+            metrics["colocate/onload_s"] = onload_s
         metrics["plan/learner_gb"] = self._plan_gb
         if self.rank == 0 and self.batches.last_info is not None:
             metrics["buffer/refused_stale_in_batch"] = float(self.batches.last_info.refused_stale)
@@ -284,6 +319,10 @@ class LearnerRole:
         (the rollout side's membership chose them) and reports what each got."""
         from weight_sync.sender import EngineEndpoint, WeightSyncError, drain_stream
 
+        if self.cfg.rollout.colocated:
+            from launcher.colocated_publish import publish_colocated
+
+            return publish_colocated(self, version, targets, restored)
         if self.lora:
             stream = self.worker.named_adapter_tensors()
         else:
@@ -339,6 +378,8 @@ class LearnerRole:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+        if self.tensor_sender is not None:
+            self.tensor_sender.close()
         if self.buffer is not None:
             self.buffer.close()
         if self.worker is not None:
@@ -357,6 +398,7 @@ class RolloutRole:
         local: bool,
         api_key: str | None = None,
         curve: Any = None,
+        placement_group: Any = None,
     ):
         from buffer.transport import BufferClient, TrajectorySender
         from fleetrl.data.reader import PromptReader
@@ -386,6 +428,7 @@ class RolloutRole:
         self._reader_args = reader_args
         self.membership = Membership(suspect_cooldown_s=cfg.rollout.suspect_cooldown_s)
         self.router = Router(self.membership)
+        colocated = cfg.rollout.colocated
         self.fleet = EngineFleet(
             cfg.rollout,
             cfg.model.path,
@@ -397,10 +440,22 @@ class RolloutRole:
             resource_name=cfg.ray.rollout_resource,
             weights_pushed=True,  # engines serve only once a publish reached them
             log_dir=str(Path(run_dir) / "logs"),
-            pause_mode=cfg.weight_sync.pause_mode,
+            pause_mode=cfg.rollout.colocate.pause_mode if colocated else cfg.weight_sync.pause_mode,
             lora_rank=cfg.learner.lora.rank,
             lora_target_modules=list(cfg.learner.lora.target_modules),
+            actor_factory=self._colocated_actor_factory(placement_group) if colocated else None,
         )
+        self._control_clients: dict[str, Any] = {}  # url -> EngineClient (co-location calls)
+        self.colocation: Any = None
+        if colocated:
+            from rollout_fleet.colocation import ColocatedEngines
+
+            self.colocation = ColocatedEngines(
+                cfg.rollout.colocate,
+                self.membership,
+                client_for=self._control_client,
+                colocated=lambda name: name in self.fleet.slot_names(),
+            )
         from rollout_fleet.delivery import DeliveryLedger
 
         self.sender = TrajectorySender(ingest, curve=curve, hwm=cfg.buffer.high_water_mark)
@@ -416,6 +471,36 @@ class RolloutRole:
         )
         self.worker: Any = None
         self._task: asyncio.Task | None = None
+
+    def _colocated_actor_factory(self, placement_group: Any) -> Any:
+        """Engine i in bundle i of the learner's placement group (``rollout.placement``)."""
+        from launcher.placement import colocated_engine_options
+        from rollout_fleet.actors import create_engine_actor
+
+        def create(spec: Any) -> Any:
+            index = self.fleet.slot_names().index(spec.name)
+            return create_engine_actor(
+                spec, **colocated_engine_options(self.cfg, placement_group, index)
+            )
+
+        return create
+
+    def _control_client(self, name: str) -> Any:
+        """The client for co-location calls to engine ``name`` (its current process)."""
+        from rollout_fleet.client import EngineClient
+
+        url = self.membership.url(name)
+        client = self._control_clients.get(url)
+        if client is None:
+            client = self._control_clients[url] = EngineClient(
+                url, api_key=self.api_key, timeout_s=self.cfg.weight_sync.timeout_s, retries=0
+            )
+        return client
+
+    async def yield_devices(self) -> int:
+        """Co-located runs, before each learner step: the engines pause and release their
+        memory (``rollout_fleet.colocation``); how many did."""
+        return await self.colocation.yield_devices()
 
     async def start_engines(self) -> dict[str, str]:
         from rollout_fleet.client import EngineClient
@@ -493,14 +578,29 @@ class RolloutRole:
     async def weight_targets(self) -> WeightTargets:
         """The engines the next publish goes to: every live one, but those waiting for
         weights that do not answer now (a hung or paused engine would stall the publish
-        until its timeout; the fleet's health checks replace it if it never answers)."""
-        return (await self._answering_targets())[0]
+        until its timeout; the fleet's health checks replace it if it never answers).
+        Co-located engines get their weight memory back first."""
+        return await self._ready_to_receive((await self._answering_targets())[0])
 
     async def rejoin_targets(self) -> WeightTargets | None:
         """Targets for a publish of the current version when an engine that waits for
         weights answers now (a replacement, or one that missed a version); else None."""
         targets, joining = await self._answering_targets()
-        return targets if joining else None
+        return await self._ready_to_receive(targets) if joining else None
+
+    async def _ready_to_receive(self, targets: WeightTargets) -> WeightTargets:
+        """Co-located runs: each target tagged with the learner rank on its device, and the
+        released ones with their weight memory resumed; otherwise ``targets`` as they are."""
+        if self.colocation is None:
+            return targets
+        await self.colocation.prepare_push([t.name for t in targets.engines])
+        slots = self.fleet.slot_names()
+        return WeightTargets(
+            engines=tuple(
+                msgspec.structs.replace(t, device_rank=slots.index(t.name))
+                for t in targets.engines
+            )
+        )
 
     async def _answering_targets(self) -> tuple[WeightTargets, bool]:
         behind = self.membership.behind()
@@ -509,9 +609,13 @@ class RolloutRole:
         return self.membership.weight_targets(exclude=silent), len(silent) < len(behind)
 
     async def weights_published(self, result: PublishResult) -> None:
-        """A publish reached (or failed) its targets: the membership records what each holds."""
+        """A publish reached (or failed) its targets: the membership records what each holds
+        (co-located engines that hold it resume and continue first)."""
         if result.outcome is not None:
-            self.membership.apply_sync(result.outcome)
+            outcome = result.outcome
+            if self.colocation is not None:
+                outcome = await self.colocation.take_back(outcome)
+            self.membership.apply_sync(outcome)
         if self.worker is not None:
             self.worker.admission_changed()  # the buffer counts the new version already
 
@@ -533,6 +637,8 @@ class RolloutRole:
     async def metrics(self) -> dict[str, float]:
         out = dict(self.worker.metrics()) if self.worker else {}
         out.update(self.fleet.metrics())
+        if self.colocation is not None:
+            out.update(self.colocation.metrics())
         out.update(self.delivery.metrics())
         return out
 
@@ -567,6 +673,8 @@ class RolloutRole:
                 await asyncio.gather(self._task, return_exceptions=True)
             await self.worker.aclose()
         await self.fleet.stop()
+        for client in self._control_clients.values():
+            await client.close()
         self.sender.close()
         self.control.close()
 

@@ -21,7 +21,13 @@ from typing import Any
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig
-from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
+from launcher.results import (
+    CheckpointRecord,
+    PublishResult,
+    StartRecord,
+    StepResult,
+    merge_publish_results,
+)
 from launcher.supervision import (
     Supervised,
     Supervisor,
@@ -152,6 +158,7 @@ class Run:
             local,
             self.secrets.engine_api_key,
             self.secrets.rollout_client,
+            placement_group=pg if cfg.rollout.colocated else None,
         )
         self.supervisor.register("rollout supervisor", self.rollout)
         self.phase = "placing and starting the engines"
@@ -327,7 +334,7 @@ class Run:
             if targets is None or attempt:
                 targets = ray.get(self.rollout.weight_targets.remote())
             calls = [w.publish.remote(version, targets, restored) for w in self.learners]
-            out = gather(calls, what)[0]
+            out = merge_publish_results(gather(calls, what))
             ray.get(self.rollout.weights_published.remote(out))
             if not out.needs_resend:
                 break
@@ -362,8 +369,20 @@ class Run:
         return time.monotonic() - started
 
     def step(self, version: int) -> StepResult:
-        """One learner step on the batch rank 0 holds (collective over every rank)."""
+        """One learner step on the batch rank 0 holds (collective over every rank).
+
+        Co-located runs: the engines give the devices to the learner first
+        (``yield_devices``); the publish that follows gives them back.
+        """
+        if self.cfg.rollout.colocated:
+            self.yield_devices()
         return gather([w.step.remote(version) for w in self.learners], "a learner step")[0]
+
+    def yield_devices(self) -> None:
+        """Co-located engines pause and release their memory (rollout_fleet/colocation.py)."""
+        import ray
+
+        ray.get(self.rollout.yield_devices.remote())
 
     def validate(self) -> dict[str, float]:
         """Score the held-out prompts with the current weights (greedy by default)."""

@@ -1,4 +1,5 @@
-"""Rollout section of the run config: sampling, engines, workers and multi-turn conversations."""
+"""Rollout section of the run config: sampling, engines, workers, placement (co-located
+engines: ``ColocateConfig``) and multi-turn conversations."""
 
 from __future__ import annotations
 
@@ -8,6 +9,32 @@ import msgspec
 from msgspec import Meta
 
 from rollout_fleet.multi_turn.config import MultiTurnConfig
+
+MemoryTag = Literal["kv_cache", "weights", "cuda_graph"]
+
+
+class ColocateConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How co-located engines give their devices to the learner (``rollout.placement: colocated``)."""
+
+    pause_mode: Annotated[
+        Literal["abort", "retract"],
+        Meta(
+            description="How a co-located engine pauses when the learner takes its device: abort = samples in flight return their tokens so far and are resubmitted after the step; retract = they wait in the engine's queue and their KV is recomputed after it. (in_place keeps running requests, whose KV must be freed: not offered.)"
+        ),
+    ] = "abort"
+    release: Annotated[
+        list[MemoryTag],
+        Meta(
+            min_length=1,
+            description="Memory an engine releases for each learner step (SGLang's /release_memory_occupation tags). Must hold kv_cache; without weights the engine keeps them resident through the step (more memory, no weight resume before the push).",
+        ),
+    ] = msgspec.field(default_factory=lambda: ["kv_cache", "weights", "cuda_graph"])
+    offload_learner: Annotated[
+        bool,
+        Meta(
+            description="On GPU: move the learner's weights and optimizer state to host memory while the engines generate, and back before each step. On CPU nothing moves (the host is the device)."
+        ),
+    ] = True
 
 
 class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -145,7 +172,18 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             description="On stop, groups in flight get this long to finish (and be sent) before they are aborted.",
         ),
     ] = 30.0
+    placement: Annotated[
+        Literal["disaggregated", "colocated"],
+        Meta(
+            description="Where engines run: disaggregated = on rollout nodes, generating while the learner trains; colocated = engine i on learner rank i's device (or CPU share), time-sharing it: per version the engine pauses and releases its memory, the learner steps, the new weights are pushed by handle (/update_weights_from_tensor) and the engine resumes (docs/colocation.md)."
+        ),
+    ] = "disaggregated"
+    colocate: ColocateConfig = msgspec.field(default_factory=ColocateConfig)
     multi_turn: MultiTurnConfig = msgspec.field(default_factory=MultiTurnConfig)
+
+    @property
+    def colocated(self) -> bool:
+        return self.placement == "colocated"
 
     @property
     def tp_size(self) -> int:

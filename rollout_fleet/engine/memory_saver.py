@@ -74,6 +74,40 @@ def _trim_host_heap() -> None:
         ctypes.CDLL(name).malloc_trim(0)
 
 
+def parameter_storages(model: torch.nn.Module) -> list[torch.UntypedStorage]:
+    """The distinct storages behind a model's parameters (fused and tied ones once)."""
+    unique: dict[int, torch.UntypedStorage] = {}
+    for param in model.parameters():
+        storage = param.untyped_storage()
+        unique.setdefault(storage.data_ptr(), storage)
+    return list(unique.values())
+
+
+class WeightStorages:
+    """A model's parameter storages, freed and given back in place (views stay views)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._sizes: list[tuple[torch.UntypedStorage, int]] = []
+        with torch.no_grad():  # memory-mapped checkpoint storages cannot be resized: own them
+            for param in model.parameters():
+                if not param.untyped_storage().resizable():
+                    param.data = param.data.clone()
+
+    def release(self) -> int:
+        """Resize every storage to zero bytes; the bytes freed."""
+        self._sizes = [(s, s.nbytes()) for s in parameter_storages(self.model)]
+        for storage, _ in self._sizes:
+            storage.resize_(0)
+        return sum(n for _, n in self._sizes)
+
+    def resume(self) -> None:
+        """Give every storage its size back, uninitialised (the next push fills it)."""
+        for storage, nbytes in self._sizes:
+            storage.resize_(nbytes)
+        self._sizes = []
+
+
 class EngineMemory:
     """Release and resume of one engine's memory by tag; methods run on the scheduler thread."""
 
@@ -83,28 +117,11 @@ class EngineMemory:
         self.enabled = enabled
         self.released: set[str] = set()
         self.released_bytes = 0  # the last release's
-        self._weight_sizes: list[tuple[torch.UntypedStorage, int]] = []
-        if enabled:
-            self._own_weights()
-
-    def _own_weights(self) -> None:
-        """Replace parameters backed by storages that cannot be resized (memory-mapped
-        checkpoint files) with owned copies, so that every weight storage can be freed."""
-        with torch.no_grad():
-            for param in self.runner.model.parameters():
-                if not param.untyped_storage().resizable():
-                    param.data = param.data.clone()
-
-    def _weight_storages(self) -> list[torch.UntypedStorage]:
-        unique: dict[int, torch.UntypedStorage] = {}
-        for param in self.runner.model.parameters():
-            storage = param.untyped_storage()
-            unique.setdefault(storage.data_ptr(), storage)
-        return list(unique.values())
+        self.weights = WeightStorages(runner.model) if enabled else None
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold now (0 while released by the memory saver)."""
-        return sum(s.nbytes() for s in self._weight_storages())
+        return sum(s.nbytes() for s in parameter_storages(self.runner.model))
 
     def kv_bytes(self) -> int:
         return self.runner.kv.nbytes() + self.scheduler.prefill_cache.nbytes()
@@ -127,11 +144,8 @@ class EngineMemory:
         if KV_CACHE in new:
             freed += self.kv_bytes()
             sched.flush_now()
-        if WEIGHTS in new and self.enabled:
-            self._weight_sizes = [(s, s.nbytes()) for s in self._weight_storages()]
-            for storage, _ in self._weight_sizes:
-                storage.resize_(0)
-            freed += sum(n for _, n in self._weight_sizes)
+        if WEIGHTS in new and self.weights is not None:
+            freed += self.weights.release()
         self.released.update(new)
         sched.memory_released = bool(self.released)
         if self.enabled:
@@ -154,10 +168,8 @@ class EngineMemory:
         for tag in RESUME_ORDER:
             if tag not in tags:
                 continue
-            if tag == WEIGHTS and self.enabled:
-                for storage, nbytes in self._weight_sizes:
-                    storage.resize_(nbytes)  # uninitialised until the next push fills it
-                self._weight_sizes = []
+            if tag == WEIGHTS and self.weights is not None:
+                self.weights.resume()  # uninitialised until the next push fills it
             self.released.discard(tag)
         self.scheduler.memory_released = bool(self.released)
         log.info("%s: resumed %s", self.scheduler.name, [t for t in RESUME_ORDER if t in tags])

@@ -10,7 +10,8 @@ Endpoints (SGLang names; request/response fields in ``rollout_fleet.protocol``):
 ``POST /abort_request``, ``GET|POST /flush_cache`` (400 while requests are
 pending), ``POST /update_weight_version``, ``GET /health``,
 ``GET /health_generate``, ``GET /model_info`` (with ``weight_version``),
-``GET /get_server_info``; the weight-update routes (``/init_weights_update_group``,
+``GET /server_info`` (and its deprecated name ``/get_server_info``; with SGLang's
+``memory_usage``); the weight-update routes (``/init_weights_update_group``,
 ``/begin_weight_update``, ``/end_weight_update``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``, ``/get_weights_by_name``,
 ``/update_weights_from_disk``), handled by
@@ -183,6 +184,7 @@ class EmbeddedEngine:
         r.add_get("/health_generate", self.health_generate)
         r.add_get("/model_info", self.get_model_info)
         r.add_get("/get_server_info", self.get_server_info)
+        r.add_get("/server_info", self.get_server_info)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)

@@ -67,6 +67,17 @@ class RankWeightsReply(msgspec.Struct):
     weight_version: str
 
 
+class RankMemoryRequest(msgspec.Struct):
+    """Test side: the rank's memory state (SGLang's offload tags, the saver's calls)."""
+
+
+class RankMemoryReply(msgspec.Struct):
+    offload_tags: list[str]
+    calls: list[str]  # "pause:<tag>" / "resume:<tag>", in order
+    errors: list[str]  # exceptions of control requests (SGLang's scheduler would die of them)
+    weight_bytes: int
+
+
 class Ready(msgspec.Struct):
     """A TP rank has loaded its model and joined the TP group."""
 
@@ -82,6 +93,8 @@ _LOCAL_TYPES = {
         GenerateOutput,
         RankWeightsRequest,
         RankWeightsReply,
+        RankMemoryRequest,
+        RankMemoryReply,
         Ready,
         Shutdown,
     )
