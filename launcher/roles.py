@@ -597,8 +597,7 @@ class RolloutRole:
         slots = self.fleet.slot_names()
         return WeightTargets(
             engines=tuple(
-                msgspec.structs.replace(t, device_rank=slots.index(t.name))
-                for t in targets.engines
+                msgspec.structs.replace(t, device_rank=slots.index(t.name)) for t in targets.engines
             )
         )
 
