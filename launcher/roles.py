@@ -440,7 +440,7 @@ class RolloutRole:
             resource_name=cfg.ray.rollout_resource,
             weights_pushed=True,  # engines serve only once a publish reached them
             log_dir=str(Path(run_dir) / "logs"),
-            pause_mode=cfg.rollout.colocate.pause_mode if colocated else cfg.weight_sync.pause_mode,
+            pause_mode=engine_pause_mode(cfg),
             lora_rank=cfg.learner.lora.rank,
             lora_target_modules=list(cfg.learner.lora.target_modules),
             actor_factory=self._colocated_actor_factory(placement_group) if colocated else None,
@@ -676,6 +676,12 @@ class RolloutRole:
             await client.close()
         self.sender.close()
         self.control.close()
+
+
+def engine_pause_mode(cfg: RunConfig) -> str:
+    """How the engines pause, which decides whether SGLang may keep its radix cache: for the
+    co-located cycle (``rollout.colocate.pause_mode``), else for updates (``weight_sync``)."""
+    return cfg.rollout.colocate.pause_mode if cfg.rollout.colocated else cfg.weight_sync.pause_mode
 
 
 def adapter_dir(cfg: RunConfig) -> str:

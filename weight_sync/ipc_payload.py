@@ -13,7 +13,9 @@ tensor as a CUDA IPC handle (``rebuild_cuda_tensor``), a CPU tensor in shared me
 as the name of its ``/dev/shm`` file (``rebuild_storage_filename``, torch's
 ``file_system`` sharing strategy). The receiver maps that memory and copies from it,
 so the producer must keep the buffer alive, unchanged, until the engine has answered
-(slime saw corrupted weights when it did not): ``weight_sync.tensor_push`` does.
+(slime saw corrupted weights when it did not): ``weight_sync.tensor_push`` does. Each
+payload is for one consuming process (``encode_bucket`` says why): an engine with TP t
+gets t entries, each encoded apart.
 
 Producer (``encode_bucket``): the bytes SGLang's serializer writes for that dict,
 without importing SGLang (its package import costs seconds of CPU in every learner
@@ -124,6 +126,9 @@ def encode_bucket(flat: torch.Tensor, entries: list[BucketEntry]) -> str:
 
     ``flat`` must be a 1-D uint8 tensor from ``shared_buffer`` (a CPU one in shared
     memory, or on a CUDA device): the payload names its memory, it does not copy it.
+    Encode once per process that will open it: torch counts one reference to the shared
+    memory per pickling and the process that unpickles it drops that one (two processes
+    opening one payload drop it twice, and the memory is unlinked under the producer).
     """
     if flat.dim() != 1 or flat.dtype != torch.uint8:
         raise ValueError(f"a bucket is a 1-D uint8 tensor, got {flat.dtype} {tuple(flat.shape)}")

@@ -146,10 +146,11 @@ class TensorPush:
         """POST the bucket ``stage`` holds to every member still in this version."""
         if stage.device.type == "cuda":
             torch.cuda.synchronize(stage.device)  # the engine must read finished copies
-        payload = encode_bucket(stage.buffer[: stage.used], stage.entries)
-        entries = [payload] * self.sender.tp_size
-        weight_version = str(self.version)
+        flat, weight_version = stage.buffer[: stage.used], str(self.version)
         for client in self._live():
+            # one payload per process that opens it (each TP rank of each engine): torch
+            # counts a reference per pickling, which the one process unpickling it drops
+            entries = [encode_bucket(flat, stage.entries) for _ in range(self.sender.tp_size)]
             stage.replies[client.name] = self.sender.pool.submit(
                 _timed_update, client, entries, weight_version
             )

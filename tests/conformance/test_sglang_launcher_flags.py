@@ -12,7 +12,8 @@ every argv with ``--device cpu`` and a tiny model folder, in a subprocess
 because resolution writes environment variables.
 
 Specs: defaults, tensor parallel 2, an API key on a node IP, real weights,
-extra arguments, in_place vs abort pause, LoRA serving (SGLang's
+extra arguments, in_place vs abort pause, the memory saver of co-located engines
+(``--enable-memory-saver``; a shipped GPU config made co-located), LoRA serving (SGLang's
 ``check_lora_server_args`` runs in the resolution), and the shipped GPU configs turned
 into specs the way the launcher does (``engine_spec`` -> ``sglang_server_spec``).
 Needs no GPU; SGLang's Python code is installed by ``make venv``.
@@ -31,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from launcher.config import load_run_config
+from launcher.roles import engine_pause_mode
 from rollout_fleet.actors import engine_spec, sglang_server_spec
 from rollout_fleet.sglang_launcher import LORA_SLOTS, SGLangServerSpec, build_command
 
@@ -50,7 +52,7 @@ def _config_spec(config: str, *overrides: str) -> SGLangServerSpec:
         dtype=cfg.model.dtype,
         api_key="run-key",
         expose_on_node_ip=True,  # a multi-node fleet binds the node IP, with a key
-        pause_mode=cfg.weight_sync.pause_mode,
+        pause_mode=engine_pause_mode(cfg),
     )
     server_spec = sglang_server_spec(spec, host=NODE_IP)
     server_spec.port = PORT  # SGLangServer picks a free port at launch
@@ -84,6 +86,14 @@ CASES: dict[str, SGLangServerSpec] = {
     "ppo_7b_config": _config_spec("gsm8k_ppo_qwen2.5_7b.yaml"),
     "grpo_7b_config_abort": _config_spec(
         "gsm8k_grpo_qwen2.5_7b.yaml", "weight_sync.pause_mode=abort"
+    ),
+    "memory_saver": SGLangServerSpec(model_path="/models/m", port=PORT, enable_memory_saver=True),
+    "grpo_7b_config_colocated": _config_spec(
+        "gsm8k_grpo_qwen2.5_7b.yaml",
+        "rollout.placement=colocated",
+        "rollout.gpus_per_engine=1",
+        "rollout.num_engines=4",
+        "learner.num_ranks=4",
     ),
     "lora_all_linear": SGLangServerSpec(model_path="/models/m", port=PORT, lora_rank=8),
     "lora_named_modules": SGLangServerSpec(
@@ -130,6 +140,7 @@ def _expected(spec: SGLangServerSpec) -> dict[str, object]:
         "max_running_requests": spec.max_running_requests,
         "random_seed": spec.random_seed,
         "base_gpu_id": spec.base_gpu_id if spec.base_gpu_id is not None else 0,
+        "enable_memory_saver": spec.enable_memory_saver,
     }
 
 
@@ -177,6 +188,10 @@ def test_the_shipped_gpu_configs_launch_what_they_say():
         assert args.disable_radix_cache is True  # weight_sync.pause_mode: in_place
     abort = _parse(build_command(CASES["grpo_7b_config_abort"])[3:])
     assert abort.disable_radix_cache is False  # abort flushes the cache per update
+    colocated = _parse(build_command(CASES["grpo_7b_config_colocated"])[3:])
+    assert colocated.enable_memory_saver is True  # release frees memory (torch_memory_saver)
+    assert colocated.tp_size == 1 and colocated.disable_radix_cache is False  # abort pause
+    assert colocated.enable_weights_cpu_backup is False  # every resume is followed by a push
 
 
 RESOLVE = """
@@ -189,7 +204,8 @@ for argv in json.load(sys.stdin):
     args.resolve_once()
     view = resolving_view(args)
     out.append({k: getattr(view, k) for k in
-                ("tp_size", "load_format", "disable_radix_cache", "weight_version", "api_key")}
+                ("tp_size", "load_format", "disable_radix_cache", "weight_version", "api_key",
+                 "enable_memory_saver")}
                | {"enable_lora": bool(view.enable_lora)})
 print("RESOLVED " + json.dumps(out))
 """
@@ -221,5 +237,6 @@ def test_sglang_resolves_every_argv_on_cpu(tiny_model_dir):
             "disable_radix_cache": spec.disable_radix_cache,
             "weight_version": spec.weight_version,
             "api_key": spec.api_key,
+            "enable_memory_saver": spec.enable_memory_saver,
             "enable_lora": spec.lora_rank > 0,
         }

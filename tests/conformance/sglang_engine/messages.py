@@ -76,6 +76,7 @@ class RankMemoryReply(msgspec.Struct):
     calls: list[str]  # "pause:<tag>" / "resume:<tag>", in order
     errors: list[str]  # exceptions of control requests (SGLang's scheduler would die of them)
     weight_bytes: int
+    running: int  # requests in the running batch (TP rank 0 generates)
 
 
 class Ready(msgspec.Struct):

@@ -23,6 +23,9 @@ loads the HF model, and builds SGLang's own weight-update objects:
   SGLang's ``SafeUnpickler``) and the model runner's flattened-bucket loader. An
   exception SGLang's scheduler would die of (a failed assertion, a resume of a tag
   never released) is kept in ``errors`` and read by the test (``RankMemoryRequest``).
+  SGLang synchronizes ``torch.get_device_module()`` after a release, which on a
+  CUDA build of torch is ``torch.cuda`` even with no GPU: on this CPU engine it is
+  ``torch.cpu`` (``_cpu_device_module``).
 
 The loop serves two pipes: control requests from the HTTP process (SGLang's
 ``io_struct`` types, answered with theirs) and the test's weight read-out.
@@ -271,6 +274,7 @@ class RankProcess:
                 calls=list(self.memory_saver.calls),
                 errors=list(self.errors),
                 weight_bytes=self.memory_saver.weights_nbytes(),
+                running=len(self.scheduler.running_batch.reqs),
             )
         raise TypeError(f"unsupported inspect request {type(obj).__name__}")
 
@@ -302,6 +306,18 @@ class RankProcess:
                 self.flush_wrapper.check_pending()
 
 
+def _cpu_device_module() -> None:
+    """``torch.get_device_module()`` (no device given) names the CPU in this process."""
+    import torch
+
+    named = torch.get_device_module
+
+    def get_device_module(device=None):
+        return torch.cpu if device is None else named(device)
+
+    torch.get_device_module = get_device_module
+
+
 def _failure_reply(obj: Any, exc: Exception) -> Any:
     """SGLang's failed ``*ReqOutput`` for a request whose handler raised."""
     out_type = m.output_type(obj)
@@ -321,6 +337,7 @@ def rank_main(cfg: RankConfig, ctrl: Connection, inspect: Connection) -> None:
         level=os.environ.get("SGLANG_ENGINE_LOG_LEVEL", "WARNING"),
         format=f"[tp{cfg.tp_rank}] %(levelname)s %(name)s: %(message)s",
     )
+    _cpu_device_module()
     rank = RankProcess(cfg, ctrl, inspect)
     inspect.send_bytes(m.encode(m.Ready()))
     rank.serve()
