@@ -207,6 +207,11 @@ class LearnerRole:
             self.cfg.weight_sync, device=self.device, tp_size=self.cfg.rollout.tp_size
         )
 
+    def offload(self) -> float:
+        """Co-located runs: leave the device to the engine (before the engines start, and
+        after every publish); seconds taken (0 on CPU)."""
+        return self.residency.offload() if self.residency is not None else 0.0
+
     def _resident(self) -> Any:
         """The model on the device for the block (co-located runs offload it between steps)."""
         from contextlib import nullcontext

@@ -150,6 +150,8 @@ class Run:
         if cfg.trainer.resume == "auto":
             extra = self.restore_latest_checkpoint()
 
+        if cfg.rollout.colocated:  # the engines start on the learner's devices: leave them room
+            gather([w.offload.remote() for w in self.learners], "offloading the learner")
         self.rollout = remote_class(RolloutRole, num_cpus=0, max_concurrency=16).remote(
             self.raw,
             ingest,
