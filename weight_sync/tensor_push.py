@@ -112,6 +112,7 @@ class TensorPush:
             self.metrics.engines[c.name] = EngineSyncStatus(c.name)
         self.sent = SentRows(sender.config.verify_rows) if verify else None
         self._call_all(lambda c: c.begin_update(), "begin_weight_update")
+        self._began = {c.name for c in self._live()}  # their sessions are ended in finish
         self._current = 0
         self._tapped = False
 
@@ -189,6 +190,7 @@ class TensorPush:
         self.metrics.engine_load_s = max(
             (s.load_s for s in self.metrics.engines.values()), default=0.0
         )
+        self._end_dropped_sessions()
         self._call_all(lambda c: c.end_update(), "end_weight_update")
         if self.sent is not None and self._live():
             t = time.perf_counter()
@@ -209,6 +211,16 @@ class TensorPush:
             )
         self.sender.latest_version = self.version
         return self.metrics
+
+    def _end_dropped_sessions(self) -> None:
+        """Close the session of every engine dropped after its begin (best effort), so
+        that the next version's ``/begin_weight_update`` is accepted."""
+        for client in self.clients:
+            if client.name in self.errors and client.name in self._began:
+                try:
+                    client.end_update()
+                except EngineCallError as err:
+                    log.warning("could not end the weight update on %s: %s", client.name, err)
 
     def _verify(self) -> None:
         assert self.sent is not None
