@@ -591,18 +591,27 @@ class RolloutRole:
         """Targets for a publish of the current version when an engine that waits for
         weights answers now (a replacement, or one that missed a version); else None."""
         targets, joining = await self._answering_targets()
-        return await self._ready_to_receive(targets) if joining else None
+        return await self._ready_to_receive(targets, rejoin=True) if joining else None
 
-    async def _ready_to_receive(self, targets: WeightTargets) -> WeightTargets:
+    async def _ready_to_receive(
+        self, targets: WeightTargets, rejoin: bool = False
+    ) -> WeightTargets:
         """Co-located runs: each target tagged with the learner rank on its device, and the
-        released ones with their weight memory resumed; otherwise ``targets`` as they are."""
+        released ones with their weight memory resumed; otherwise ``targets`` as they are.
+        A rejoin (the current version again) skips co-located engines that serve it: a push
+        by handle needs no group, so only the engines behind get it."""
         if self.colocation is None:
             return targets
-        await self.colocation.prepare_push([t.name for t in targets.engines])
+        from rollout_fleet.membership import SERVING
+
         slots = self.fleet.slot_names()
+        engines = [
+            t for t in targets.engines if not (rejoin and self.membership.status(t.name) in SERVING)
+        ]
+        await self.colocation.prepare_push([t.name for t in engines])
         return WeightTargets(
             engines=tuple(
-                msgspec.structs.replace(t, device_rank=slots.index(t.name)) for t in targets.engines
+                msgspec.structs.replace(t, device_rank=slots.index(t.name)) for t in engines
             )
         )
 

@@ -17,11 +17,11 @@ class ColocateConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How co-located engines give their devices to the learner (``rollout.placement: colocated``)."""
 
     pause_mode: Annotated[
-        Literal["abort", "retract"],
+        Literal["retract", "abort"],
         Meta(
-            description="How a co-located engine pauses when the learner takes its device: abort = samples in flight return their tokens so far and are resubmitted after the step; retract = they wait in the engine's queue and their KV is recomputed after it. (in_place keeps running requests, whose KV must be freed: not offered.)"
+            description="How a co-located engine pauses when the learner takes its device: retract = running samples go back to the head of the engine's queue, their KV recomputed after the step, so the oldest groups still finish first (their HTTP requests stay open: rollout.request_timeout_s must outlast a learner step); abort = samples in flight return their tokens so far and are resubmitted after the step, in no particular order, so old groups can fall behind new ones and past the staleness bound. (in_place keeps running requests, whose KV must be freed: not offered.)"
         ),
-    ] = "abort"
+    ] = "retract"
     release: Annotated[
         list[MemoryTag],
         Meta(
