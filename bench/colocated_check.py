@@ -116,7 +116,9 @@ def _cycle(url: str, pid: int, model, device: torch.device, figures: dict[str, A
     _post(url, "/resume_memory_occupation", {"tags": ["kv_cache"]})
     _post(url, "/continue_generation", {})
     figures["resume_kv_s"] = time.perf_counter() - t
-    out = _post(url, "/generate", {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 8}})
+    out = _post(
+        url, "/generate", {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 8}}
+    )
     figures["served_version"] = out["meta_info"]["weight_version"]
     freed_enough = figures["device_bytes_freed"] >= 0.8 * metrics.bytes
     return figures["served_version"] == "1" and freed_enough

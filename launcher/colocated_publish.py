@@ -91,8 +91,12 @@ def publish_colocated(
         {
             "colocate/push_s": push_s,
             "colocate/push_bytes": float(pushed.bytes if pushed is not None else 0),
+            "colocate/push_gbps": pushed.gbps if pushed is not None else 0.0,
             "colocate/onload_s": onload_s,
             "colocate/offload_s": offload_s,
+            # both paths together: this rank's targets, and those that missed the version
+            "weight_sync/num_engines": float(len(mine) + len(remote)),
+            "weight_sync/num_failed": float(len(failed)),
         }
     )
     metrics["weight_sync/seconds"] = max(push_s, metrics.get("weight_sync/total_s", 0.0))

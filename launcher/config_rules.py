@@ -222,13 +222,15 @@ def colocated_engines_pair_with_learner_ranks(cfg: RunConfig) -> Iterator[Config
     rollout, ranks = cfg.rollout, cfg.learner.num_ranks
     if not rollout.colocated:
         return
-    if rollout.num_engines != ranks:
+    remote = rollout.colocate.remote_engines
+    if rollout.colocated_engines != ranks:
         yield refuse(
             "rollout.num_engines",
             "learner.num_ranks",
-            f"{rollout.num_engines} != {ranks} with rollout.placement=colocated",
-            "a co-located run puts one engine on each learner device; set "
-            f"rollout.num_engines={ranks}",
+            f"{rollout.num_engines} - {remote} remote != {ranks} with rollout.placement=colocated",
+            "a co-located run puts one engine on each learner device (and "
+            "rollout.colocate.remote_engines more on rollout nodes); set "
+            f"rollout.num_engines={ranks + remote}",
         )
     if rollout.tp_size > 1:
         yield refuse(

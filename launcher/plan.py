@@ -194,7 +194,7 @@ def render(cfg: RunConfig, gpu_mem_gb: float, model_config: str | None = None) -
         )
     else:
         lines.append(f"learner on CPU: {total_learner:.3f} GiB of host memory per rank")
-    if engine_gpu and not cfg.rollout.colocated:
+    if engine_gpu and cfg.rollout.num_engines > cfg.rollout.colocated_engines:
         ok = eng.weights_gb < eng.static_gb
         fits &= ok
         kv_note = (

@@ -128,13 +128,15 @@ def check_resources(
     """The learner group, then the engines, placed per node on what ``nodes`` offer."""
     free = [dict(n.resources) for n in nodes]
     found = []
+    # co-located engines live in the learner's bundles: only a mixed run's remote ones count
+    engines = cfg.rollout.num_engines - cfg.rollout.colocated_engines
     groups = (
         ("the learner group", "ranks", learner_bundle(cfg), cfg.learner.num_ranks, "learner", "rank"),
-        ("the rollout fleet", "engines", engine_demand(cfg), cfg.rollout.num_engines, "rollout", "engine"),
+        ("the rollout fleet", "engines", engine_demand(cfg), engines, "rollout", "engine"),
     )  # fmt: skip
     for what, unit, demand, count, section, per in groups:
-        if section not in parts or (section == "rollout" and cfg.rollout.colocated):
-            continue  # co-located engines live in the learner's bundles
+        if section not in parts or count == 0:
+            continue
         marker = cfg.ray.learner_resource if section == "learner" else cfg.ray.rollout_resource
         count_key = "learner.num_ranks" if section == "learner" else "rollout.num_engines"
         keys = {

@@ -66,17 +66,18 @@ class PublishResult(msgspec.Struct, frozen=True, kw_only=True):
 def merge_publish_results(results: list[PublishResult]) -> PublishResult:
     """One publish's per-rank results as one: every rank's targets and failures (in a
     co-located run each rank pushes to the engines on its device); rank 0's metrics, with
-    the ranks' ``colocate/*`` seconds at their slowest and bytes summed."""
+    the ranks' ``colocate/*`` seconds at their slowest, bytes and engine counts summed."""
     first = results[0]
     outcomes = [r.outcome for r in results if r.outcome is not None]
     if len(outcomes) <= 1:
         return first
     metrics = dict(first.metrics)
+    summed = ("weight_sync/num_engines", "weight_sync/num_failed")
     for other in results[1:]:
         for key, value in other.metrics.items():
-            if not key.startswith("colocate/"):
+            if not key.startswith("colocate/") and key not in summed:
                 continue
-            combine = sum if key.endswith("_bytes") else max
+            combine = sum if key.endswith("_bytes") or key in summed else max
             metrics[key] = combine((metrics.get(key, 0.0), value))
     outcome = SyncOutcome(
         version=first.version,

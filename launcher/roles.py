@@ -445,7 +445,7 @@ class RolloutRole:
             resource_name=cfg.ray.rollout_resource,
             weights_pushed=True,  # engines serve only once a publish reached them
             log_dir=str(Path(run_dir) / "logs"),
-            pause_mode=engine_pause_mode(cfg),
+            pause_mode=cfg.weight_sync.pause_mode,
             lora_rank=cfg.learner.lora.rank,
             lora_target_modules=list(cfg.learner.lora.target_modules),
             actor_factory=self._colocated_actor_factory(placement_group) if colocated else None,
@@ -459,7 +459,7 @@ class RolloutRole:
                 cfg.rollout.colocate,
                 self.membership,
                 client_for=self._control_client,
-                colocated=lambda name: name in self.fleet.slot_names(),
+                colocated=lambda name: self._device_rank(name) >= 0,
             )
         from rollout_fleet.delivery import DeliveryLedger
 
@@ -478,17 +478,31 @@ class RolloutRole:
         self._task: asyncio.Task | None = None
 
     def _colocated_actor_factory(self, placement_group: Any) -> Any:
-        """Engine i in bundle i of the learner's placement group (``rollout.placement``)."""
+        """Engine i in bundle i of the learner's placement group (``rollout.placement``);
+        the remote engines of a mixed run on rollout nodes, as usual."""
         from launcher.placement import colocated_engine_options
         from rollout_fleet.actors import create_engine_actor
 
+        rollout = self.cfg.rollout
+
         def create(spec: Any) -> Any:
             index = self.fleet.slot_names().index(spec.name)
-            return create_engine_actor(
-                spec, **colocated_engine_options(self.cfg, placement_group, index)
-            )
+            if rollout.is_colocated_slot(index):
+                options = colocated_engine_options(self.cfg, placement_group, index)
+            else:
+                options = {
+                    "num_cpus": rollout.cpus_per_engine,
+                    "num_gpus": rollout.gpus_per_engine,
+                    "resource_name": self.cfg.ray.rollout_resource,
+                }
+            return create_engine_actor(spec, **options)
 
         return create
+
+    def _device_rank(self, name: str) -> int:
+        """The learner rank whose device engine ``name`` shares; -1 for a remote engine."""
+        index = self.fleet.slot_names().index(name)
+        return index if self.cfg.rollout.is_colocated_slot(index) else -1
 
     def _control_client(self, name: str) -> Any:
         """The client for co-location calls to engine ``name`` (its current process)."""
@@ -604,16 +618,17 @@ class RolloutRole:
             return targets
         from rollout_fleet.membership import SERVING
 
-        slots = self.fleet.slot_names()
-        engines = [
-            t for t in targets.engines if not (rejoin and self.membership.status(t.name) in SERVING)
+        tagged = [
+            msgspec.structs.replace(t, device_rank=self._device_rank(t.name))
+            for t in targets.engines
         ]
-        await self.colocation.prepare_push([t.name for t in engines])
-        return WeightTargets(
-            engines=tuple(
-                msgspec.structs.replace(t, device_rank=slots.index(t.name)) for t in engines
-            )
-        )
+        engines = [
+            t
+            for t in tagged
+            if not (rejoin and t.device_rank >= 0 and self.membership.status(t.name) in SERVING)
+        ]
+        await self.colocation.prepare_push([t.name for t in engines if t.device_rank >= 0])
+        return WeightTargets(engines=tuple(engines))
 
     async def _answering_targets(self) -> tuple[WeightTargets, bool]:
         behind = self.membership.behind()
@@ -690,12 +705,6 @@ class RolloutRole:
             await client.close()
         self.sender.close()
         self.control.close()
-
-
-def engine_pause_mode(cfg: RunConfig) -> str:
-    """How the engines pause, which decides whether SGLang may keep its radix cache: for the
-    co-located cycle (``rollout.colocate.pause_mode``), else for updates (``weight_sync``)."""
-    return cfg.rollout.colocate.pause_mode if cfg.rollout.colocated else cfg.weight_sync.pause_mode
 
 
 def adapter_dir(cfg: RunConfig) -> str:

@@ -81,13 +81,17 @@ def engine_spec(
     pause_mode: str = "in_place",
     lora_rank: int = 0,
     lora_target_modules: list[str] | None = None,
+    colocated: bool = False,
 ) -> EngineSpec:
-    """The spec of engine ``name`` from the rollout config (``pause_mode``: how the engine
-    pauses for updates, weight_sync.pause_mode or rollout.colocate.pause_mode;
-    ``lora_rank`` / ``lora_target_modules``: learner.lora). Co-located engines
-    (``rollout.placement``) free released memory: SGLang's ``--enable-memory-saver``."""
+    """The spec of engine ``name`` from the rollout config (``pause_mode``: how it pauses
+    for weight updates, weight_sync.pause_mode; ``lora_rank`` / ``lora_target_modules``:
+    learner.lora). A ``colocated`` engine (on a learner rank's device) pauses as
+    rollout.colocate.pause_mode says and frees released memory (SGLang's
+    ``--enable-memory-saver``)."""
     from rollout_fleet.sglang_launcher import radix_cache_disabled_for
 
+    if colocated:
+        pause_mode = config.colocate.pause_mode
     return EngineSpec(
         name=name,
         model_path=str(model_path),
@@ -104,7 +108,7 @@ def engine_spec(
         disable_radix_cache=radix_cache_disabled_for(pause_mode),
         lora_rank=lora_rank,
         lora_target_modules=list(lora_target_modules or ["all-linear"]),
-        memory_saver=config.colocated,
+        memory_saver=colocated,
         extra_args=list(config.sglang_extra_args),
         startup_timeout_s=config.engine_startup_timeout_s,
         log_dir=log_dir,

@@ -35,6 +35,13 @@ class ColocateConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             description="On GPU: move the learner's weights and optimizer state to host memory while the engines generate, and back before each step. On CPU nothing moves (the host is the device)."
         ),
     ] = True
+    remote_engines: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="A mixed run: this many of rollout.num_engines run on rollout nodes instead, on devices of their own (the last ones, engine-<num_ranks> on); they get each version by broadcast (weight_sync.*, paused as weight_sync.pause_mode says) and keep generating through the learner's steps. The others, one per learner rank, are co-located.",
+        ),
+    ] = 0
 
 
 class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -184,6 +191,15 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def colocated(self) -> bool:
         return self.placement == "colocated"
+
+    @property
+    def colocated_engines(self) -> int:
+        """Engines on learner ranks' devices (engine-0 ... engine-<this - 1>)."""
+        return self.num_engines - self.colocate.remote_engines if self.colocated else 0
+
+    def is_colocated_slot(self, index: int) -> bool:
+        """Whether engine slot ``index`` shares learner rank ``index``'s device."""
+        return index < self.colocated_engines
 
     @property
     def tp_size(self) -> int:

@@ -110,9 +110,10 @@ class EngineFleet:
                     pause_mode=pause_mode,
                     lora_rank=lora_rank,
                     lora_target_modules=lora_target_modules,
+                    colocated=config.is_colocated_slot(index),
                 ),
             )
-            for name in (f"{name_prefix}-{i}" for i in range(config.num_engines))
+            for index, name in ((i, f"{name_prefix}-{i}") for i in range(config.num_engines))
         }
         self._health_clients: dict[str, Any] = {}
         self._stopping = False

@@ -32,7 +32,6 @@ from pathlib import Path
 import pytest
 
 from launcher.config import load_run_config
-from launcher.roles import engine_pause_mode
 from rollout_fleet.actors import engine_spec, sglang_server_spec
 from rollout_fleet.sglang_launcher import LORA_SLOTS, SGLangServerSpec, build_command
 
@@ -52,7 +51,8 @@ def _config_spec(config: str, *overrides: str) -> SGLangServerSpec:
         dtype=cfg.model.dtype,
         api_key="run-key",
         expose_on_node_ip=True,  # a multi-node fleet binds the node IP, with a key
-        pause_mode=engine_pause_mode(cfg),
+        pause_mode=cfg.weight_sync.pause_mode,
+        colocated=cfg.rollout.is_colocated_slot(0),
     )
     server_spec = sglang_server_spec(spec, host=NODE_IP)
     server_spec.port = PORT  # SGLangServer picks a free port at launch
