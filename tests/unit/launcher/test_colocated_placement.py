@@ -75,3 +75,28 @@ def test_the_ranks_results_merge_into_one_outcome():
     assert merged.seconds == 0.9
     plain = PublishResult(version=3)  # a disaggregated run's other ranks: rank 0's result
     assert merge_publish_results([rank0, plain, plain]) is rank0
+
+
+def test_a_mixed_run_places_its_remote_engines_on_rollout_nodes_with_their_own_specs():
+    from rollout_fleet.actors import engine_spec
+
+    cfg = load_run_config(
+        None,
+        [
+            *[o for o in GPU_RUN if not o.startswith("rollout.num_engines")],
+            "rollout.num_engines=6",
+            "rollout.colocate.remote_engines=2",
+            "rollout.gpus_per_engine=1",
+        ],
+    )
+    assert cfg.rollout.colocated_engines == 4
+    assert [cfg.rollout.is_colocated_slot(i) for i in range(6)] == [True] * 4 + [False] * 2
+    learners = Node("gpu-node", {"CPU": 12.0, "GPU": 4.0, "learner": 1000.0})
+    (short,) = check_resources(cfg, [learners], local=False)  # the 2 remote engines
+    assert short.key == "ray.rollout_resource"
+    rollout = Node("rollout-node", {"CPU": 2.0, "GPU": 2.0, "rollout": 1000.0})
+    assert check_resources(cfg, [learners, rollout], local=False) == []
+    colocated = engine_spec(cfg.rollout, "engine-0", "/m", colocated=True, pause_mode="in_place")
+    remote = engine_spec(cfg.rollout, "engine-4", "/m", colocated=False, pause_mode="in_place")
+    assert colocated.memory_saver and not colocated.disable_radix_cache  # retract: flushed
+    assert not remote.memory_saver and remote.disable_radix_cache  # in_place updates

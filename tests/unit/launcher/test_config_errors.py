@@ -180,6 +180,16 @@ def test_missing_config_file_is_named():
         (
             [
                 "rollout.placement=colocated",
+                "rollout.num_engines=2",
+                "rollout.colocate.remote_engines=2",
+            ],
+            "rollout.num_engines",
+            "learner.num_ranks",
+            "set rollout.num_engines=3",
+        ),
+        (
+            [
+                "rollout.placement=colocated",
                 "rollout.backend=sglang",
                 "rollout.gpus_per_engine=2",
                 "trainer.device=cuda",
