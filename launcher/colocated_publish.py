@@ -1,4 +1,8 @@
-"""One learner rank's part of a publish in a co-located run (``rollout.placement: colocated``).
+"""A learner rank's part of a co-located run (``rollout.placement: colocated``): its pushes.
+
+``LearnerColocation`` is what ``launcher.roles.LearnerRole`` holds in a co-located run:
+the rank's ``learner.offload.DeviceResidency`` (its state off the GPU while the engine
+generates) and its ``weight_sync.tensor_push.TensorSender``, and the rank's publish.
 
 Every rank streams the full weights (``named_full_tensors``, a collective) and pushes
 them by handle to the engines that share its device (``EngineTarget.device_rank``),
@@ -51,17 +55,47 @@ def _failures(err: WeightSyncError) -> dict[str, str]:
     }
 
 
+class LearnerColocation:
+    """A co-located rank's residency and push sender (``role``: a set-up ``LearnerRole``)."""
+
+    def __init__(self, role: Any) -> None:
+        from learner.offload import residency_for
+        from weight_sync.tensor_push import TensorSender
+
+        self.role = role
+        cfg = role.cfg
+        self.residency = residency_for(role.worker, enabled=cfg.rollout.colocate.offload_learner)
+        self.tensor_sender = TensorSender(
+            cfg.weight_sync, device=role.device, tp_size=cfg.rollout.tp_size
+        )
+
+    def offload(self) -> float:
+        return self.residency.offload()
+
+    def onload(self) -> float:
+        return self.residency.onload()
+
+    def resident(self) -> Any:
+        return self.residency.resident()
+
+    def publish(self, version: int, targets: WeightTargets, restored: bool) -> PublishResult:
+        return publish_colocated(self.role, self, version, targets, restored)
+
+    def close(self) -> None:
+        self.tensor_sender.close()
+
+
 def publish_colocated(
-    role: Any, version: int, targets: WeightTargets, restored: bool
+    role: Any, colocation: LearnerColocation, version: int, targets: WeightTargets, restored: bool
 ) -> PublishResult:
     """This rank's push of ``version`` (``role``: a set-up ``launcher.roles.LearnerRole``)."""
-    onload_s = role.residency.onload()
+    onload_s = colocation.residency.onload()
     stream = role.worker.named_full_tensors()
     role.worker.policy_version = version
     mine = [t for t in targets.engines if t.device_rank == role.rank]
     remote = [t for t in targets.engines if t.device_rank < 0] if role.rank == 0 else []
-    role.tensor_sender.set_members(_endpoints(role, mine))
-    push = role.tensor_sender.start(version, verify=True if restored else None)
+    colocation.tensor_sender.set_members(_endpoints(role, mine))
+    push = colocation.tensor_sender.start(version, verify=True if restored else None)
     tapped = push.tap(stream)
     failed: dict[str, str] = {}
     partial: list[str] = []
@@ -85,7 +119,7 @@ def publish_colocated(
         log.error("version %d by handle: %s", version, err)
         failed.update(_failures(err))
         pushed = err.metrics
-    offload_s = role.residency.offload()
+    offload_s = colocation.residency.offload()
     push_s = pushed.total_s if pushed is not None else 0.0
     metrics.update(
         {

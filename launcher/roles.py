@@ -12,10 +12,10 @@
                    ``RolloutWorker`` that streams trajectories to the buffer.
 
 Co-located runs (``rollout.placement: colocated``): engine i sits in learner rank i's
-bundle; the rollout role's ``ColocatedEngines`` pauses and releases the engines before
-each step (``yield_devices``) and resumes them around the push; every learner rank
-pushes to its own engine by handle (``launcher.colocated_publish``) and moves its state
-off the device while the engine generates (``learner.offload``).
+bundle; the rollout role's ``RolloutColocation`` (launcher/colocated_rollout.py) pauses
+and releases the engines before each step (``yield_devices``) and resumes them around
+the push; every learner rank pushes to its own engine by handle and moves its state off
+the device while the engine generates (``LearnerColocation``, launcher/colocated_publish.py).
 
 The classes are plain Python; ``remote_class(cls)`` applies ``ray.remote`` on demand so
 importing this module needs no running Ray. Every actor receives the run config as
@@ -32,8 +32,6 @@ import os
 import socket
 from pathlib import Path
 from typing import Any
-
-import msgspec
 
 from fleetrl.config import convert
 from fleetrl.log import get_logger, setup_logging
@@ -131,8 +129,7 @@ class LearnerRole:
         self.engine_api_key: str | None = None
         self.device = resolve_device(cfg)
         self.lora = cfg.learner.lora.rank > 0  # publish adapter weights only
-        self.residency: Any = None  # co-located: learner.offload.DeviceResidency
-        self.tensor_sender: Any = None  # co-located: pushes to this rank's engine by handle
+        self.colocation: Any = None  # co-located: launcher.colocated_publish.LearnerColocation
 
     def pid(self) -> int:
         return os.getpid()
@@ -166,7 +163,9 @@ class LearnerRole:
         )
         self.worker.setup()
         if self.cfg.rollout.colocated:
-            self._setup_colocated()
+            from launcher.colocated_publish import LearnerColocation
+
+            self.colocation = LearnerColocation(self)
         from launcher.plan import learner_gb
 
         try:  # the plan for this device, logged beside the measured peak
@@ -196,27 +195,16 @@ class LearnerRole:
                     self.cfg.weight_sync, master_address=node_ip(self.local), device=self.device
                 )
 
-    def _setup_colocated(self) -> None:
-        from learner.offload import residency_for
-        from weight_sync.tensor_push import TensorSender
-
-        self.residency = residency_for(
-            self.worker, enabled=self.cfg.rollout.colocate.offload_learner
-        )
-        self.tensor_sender = TensorSender(
-            self.cfg.weight_sync, device=self.device, tp_size=self.cfg.rollout.tp_size
-        )
-
     def offload(self) -> float:
         """Co-located runs: leave the device to the engine (before the engines start, and
         after every publish); seconds taken (0 on CPU)."""
-        return self.residency.offload() if self.residency is not None else 0.0
+        return self.colocation.offload() if self.colocation is not None else 0.0
 
     def _resident(self) -> Any:
         """The model on the device for the block (co-located runs offload it between steps)."""
         from contextlib import nullcontext
 
-        return self.residency.resident() if self.residency is not None else nullcontext()
+        return self.colocation.resident() if self.colocation is not None else nullcontext()
 
     # ---- checkpoints (collective) ---------------------------------------------------------
     def load_checkpoint(self, step_dir: str) -> dict[str, Any]:
@@ -288,7 +276,7 @@ class LearnerRole:
     def step(self, version: int) -> StepResult:
         """Collective: rank 0 takes its batch from the batch source and broadcasts it."""
         batch = self.batches.take() if self.rank == 0 else None
-        onload_s = self.residency.onload() if self.residency is not None else None
+        onload_s = self.colocation.onload() if self.colocation is not None else None
         metrics = self.worker.step(batch, version)
         if onload_s is not None:
             metrics["colocate/onload_s"] = onload_s
@@ -324,10 +312,8 @@ class LearnerRole:
         (the rollout side's membership chose them) and reports what each got."""
         from weight_sync.sender import EngineEndpoint, WeightSyncError, drain_stream
 
-        if self.cfg.rollout.colocated:
-            from launcher.colocated_publish import publish_colocated
-
-            return publish_colocated(self, version, targets, restored)
+        if self.colocation is not None:
+            return self.colocation.publish(version, targets, restored)
         if self.lora:
             stream = self.worker.named_adapter_tensors()
         else:
@@ -383,8 +369,8 @@ class LearnerRole:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
-        if self.tensor_sender is not None:
-            self.tensor_sender.close()
+        if self.colocation is not None:
+            self.colocation.close()
         if self.buffer is not None:
             self.buffer.close()
         if self.worker is not None:
@@ -433,7 +419,13 @@ class RolloutRole:
         self._reader_args = reader_args
         self.membership = Membership(suspect_cooldown_s=cfg.rollout.suspect_cooldown_s)
         self.router = Router(self.membership)
-        colocated = cfg.rollout.colocated
+        self.colocation: Any = None  # co-located: launcher.colocated_rollout.RolloutColocation
+        if cfg.rollout.colocated:
+            from launcher.colocated_rollout import RolloutColocation
+
+            self.colocation = RolloutColocation(
+                cfg, self.membership, lambda: self.fleet.slot_names(), api_key
+            )
         self.fleet = EngineFleet(
             cfg.rollout,
             cfg.model.path,
@@ -448,19 +440,10 @@ class RolloutRole:
             pause_mode=cfg.weight_sync.pause_mode,
             lora_rank=cfg.learner.lora.rank,
             lora_target_modules=list(cfg.learner.lora.target_modules),
-            actor_factory=self._colocated_actor_factory(placement_group) if colocated else None,
+            actor_factory=(
+                self.colocation.actor_factory(placement_group) if self.colocation else None
+            ),
         )
-        self._control_clients: dict[str, Any] = {}  # url -> EngineClient (co-location calls)
-        self.colocation: Any = None
-        if colocated:
-            from rollout_fleet.colocation import ColocatedEngines
-
-            self.colocation = ColocatedEngines(
-                cfg.rollout.colocate,
-                self.membership,
-                client_for=self._control_client,
-                colocated=lambda name: self._device_rank(name) >= 0,
-            )
         from rollout_fleet.delivery import DeliveryLedger
 
         self.sender = TrajectorySender(ingest, curve=curve, hwm=cfg.buffer.high_water_mark)
@@ -476,45 +459,6 @@ class RolloutRole:
         )
         self.worker: Any = None
         self._task: asyncio.Task | None = None
-
-    def _colocated_actor_factory(self, placement_group: Any) -> Any:
-        """Engine i in bundle i of the learner's placement group (``rollout.placement``);
-        the remote engines of a mixed run on rollout nodes, as usual."""
-        from launcher.placement import colocated_engine_options
-        from rollout_fleet.actors import create_engine_actor
-
-        rollout = self.cfg.rollout
-
-        def create(spec: Any) -> Any:
-            index = self.fleet.slot_names().index(spec.name)
-            if rollout.is_colocated_slot(index):
-                options = colocated_engine_options(self.cfg, placement_group, index)
-            else:
-                options = {
-                    "num_cpus": rollout.cpus_per_engine,
-                    "num_gpus": rollout.gpus_per_engine,
-                    "resource_name": self.cfg.ray.rollout_resource,
-                }
-            return create_engine_actor(spec, **options)
-
-        return create
-
-    def _device_rank(self, name: str) -> int:
-        """The learner rank whose device engine ``name`` shares; -1 for a remote engine."""
-        index = self.fleet.slot_names().index(name)
-        return index if self.cfg.rollout.is_colocated_slot(index) else -1
-
-    def _control_client(self, name: str) -> Any:
-        """The client for co-location calls to engine ``name`` (its current process)."""
-        from rollout_fleet.client import EngineClient
-
-        url = self.membership.url(name)
-        client = self._control_clients.get(url)
-        if client is None:
-            client = self._control_clients[url] = EngineClient(
-                url, api_key=self.api_key, timeout_s=self.cfg.weight_sync.timeout_s, retries=0
-            )
-        return client
 
     async def yield_devices(self) -> int:
         """Co-located runs, before each learner step: the engines pause and release their
@@ -610,25 +554,11 @@ class RolloutRole:
     async def _ready_to_receive(
         self, targets: WeightTargets, rejoin: bool = False
     ) -> WeightTargets:
-        """Co-located runs: each target tagged with the learner rank on its device, and the
-        released ones with their weight memory resumed; otherwise ``targets`` as they are.
-        A rejoin (the current version again) skips co-located engines that serve it: a push
-        by handle needs no group, so only the engines behind get it."""
+        """Co-located runs: the targets tagged with their device ranks, the released ones
+        with their weight memory resumed (``launcher.colocated_rollout``)."""
         if self.colocation is None:
             return targets
-        from rollout_fleet.membership import SERVING
-
-        tagged = [
-            msgspec.structs.replace(t, device_rank=self._device_rank(t.name))
-            for t in targets.engines
-        ]
-        engines = [
-            t
-            for t in tagged
-            if not (rejoin and t.device_rank >= 0 and self.membership.status(t.name) in SERVING)
-        ]
-        await self.colocation.prepare_push([t.name for t in engines if t.device_rank >= 0])
-        return WeightTargets(engines=tuple(engines))
+        return await self.colocation.ready_to_receive(targets, rejoin=rejoin)
 
     async def _answering_targets(self) -> tuple[WeightTargets, bool]:
         behind = self.membership.behind()
@@ -701,8 +631,8 @@ class RolloutRole:
                 await asyncio.gather(self._task, return_exceptions=True)
             await self.worker.aclose()
         await self.fleet.stop()
-        for client in self._control_clients.values():
-            await client.close()
+        if self.colocation is not None:
+            await self.colocation.close()
         self.sender.close()
         self.control.close()
 
