@@ -26,25 +26,11 @@ from typing import Any
 
 from fleetrl.log import get_logger
 from launcher.results import PublishResult
-from rollout_fleet.membership import EngineTarget, SyncOutcome, WeightTargets
-from weight_sync.engine_client import EngineEndpoint
+from rollout_fleet.membership import SyncOutcome, WeightTargets
 from weight_sync.errors import WeightSyncError, drain_stream
 from weight_sync.metrics import SyncMetrics
 
 log = get_logger(__name__)
-
-
-def _endpoints(role: Any, targets: list[EngineTarget]) -> list[EngineEndpoint]:
-    return [
-        EngineEndpoint(
-            name=t.name,
-            url=t.url,
-            api_key=role.engine_api_key,
-            world_size=role.cfg.rollout.tp_size,
-            incarnation=t.incarnation,
-        )
-        for t in targets
-    ]
 
 
 def _failures(err: WeightSyncError) -> dict[str, str]:
@@ -94,14 +80,14 @@ def publish_colocated(
     role.worker.policy_version = version
     mine = [t for t in targets.engines if t.device_rank == role.rank]
     remote = [t for t in targets.engines if t.device_rank < 0] if role.rank == 0 else []
-    colocation.tensor_sender.set_members(_endpoints(role, mine))
+    colocation.tensor_sender.set_members(role.endpoints(mine))
     push = colocation.tensor_sender.start(version, verify=True if restored else None)
     tapped = push.tap(stream)
     failed: dict[str, str] = {}
     partial: list[str] = []
     metrics: dict[str, float] = {}
     if remote:
-        role.sender.set_members(_endpoints(role, remote))
+        role.sender.set_members(role.endpoints(remote))
         send = role.sender.publish_restored if restored else role.sender.publish
         try:
             metrics.update(send(tapped, version).as_log_dict())

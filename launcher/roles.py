@@ -310,7 +310,7 @@ class LearnerRole:
         """Every rank drives the tensor stream (the adapter's with LoRA on, else the
         full weights); rank 0 broadcasts it to ``targets``
         (the rollout side's membership chose them) and reports what each got."""
-        from weight_sync.sender import EngineEndpoint, WeightSyncError, drain_stream
+        from weight_sync.sender import WeightSyncError, drain_stream
 
         if self.colocation is not None:
             return self.colocation.publish(version, targets, restored)
@@ -322,16 +322,7 @@ class LearnerRole:
         if self.rank != 0:
             drain_stream(stream)
             return PublishResult(version=version)
-        self.sender.set_members(
-            EngineEndpoint(
-                name=t.name,
-                url=t.url,
-                api_key=self.engine_api_key,
-                world_size=self.cfg.rollout.tp_size,
-                incarnation=t.incarnation,
-            )
-            for t in targets.engines
-        )
+        self.sender.set_members(self.endpoints(targets.engines))
         try:
             send = self.sender.publish_restored if restored else self.sender.publish
             metrics = send(stream, version)
@@ -365,6 +356,21 @@ class LearnerRole:
         # admission's clock moves only once the engines (those still members) hold version v
         self.buffer.publish_version(version)
         return result
+
+    def endpoints(self, targets: Any) -> list[Any]:
+        """What the weight senders need of each ``EngineTarget``: URL, key, ranks, process."""
+        from weight_sync.engine_client import EngineEndpoint
+
+        return [
+            EngineEndpoint(
+                name=t.name,
+                url=t.url,
+                api_key=self.engine_api_key,
+                world_size=self.cfg.rollout.tp_size,
+                incarnation=t.incarnation,
+            )
+            for t in targets
+        ]
 
     def close(self) -> None:
         if self.sender is not None:
