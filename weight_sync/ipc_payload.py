@@ -30,7 +30,7 @@ decoded only where SGLang's trust model holds (the engine's route checks the cal
 this host, with the run's key) and only by ``RestrictedUnpickler``, which admits the
 globals in ``ALLOWED_GLOBALS`` and torch dtypes, nothing else: torch's rebuild
 functions for shared-memory and CUDA tensors, ``torch.Tensor``, ``torch.Size``,
-``UntypedStorage`` and SGLang's metadata class (read as ``BucketEntry``). Any other
+``UntypedStorage`` / ``TypedStorage`` and SGLang's metadata class (read as ``BucketEntry``). Any other
 global (``os.system``, ``builtins.eval``, a file-descriptor handle) raises
 ``PayloadError`` naming it before anything is called.
 
@@ -171,6 +171,7 @@ ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "Tensor"): torch.Tensor,
     ("torch", "Size"): torch.Size,
     ("torch.storage", "UntypedStorage"): torch.storage.UntypedStorage,
+    ("torch.storage", "TypedStorage"): torch.storage.TypedStorage,  # a CUDA tensor's storage_cls
     ("torch", "UntypedStorage"): torch.UntypedStorage,
     SGLANG_METADATA_GLOBAL: BucketEntry,
 }

@@ -129,3 +129,38 @@ def test_a_list_of_pairs_is_the_format_without_load_format():
         ForkingPickler(out).dump([("w", shared)])
     ((name, tensor),) = decode_payload(base64.b64encode(out.getvalue()).decode(), None)
     assert name == "w" and torch.equal(tensor, shared)
+
+
+class _CudaTensorShape:
+    """Pickles as torch's reducer writes a CUDA tensor (reduce_tensor), with fake handles."""
+
+    def __reduce__(self):
+        import torch.multiprocessing.reductions as reductions
+
+        args = (
+            torch.Tensor, torch.Size([8]), (1,), 0, torch.storage.TypedStorage, torch.uint8,
+            0, b"handle", 8, 0, False, b"ref-counter", 0, b"event", True,
+        )  # fmt: skip
+        return reductions.rebuild_cuda_tensor, args
+
+
+def test_every_global_of_a_cuda_ipc_payload_is_admitted():
+    """The CUDA path needs a GPU to run; that its payload's globals are admitted does not:
+    every one is let through, and the load fails only in torch's CUDA rebuild itself."""
+    from weight_sync.ipc_payload import RestrictedUnpickler, _PayloadPickler
+
+    seen: list[tuple[str, str]] = []
+
+    class Recording(RestrictedUnpickler):
+        def find_class(self, module, name):
+            found = super().find_class(module, name)  # PayloadError if not admitted
+            seen.append((module, name))
+            return found
+
+    out = io.BytesIO()
+    entries = [BucketEntry("w", torch.Size([2]), torch.float32, 0, 8, 8)]
+    _PayloadPickler(out).dump({"flattened_tensor": _CudaTensorShape(), "metadata": entries})
+    with pytest.raises(RuntimeError):  # no CUDA device here (or a fake handle on one)
+        Recording(io.BytesIO(out.getvalue())).load()
+    assert ("torch.multiprocessing.reductions", "rebuild_cuda_tensor") in seen
+    assert ("torch.storage", "TypedStorage") in seen
