@@ -101,13 +101,34 @@ def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
 
 
+CUDA_DEVICE_ARG = 6  # the device among rebuild_cuda_tensor's arguments (SGLang's constant)
+
+
+def _reduce_tensor_by_uuid(reduce: Callable[[torch.Tensor], Any]) -> Callable:
+    """torch's tensor reducer, naming a CUDA device by its UUID instead of this process's
+    index (what SGLang's patched reducer writes): the engine may number its GPUs otherwise."""
+
+    def reduced(tensor: torch.Tensor) -> Any:
+        rebuild, args = reduce(tensor)
+        if rebuild is reductions.rebuild_cuda_tensor and isinstance(args[CUDA_DEVICE_ARG], int):
+            uuid = str(torch.cuda.get_device_properties(args[CUDA_DEVICE_ARG]).uuid)
+            args = (*args[:CUDA_DEVICE_ARG], uuid, *args[CUDA_DEVICE_ARG + 1 :])
+        return rebuild, args
+
+    return reduced
+
+
 class _PayloadPickler(pickle._Pickler):  # type: ignore[name-defined]  # the pure-Python one
-    """ForkingPickler's reducers (torch's tensor and storage handles), SGLang's class name."""
+    """ForkingPickler's reducers (torch's tensor and storage handles; CUDA devices by
+    UUID), SGLang's class name for the bucket metadata."""
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.DEFAULT_PROTOCOL)  # as ForkingPickler
         table = copyreg.dispatch_table.copy()
         table.update(ForkingPickler._extra_reducers)  # torch registers its reducers here
+        for cls, reduce in list(table.items()):
+            if isinstance(cls, type) and issubclass(cls, torch.Tensor):
+                table[cls] = _reduce_tensor_by_uuid(reduce)
         self.dispatch_table = table
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
@@ -154,9 +175,10 @@ def _cuda_device_index(device: Any) -> int:
 
 
 def _rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
-    """SGLang's ``_rebuild_cuda_tensor_modified``: argument 6 may be a GPU UUID."""
+    """torch's ``rebuild_cuda_tensor`` whose device argument may be a GPU UUID (as SGLang's
+    ``_rebuild_cuda_tensor_modified`` takes it): our producer and SGLang's write UUIDs."""
     args = list(args)
-    args[6] = _cuda_device_index(args[6])
+    args[CUDA_DEVICE_ARG] = _cuda_device_index(args[CUDA_DEVICE_ARG])
     return reductions.rebuild_cuda_tensor(*args)
 
 
@@ -166,7 +188,7 @@ ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch.multiprocessing.reductions", "rebuild_storage_filename"): (
         reductions.rebuild_storage_filename
     ),
-    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): reductions.rebuild_cuda_tensor,
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor_by_uuid,
     ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): _rebuild_cuda_tensor_by_uuid,
     ("torch", "Tensor"): torch.Tensor,
     ("torch", "Size"): torch.Size,

@@ -164,3 +164,12 @@ def test_every_global_of_a_cuda_ipc_payload_is_admitted():
         Recording(io.BytesIO(out.getvalue())).load()
     assert ("torch.multiprocessing.reductions", "rebuild_cuda_tensor") in seen
     assert ("torch.storage", "TypedStorage") in seen
+
+
+def test_a_cuda_device_named_by_a_uuid_this_process_lacks_is_refused():
+    from weight_sync.ipc_payload import _rebuild_cuda_tensor_by_uuid
+
+    args = list(_CudaTensorShape().__reduce__()[1])
+    args[6] = "GPU-00000000-0000-0000-0000-000000000000"
+    with pytest.raises(PayloadError, match="which this process does not see"):
+        _rebuild_cuda_tensor_by_uuid(*args)
