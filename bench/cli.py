@@ -66,6 +66,7 @@ SIZE_PARAMETERS: dict[str, tuple[str, ...]] = {
     "max_new_tokens": ("max_new_tokens",),
     "device": ("device",),
     "headline_eta": ("headline_eta",),
+    "placement": ("placement",),
 }
 CHILD_ENV = "FLEETRL_BENCH_CHILD"  # set for the children of `all`: the parent reports
 # --quick: seconds each child may run in `all` (unused time passes on to the next suite)
@@ -204,7 +205,7 @@ def _envelope(
     if returned.get("status") == "error" or returned.get("error"):
         record["status"] = "error"
         record["error"] = str(returned.get("error") or "suite reported an error")
-    headlines = [key for key, _, _ in report.HEADLINES[suite]]
+    headlines = [key for key, _, _ in report.suite_headlines(suite, record)]
     absent = [k for k in headlines if record["summary"].get(k) is None]
     if absent and record["status"] == "ok":
         record["missing_headlines"] = absent
@@ -261,7 +262,8 @@ def _child_command(suite: str, args: argparse.Namespace, reps: int | None) -> li
         cmd.append("--quick")
     if args.hidden:
         cmd += ["--hidden", *[str(h) for h in args.hidden]]
-    for flag in ("layers", "engines", "learner_ranks", "batch", "max_new_tokens", "headline_eta"):
+    flags = ("layers", "engines", "learner_ranks", "batch", "max_new_tokens", "headline_eta")
+    for flag in (*flags, "placement"):
         value = getattr(args, flag, None)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]

@@ -445,9 +445,11 @@ def run(
     base_config: str | Path | None = None,
     train_fn: TrainFn | None = None,
     sizes: E2ESizes | None = None,
+    placement: str | None = None,
 ) -> dict[str, Any]:
     """Train every η ``reps`` times, alternated (and once with the bypass loss at the
-    largest η); write ``e2e.json``."""
+    largest η); write ``e2e.json``. ``placement="colocated"``: co-located engines beside
+    disaggregated ones instead (``bench.e2e_placement``)."""
     if 0 not in etas or len(etas) < 2:
         raise ValueError(f"e2e: etas must include 0 and at least one async bound, got {list(etas)}")
     if headline_eta not in etas or headline_eta == 0:
@@ -467,6 +469,13 @@ def run(
         device=device,
     )
     reps = max(1, reps) if reps is not None else (QUICK_REPS if quick else FULL_REPS)
+    if placement == "colocated":
+        from bench import e2e_placement
+
+        return e2e_placement.run(
+            out_dir, sizes, reps, headline_eta=headline_eta, base_config=base_config,
+            train_fn=train_fn,
+        )  # fmt: skip
     base = Path(base_config) if base_config is not None else DEFAULT_BASE_CONFIG
     train = train_fn or default_train_fn()
     work = Path(out_dir) / "e2e"

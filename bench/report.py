@@ -106,6 +106,26 @@ HEADLINES: dict[str, list[tuple[str, str, str]]] = {
     ],
 }
 SUITES: tuple[str, ...] = tuple(HEADLINES)
+# ``fleetrl bench e2e --placement colocated`` (bench.e2e_placement) measures these instead
+PLACEMENT_HEADLINES: list[tuple[str, str, str]] = [
+    (
+        "colocated_vs_disaggregated",
+        "median over alternated repetitions of samples/s with co-located engines ÷ "
+        "disaggregated ones on the same resources, at the declared η, paired per repetition",
+        "a disaggregated run (engines on their own devices)",
+    ),
+    (
+        "switch_share",
+        "median share of a co-located step spent on release + onload + push + resume",
+        "0 (no switch)",
+    ),
+]
+
+
+def suite_headlines(suite: str, record: Mapping[str, Any] | None) -> list[tuple[str, str, str]]:
+    """The headline ratios of a suite's record (the placement comparison has its own)."""
+    placement = ((record or {}).get("config") or {}).get("placement")
+    return PLACEMENT_HEADLINES if suite == "e2e" and placement == "colocated" else HEADLINES[suite]
 
 
 def load_records(out_dir: str | Path) -> dict[str, dict[str, Any]]:
@@ -160,9 +180,9 @@ def _machine_lines(records: Mapping[str, Mapping[str, Any]]) -> list[str]:
 def headline_rows(records: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One row per (suite, headline ratio); a missing or failed suite gives rows with its error."""
     rows = []
-    for suite, headlines in HEADLINES.items():
+    for suite in HEADLINES:
         record = records.get(suite)
-        for key, meaning, baseline in headlines:
+        for key, meaning, baseline in suite_headlines(suite, record):
             row: dict[str, Any] = {
                 "suite": suite,
                 "ratio": key,
@@ -272,7 +292,7 @@ def markdown(records: Mapping[str, Mapping[str, Any]]) -> str:
         record = records.get(suite)
         if record is None:
             continue
-        headline_keys = {key for key, _, _ in HEADLINES[suite]}
+        headline_keys = {key for key, _, _ in suite_headlines(suite, record)}
         extra = {k: v for k, v in (record.get("summary") or {}).items() if k not in headline_keys}
         lines += ["", f"## {suite}", ""]
         if record.get("status", "ok") != "ok":

@@ -255,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="e2e: the η whose ratio to η = 0 is the headline, declared before the runs (2)",
     )
+    p.add_argument(
+        "--placement",
+        choices=["disaggregated", "colocated"],
+        default=None,
+        help="e2e: colocated runs co-located engines beside disaggregated ones on the same "
+        "resources, alternated, and reports the ratio and the switch's share of a step",
+    )
     p.add_argument("--device", default="cpu")
     return parser
 

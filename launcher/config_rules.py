@@ -326,6 +326,47 @@ def custom_reward_sources_are_patterns(cfg: RunConfig) -> Iterator[ConfigError]:
 
 
 @rule
+def colocated_engines_pair_with_learner_ranks(cfg: RunConfig) -> Iterator[ConfigError]:
+    # engine i lives in learner rank i's bundle and is pushed to by that rank
+    rollout, ranks = cfg.rollout, cfg.learner.num_ranks
+    if not rollout.colocated:
+        return
+    remote = rollout.colocate.remote_engines
+    if rollout.colocated_engines != ranks:
+        yield refuse(
+            "rollout.num_engines",
+            "learner.num_ranks",
+            f"{rollout.num_engines} - {remote} remote != {ranks} with rollout.placement=colocated",
+            "a co-located run puts one engine on each learner device (and "
+            "rollout.colocate.remote_engines more on rollout nodes); set "
+            f"rollout.num_engines={ranks + remote}",
+        )
+    if rollout.tp_size > 1:
+        yield refuse(
+            "rollout.gpus_per_engine",
+            "rollout.placement",
+            f"{rollout.gpus_per_engine} (tensor parallel {rollout.tp_size}) with 'colocated'",
+            "co-located engines are one device each (each learner rank pushes to the engine on "
+            "its own device); set rollout.gpus_per_engine=1 or rollout.placement=disaggregated",
+        )
+    if cfg.learner.gpus_per_rank not in (0, 1):
+        yield refuse(
+            "learner.gpus_per_rank",
+            "rollout.placement",
+            f"{cfg.learner.gpus_per_rank} with 'colocated'",
+            "a learner rank and its engine share exactly one device; set learner.gpus_per_rank=1 "
+            "(or 0 on CPU)",
+        )
+    if "kv_cache" not in rollout.colocate.release:
+        yield refuse(
+            "rollout.colocate.release",
+            "rollout.placement",
+            f"{list(rollout.colocate.release)} with 'colocated'",
+            "the engines' KV cache is what the learner's step needs freed first; add kv_cache",
+        )
+
+
+@rule
 def one_warmup_length(cfg: RunConfig) -> Iterator[ConfigError]:
     for section in ("learner.optim", "learner.critic.optim"):
         optim = cfg.learner.optim if section == "learner.optim" else cfg.learner.critic.optim
@@ -344,4 +385,26 @@ def profiled_steps_are_steps(cfg: RunConfig) -> Iterator[ConfigError]:
     if any(step < 1 for step in steps):
         yield ConfigError(
             "trainer.profile_steps", f"got {steps}; steps count from 1 (the first step is 1)"
+        )
+
+
+@rule
+def colocated_engines_get_weights_after_every_step(cfg: RunConfig) -> Iterator[ConfigError]:
+    if not cfg.rollout.colocated:
+        return
+    if cfg.weight_sync.sync_every != 1:
+        yield refuse(
+            "weight_sync.sync_every",
+            "rollout.placement",
+            f"{cfg.weight_sync.sync_every} with 'colocated'",
+            "co-located engines release their memory for every learner step and take it back "
+            "with the publish that follows it; set weight_sync.sync_every=1",
+        )
+    if cfg.learner.lora.rank > 0:
+        yield refuse(
+            "learner.lora.rank",
+            "rollout.placement",
+            f"{cfg.learner.lora.rank} with 'colocated'",
+            "the LoRA sync sends adapters only, so base weights an engine released for the step "
+            "could not be restored; set learner.lora.rank=0 or rollout.placement=disaggregated",
         )

@@ -13,6 +13,12 @@ engines go on ``rollout`` nodes and reward-model servers on ``reward`` nodes (th
 fleets place them); the buffer and the rollout supervisor need no CPU of their own
 (their work is I/O).
 
+Co-located (``rollout.placement: colocated``): engine i is placed in bundle i of the
+learner's placement group, beside learner rank i. The bundle holds the rank's and the
+engine's CPUs and the rank's GPU; each of the two actors reserves
+``COLOCATED_GPU_SHARE`` of that GPU in Ray's accounting (so Ray shows both the same
+device), and they use it in turns (``rollout_fleet.colocation``).
+
 Waiting is bounded and explained: ``wait_for_learner_group`` and
 ``wait_for_engine_room`` log, every ``PLACEMENT_PROGRESS_S``, what the cluster
 still lacks per node (the preflight's placement model run on the resources Ray
@@ -36,6 +42,7 @@ from launcher.supervision import TrainingStopped
 log = get_logger(__name__)
 
 LOCAL_CUSTOM_UNITS = 1000  # a local instance is both a rollout and a learner node
+COLOCATED_GPU_SHARE = 0.5  # of a bundle's GPU, for its learner rank and for its engine
 PLACEMENT_PROGRESS_S = 5.0  # a line saying what placement waits for, this often
 PLACEMENT_POLL_S = 0.5
 
@@ -98,26 +105,51 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
     return True
 
 
+def learner_bundle(cfg: RunConfig) -> dict[str, float]:
+    """One learner rank's bundle; co-located, it holds the CPUs of the rank's engine too."""
+    cpus = cfg.learner.cpus_per_rank
+    if cfg.rollout.colocated:
+        cpus += cfg.rollout.cpus_per_engine
+    bundle: dict[str, float] = {"CPU": cpus, cfg.ray.learner_resource: 1.0}
+    if cfg.learner.gpus_per_rank:
+        bundle["GPU"] = cfg.learner.gpus_per_rank
+    return bundle
+
+
+def gpu_share(cfg: RunConfig) -> float:
+    """The GPUs a learner rank (and, co-located, its engine) reserve from its bundle: both
+    use the whole device, in turns, so in Ray's accounting each takes a share of it."""
+    return cfg.learner.gpus_per_rank * (COLOCATED_GPU_SHARE if cfg.rollout.colocated else 1.0)
+
+
 def learner_placement_group(cfg: RunConfig) -> Any:
     from ray.util.placement_group import placement_group
 
-    bundle: dict[str, float] = {"CPU": cfg.learner.cpus_per_rank, cfg.ray.learner_resource: 1}
-    if cfg.learner.gpus_per_rank:
-        bundle["GPU"] = cfg.learner.gpus_per_rank
-    pg = placement_group([dict(bundle) for _ in range(cfg.learner.num_ranks)], strategy="PACK")
-    return pg
+    bundles = [learner_bundle(cfg) for _ in range(cfg.learner.num_ranks)]
+    return placement_group(bundles, strategy="PACK")
+
+
+def _bundle_strategy(pg: Any, index: int) -> Any:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
 
 
 def bundle_options(pg: Any, index: int, cfg: RunConfig) -> dict[str, Any]:
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     return {
         "num_cpus": cfg.learner.cpus_per_rank,
-        "num_gpus": cfg.learner.gpus_per_rank,
+        "num_gpus": gpu_share(cfg),
         "resources": {cfg.ray.learner_resource: 1},
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=index
-        ),
+        "scheduling_strategy": _bundle_strategy(pg, index),
+    }
+
+
+def colocated_engine_options(cfg: RunConfig, pg: Any, index: int) -> dict[str, Any]:
+    """Resources of co-located engine ``index``: a share of learner rank ``index``'s bundle."""
+    return {
+        "num_cpus": cfg.rollout.cpus_per_engine,
+        "num_gpus": gpu_share(cfg),
+        "scheduling_strategy": _bundle_strategy(pg, index),
     }
 
 

@@ -18,6 +18,10 @@ parallelism, a smaller token budget) moves it. The learner logs
 ``plan/learner_gb`` (this estimate for its device) next to its measured
 ``perf/peak_memory_gb`` so a run shows how close the plan came.
 
+Co-located runs (``rollout.placement: colocated``): one device holds a learner rank
+and an engine in turns, and must hold the larger of the two phases
+(``launcher.plan_colocated``); on CPU the host's memory is shared by the ranks.
+
 With ``learner.lora.rank`` > 0 only the adapters get gradients and optimizer
 state and no reference copy is counted; the what-if table shows LoRA rank 64
 for a full-training config.
@@ -251,7 +255,14 @@ def render(cfg: RunConfig, gpu_mem_gb: float, model_config: str | None = None) -
         lines.append(reward_row)
     lines.append("")
     fits = True
-    if on_gpu:
+    if cfg.rollout.colocated:  # one device holds a rank and an engine, in turns
+        from launcher.plan_colocated import colocated_phases, render_phases
+
+        device_gb = gpu_mem_gb if on_gpu else host_memory_gb() / cfg.learner.num_ranks
+        phases = colocated_phases(cfg, shape, device_gb, on_gpu=on_gpu)
+        lines += render_phases(phases, on_gpu)
+        fits = phases.fits
+    elif on_gpu:
         budget = gpu_mem_gb - GPU_RUNTIME_RESERVE_GB
         ok = total_learner <= budget
         fits &= ok
@@ -261,7 +272,7 @@ def render(cfg: RunConfig, gpu_mem_gb: float, model_config: str | None = None) -
         )
     else:
         lines.append(f"learner on CPU: {total_learner:.3f} GiB of host memory per rank")
-    if engine_gpu:
+    if engine_gpu and cfg.rollout.num_engines > cfg.rollout.colocated_engines:
         ok = eng.weights_gb < eng.static_gb
         fits &= ok
         kv_note = (
@@ -284,6 +295,13 @@ def render(cfg: RunConfig, gpu_mem_gb: float, model_config: str | None = None) -
     lines.append(f"| as configured | {total_learner:.3f} |")
     lines += [f"| {label} | {gb:.3f} |" for label, gb in what_ifs(cfg, shape)]
     return "\n".join(lines) + "\n", fits
+
+
+def host_memory_gb() -> float:
+    """This machine's memory (a co-located CPU run's ranks and engines share it)."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
 
 
 def _count(n: int) -> str:

@@ -22,12 +22,16 @@ What is checked:
   warning (nodes may still come) and ``ray.placement_timeout_s`` bounds the wait;
 - the rollout and reward backends where engines or reward servers run locally: SGLang
   installed at a tested version, CUDA present; ``trainer.device=cuda`` with CUDA;
+- a co-located run on this machine: ``torch_memory_saver`` for SGLang's memory saver,
+  and each device (on CPU, the host's share per rank) holds the larger of its two
+  phases, generating and training (``launcher.plan_colocated``);
 - tracking: wandb logged in, offline, or off;
 - the run directory: writable, with free disk for the checkpoints and the bank;
 - the Ray address the run pins: something answers there.
 
-Left out: the SGLang version on remote rollout nodes (on a cluster the node
-resources Ray reports stand for them); GPU memory per device.
+Left out: the SGLang version and torch_memory_saver on remote nodes (on a cluster the
+node resources Ray reports stand for them); GPU memory per device of a cluster (only
+this machine's devices are measured).
 """
 
 from __future__ import annotations
@@ -201,6 +205,51 @@ def check_reward_urls(cfg: RunConfig, probes: Probes) -> list[Finding]:
             out.append(Finding(key=key, problem=f"nothing answers at {parsed.hostname}:{port}", fix="start the reward server (`fleetrl engine --model RM_DIR`, or SGLang with --is-embedding), or fix the URL"))  # fmt: skip
         elif parsed.hostname not in ("127.0.0.1", "localhost", "::1") and not probes.env.get(model.api_key_env):  # fmt: skip
             out.append(Finding(key="reward.model.api_key_env", problem=f"{url} is off this machine and ${model.api_key_env} is empty: the client sends no key", fix=f"export {model.api_key_env}=<the server's --api-key>", fatal=False))  # fmt: skip
+    return out
+
+
+def check_colocation(cfg: RunConfig, probes: Probes, *, local: bool) -> list[Finding]:
+    """A co-located run on this machine: SGLang's memory saver is there, and every device
+    holds the larger of its two phases (``launcher.plan_colocated``)."""
+    if not (cfg.rollout.colocated and local):
+        return []
+    from launcher.plan import learner_on_gpu, model_shape
+    from launcher.plan_colocated import colocated_phases
+
+    out = []
+    if cfg.rollout.backend == "sglang" and probes.package_version("torch_memory_saver") is None:
+        out.append(
+            Finding(
+                key="rollout.placement",
+                problem="co-located SGLang engines release memory with --enable-memory-saver, "
+                "which needs torch_memory_saver, and it is not installed",
+                fix="pip install torch_memory_saver, or rollout.placement=disaggregated",
+            )
+        )
+    on_gpu = learner_on_gpu(cfg)
+    device_gb = (
+        probes.cuda_memory_gb() if on_gpu else probes.host_memory_gb() / cfg.learner.num_ranks
+    )
+    try:
+        shape = model_shape(cfg)
+    except (OSError, KeyError, ValueError):
+        return out  # no config.json yet: the model is built at start (plan it with fleetrl plan)
+    if device_gb <= 0:
+        return out  # no device seen here: check_backend says so
+    phases = colocated_phases(cfg, shape, device_gb, on_gpu=on_gpu)
+    if not phases.fits:
+        where = "device" if on_gpu else "host share per rank"
+        out.append(
+            Finding(
+                key="rollout.placement",
+                problem=f"a co-located {where} must hold {phases.larger_gb:.1f} GiB while "
+                f"{phases.larger} (+{phases.reserve_gb:.0f} GiB of CUDA contexts) and has "
+                f"{device_gb:.1f} GiB",
+                fix="lower rollout.mem_fraction_static, set rollout.colocate.offload_learner="
+                "true, release the weights too (rollout.colocate.release), add learner ranks "
+                "(see fleetrl plan), or rollout.placement=disaggregated",
+            )
+        )
     return out
 
 
@@ -396,6 +445,7 @@ def run_checks(
     else:
         findings += check_resources(cfg, [local_node(cfg, probes)], local=True)
     findings += check_backend(cfg, probes, local=not target)
+    findings += check_colocation(cfg, probes, local=not target)
     findings += check_tracking(cfg, probes)
     findings += check_output_dir(cfg, probes)
     return findings

@@ -69,6 +69,27 @@ class Probes:
     writable: Callable[[Path], str | None] = lambda path: _try_write(path)
     reachable: Callable[[str, int], bool] = lambda host, port: _tcp_reachable(host, port)
     cluster_nodes: Callable[[str], list[Node]] = lambda address: _ray_nodes(address)
+    cuda_memory_gb: Callable[[], float] = lambda: _smallest_cuda_memory_gb()
+    host_memory_gb: Callable[[], float] = lambda: _host_memory_gb()
+
+
+def _smallest_cuda_memory_gb() -> float:
+    """The memory of this machine's smallest CUDA device (0 without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0.0
+    return (
+        min(
+            torch.cuda.get_device_properties(i).total_memory
+            for i in range(torch.cuda.device_count())
+        )
+        / 2**30
+    )
+
+
+def _host_memory_gb() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 def _torch_cuda_devices() -> int:

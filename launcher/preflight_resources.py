@@ -16,17 +16,9 @@ from collections.abc import Mapping
 import msgspec
 
 from launcher.config import RunConfig
-from launcher.placement import LOCAL_CUSTOM_UNITS, requested_cpus
+from launcher.placement import LOCAL_CUSTOM_UNITS, learner_bundle, requested_cpus
 from launcher.preflight_findings import Finding, Node, Probes, _num
 from rollout_fleet.actors import NODE_MARKER_SHARE
-
-
-def learner_bundle(cfg: RunConfig) -> dict[str, float]:
-    """One learner rank's bundle, as launcher.placement asks for it."""
-    bundle = {"CPU": cfg.learner.cpus_per_rank, cfg.ray.learner_resource: 1.0}
-    if cfg.learner.gpus_per_rank:
-        bundle["GPU"] = cfg.learner.gpus_per_rank
-    return bundle
 
 
 def engine_demand(cfg: RunConfig) -> dict[str, float]:
@@ -149,11 +141,13 @@ def check_resources(
     placed per node on what ``nodes`` offer."""
     free = [dict(n.resources) for n in nodes]
     found = []
-    # (part, what, unit, demand, count, key of each resource, key of the count, marker)
+    # (part, what, unit, demand, count, key of each resource, key of the count, marker);
+    # co-located engines live in the learner's bundles: only a mixed run's remote ones count
+    engines = cfg.rollout.num_engines - cfg.rollout.colocated_engines
     groups = [
         ("learner", "the learner group", "ranks", learner_bundle(cfg), cfg.learner.num_ranks,
          "learner.{}_per_rank", "learner.num_ranks", cfg.ray.learner_resource, "ray.learner_resource"),
-        ("rollout", "the rollout fleet", "engines", engine_demand(cfg), cfg.rollout.num_engines,
+        ("rollout", "the rollout fleet", "engines", engine_demand(cfg), engines,
          "rollout.{}_per_engine", "rollout.num_engines", cfg.ray.rollout_resource, "ray.rollout_resource"),
     ]  # fmt: skip
     if cfg.reward.places_fleet:
@@ -163,7 +157,7 @@ def check_resources(
              "reward.model.num_engines", cfg.ray.reward_resource, "ray.reward_resource")
         )  # fmt: skip
     for part, what, unit, demand, count, per_key, count_key, marker, marker_key in groups:
-        if part not in parts:
+        if part not in parts or count == 0:
             continue
         keys = {"GPU": per_key.format("gpus"), "CPU": per_key.format("cpus"), "marker": marker_key}
         if local:

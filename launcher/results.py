@@ -7,7 +7,9 @@ not the data path: batches and trajectories travel over ZeroMQ).
 
 - ``StepResult``: one learner step (from learner rank 0).
 - ``PublishResult``: one weight-sync version: which engines failed, whether the
-  survivors hold only part of it (``needs_resend``: the driver sends it again).
+  survivors hold only part of it (``needs_resend``: the driver sends it again);
+  ``merge_publish_results`` joins the ranks' results when each pushed to engines of
+  its own (co-located runs).
 - ``CheckpointRecord``: one checkpoint written, and the buffer watermark it
   covers.
 - ``StartRecord``: where a run starts: fresh, or resumed from a checkpoint.
@@ -59,6 +61,32 @@ class PublishResult(msgspec.Struct, frozen=True, kw_only=True):
     def complete(self) -> bool:
         """Every engine still a member holds ``version``."""
         return not self.needs_resend
+
+
+def merge_publish_results(results: list[PublishResult]) -> PublishResult:
+    """One publish's per-rank results as one: every rank's targets and failures (in a
+    co-located run each rank pushes to the engines on its device); rank 0's metrics, with
+    the ranks' ``colocate/*`` seconds at their slowest, bytes and engine counts summed."""
+    first = results[0]
+    outcomes = [r.outcome for r in results if r.outcome is not None]
+    if len(outcomes) <= 1:
+        return first
+    metrics = dict(first.metrics)
+    summed = ("weight_sync/num_engines", "weight_sync/num_failed")
+    for other in results[1:]:
+        for key, value in other.metrics.items():
+            if not key.startswith("colocate/") and key not in summed:
+                continue
+            combine = sum if key.endswith("_bytes") or key in summed else max
+            metrics[key] = combine((metrics.get(key, 0.0), value))
+    outcome = SyncOutcome(
+        version=first.version,
+        targets=tuple(t for o in outcomes for t in o.targets),
+        failed={name: why for o in outcomes for name, why in o.failed.items()},
+        partial=tuple(name for o in outcomes for name in o.partial),
+    )
+    seconds = max(r.seconds for r in results)
+    return PublishResult(version=first.version, outcome=outcome, seconds=seconds, metrics=metrics)
 
 
 class CheckpointRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,6 +14,12 @@
                    fleet placed here: rollout_fleet/rewards/servers.py), and the asyncio
                    ``RolloutWorker`` that streams trajectories to the buffer.
 
+Co-located runs (``rollout.placement: colocated``): engine i sits in learner rank i's
+bundle; the rollout role's ``RolloutColocation`` (launcher/colocated_rollout.py) pauses
+and releases the engines before each step (``yield_devices``) and resumes them around
+the push; every learner rank pushes to its own engine by handle and moves its state off
+the device while the engine generates (``LearnerColocation``, launcher/colocated_publish.py).
+
 The classes are plain Python; ``remote_class(cls)`` applies ``ray.remote`` on demand so
 importing this module needs no running Ray. Every actor receives the run config as
 plain builtins (``msgspec.to_builtins``) and re-validates it. Calls the driver branches
@@ -128,6 +134,7 @@ class LearnerRole:
         self.engine_api_key: str | None = None
         self.device = resolve_device(cfg)
         self.lora = cfg.learner.lora.rank > 0  # publish adapter weights only
+        self.colocation: Any = None  # co-located: launcher.colocated_publish.LearnerColocation
 
     def pid(self) -> int:
         return os.getpid()
@@ -161,6 +168,10 @@ class LearnerRole:
             max_response_length=self.cfg.rollout.max_new_tokens,
         )
         self.worker.setup()
+        if self.cfg.rollout.colocated:
+            from launcher.colocated_publish import LearnerColocation
+
+            self.colocation = LearnerColocation(self)
         from launcher.plan import learner_gb
 
         try:  # the plan for this device, logged beside the measured peak
@@ -190,9 +201,21 @@ class LearnerRole:
                     self.cfg.weight_sync, master_address=node_ip(self.local), device=self.device
                 )
 
+    def offload(self) -> float:
+        """Co-located runs: leave the device to the engine (before the engines start, and
+        after every publish); seconds taken (0 on CPU)."""
+        return self.colocation.offload() if self.colocation is not None else 0.0
+
+    def _resident(self) -> Any:
+        """The model on the device for the block (co-located runs offload it between steps)."""
+        from contextlib import nullcontext
+
+        return self.colocation.resident() if self.colocation is not None else nullcontext()
+
     # ---- checkpoints (collective) ---------------------------------------------------------
     def load_checkpoint(self, step_dir: str) -> dict[str, Any]:
-        return self.worker.load_checkpoint(step_dir)
+        with self._resident():
+            return self.worker.load_checkpoint(step_dir)
 
     def save_checkpoint(self, root: str, extra_state: dict[str, Any]) -> CheckpointRecord:
         watermark = -1
@@ -200,7 +223,8 @@ class LearnerRole:
             buffer_state = self.buffer.state_dict()
             watermark = int(buffer_state["received_watermark"])
             extra_state = {**extra_state, "buffer": buffer_state}
-        path = self.worker.save_checkpoint(root, extra_state)
+        with self._resident():
+            path = self.worker.save_checkpoint(root, extra_state)
         return CheckpointRecord(
             path=str(path),
             step=self.worker.global_step,
@@ -221,13 +245,14 @@ class LearnerRole:
         """Collective: the policy as a Hugging Face folder (learner/snapshot.py); rank 0 writes."""
         from learner.snapshot import snapshot_root, write_hf_snapshot
 
-        path = write_hf_snapshot(
-            self.worker.named_full_tensors(),
-            model_path=self.cfg.model.path,
-            root=snapshot_root(self.cfg.trainer.output_dir),
-            step=step,
-            rank=self.rank,
-        )
+        with self._resident():
+            path = write_hf_snapshot(
+                self.worker.named_full_tensors(),
+                model_path=self.cfg.model.path,
+                root=snapshot_root(self.cfg.trainer.output_dir),
+                step=step,
+                rank=self.rank,
+            )
         return str(path)
 
     def state(self, resumed_from: str | None = None) -> StartRecord:
@@ -266,7 +291,10 @@ class LearnerRole:
     def step(self, version: int) -> StepResult:
         """Collective: rank 0 takes its batch from the batch source and broadcasts it."""
         batch = self.batches.take() if self.rank == 0 else None
+        onload_s = self.colocation.onload() if self.colocation is not None else None
         metrics = self.worker.step(batch, version)
+        if onload_s is not None:
+            metrics["colocate/onload_s"] = onload_s
         metrics["plan/learner_gb"] = self._plan_gb
         if self.rank == 0 and self.batches.last_info is not None:
             metrics["buffer/refused_stale_in_batch"] = float(self.batches.last_info.refused_stale)
@@ -297,8 +325,10 @@ class LearnerRole:
         """Every rank drives the tensor stream (the adapter's with LoRA on, else the
         full weights); rank 0 broadcasts it to ``targets``
         (the rollout side's membership chose them) and reports what each got."""
-        from weight_sync.sender import EngineEndpoint, WeightSyncError, drain_stream
+        from weight_sync.sender import WeightSyncError, drain_stream
 
+        if self.colocation is not None:
+            return self.colocation.publish(version, targets, restored)
         if self.lora:
             stream = self.worker.named_adapter_tensors()
         else:
@@ -307,16 +337,7 @@ class LearnerRole:
         if self.rank != 0:
             drain_stream(stream)
             return PublishResult(version=version)
-        self.sender.set_members(
-            EngineEndpoint(
-                name=t.name,
-                url=t.url,
-                api_key=self.engine_api_key,
-                world_size=self.cfg.rollout.tp_size,
-                incarnation=t.incarnation,
-            )
-            for t in targets.engines
-        )
+        self.sender.set_members(self.endpoints(targets.engines))
         try:
             send = self.sender.publish_restored if restored else self.sender.publish
             metrics = send(stream, version)
@@ -351,9 +372,26 @@ class LearnerRole:
         self.buffer.publish_version(version)
         return result
 
+    def endpoints(self, targets: Any) -> list[Any]:
+        """What the weight senders need of each ``EngineTarget``: URL, key, ranks, process."""
+        from weight_sync.engine_client import EngineEndpoint
+
+        return [
+            EngineEndpoint(
+                name=t.name,
+                url=t.url,
+                api_key=self.engine_api_key,
+                world_size=self.cfg.rollout.tp_size,
+                incarnation=t.incarnation,
+            )
+            for t in targets
+        ]
+
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+        if self.colocation is not None:
+            self.colocation.close()
         if self.buffer is not None:
             self.buffer.close()
         if self.worker is not None:
@@ -373,6 +411,7 @@ class RolloutRole:
         api_key: str | None = None,
         curve: Any = None,
         reward_api_key: str | None = None,
+        placement_group: Any = None,
     ):
         from buffer.transport import BufferClient, TrajectorySender
         from fleetrl.data.reader import PromptReader
@@ -401,6 +440,13 @@ class RolloutRole:
         self._reader_args = reader_args
         self.membership = Membership(suspect_cooldown_s=cfg.rollout.suspect_cooldown_s)
         self.router = Router(self.membership)
+        self.colocation: Any = None  # co-located: launcher.colocated_rollout.RolloutColocation
+        if cfg.rollout.colocated:
+            from launcher.colocated_rollout import RolloutColocation
+
+            self.colocation = RolloutColocation(
+                cfg, self.membership, lambda: self.fleet.slot_names(), api_key
+            )
         self.fleet = EngineFleet(
             cfg.rollout,
             cfg.model.path,
@@ -415,6 +461,9 @@ class RolloutRole:
             pause_mode=cfg.weight_sync.pause_mode,
             lora_rank=cfg.learner.lora.rank,
             lora_target_modules=list(cfg.learner.lora.target_modules),
+            actor_factory=(
+                self.colocation.actor_factory(placement_group) if self.colocation else None
+            ),
         )
         from rollout_fleet.delivery import DeliveryLedger
 
@@ -461,6 +510,11 @@ class RolloutRole:
 
     async def _start_reward_servers(self) -> dict[str, str]:
         return await self.reward_servers.start() if self.reward_servers else {}
+
+    async def yield_devices(self) -> int:
+        """Co-located runs, before each learner step: the engines pause and release their
+        memory (``rollout_fleet.colocation``); how many did."""
+        return await self.colocation.yield_devices()
 
     async def start_engines(self) -> dict[str, str]:
         from rollout_fleet.client import EngineClient
@@ -546,14 +600,24 @@ class RolloutRole:
     async def weight_targets(self) -> WeightTargets:
         """The engines the next publish goes to: every live one, but those waiting for
         weights that do not answer now (a hung or paused engine would stall the publish
-        until its timeout; the fleet's health checks replace it if it never answers)."""
-        return (await self._answering_targets())[0]
+        until its timeout; the fleet's health checks replace it if it never answers).
+        Co-located engines get their weight memory back first."""
+        return await self._ready_to_receive((await self._answering_targets())[0])
 
     async def rejoin_targets(self) -> WeightTargets | None:
         """Targets for a publish of the current version when an engine that waits for
         weights answers now (a replacement, or one that missed a version); else None."""
         targets, joining = await self._answering_targets()
-        return targets if joining else None
+        return await self._ready_to_receive(targets, rejoin=True) if joining else None
+
+    async def _ready_to_receive(
+        self, targets: WeightTargets, rejoin: bool = False
+    ) -> WeightTargets:
+        """Co-located runs: the targets tagged with their device ranks, the released ones
+        with their weight memory resumed (``launcher.colocated_rollout``)."""
+        if self.colocation is None:
+            return targets
+        return await self.colocation.ready_to_receive(targets, rejoin=rejoin)
 
     async def _answering_targets(self) -> tuple[WeightTargets, bool]:
         behind = self.membership.behind()
@@ -562,9 +626,13 @@ class RolloutRole:
         return self.membership.weight_targets(exclude=silent), len(silent) < len(behind)
 
     async def weights_published(self, result: PublishResult) -> None:
-        """A publish reached (or failed) its targets: the membership records what each holds."""
+        """A publish reached (or failed) its targets: the membership records what each holds
+        (co-located engines that hold it resume and continue first)."""
         if result.outcome is not None:
-            self.membership.apply_sync(result.outcome)
+            outcome = result.outcome
+            if self.colocation is not None:
+                outcome = await self.colocation.take_back(outcome)
+            self.membership.apply_sync(outcome)
         if self.worker is not None:
             self.worker.admission_changed()  # the buffer counts the new version already
 
@@ -586,6 +654,8 @@ class RolloutRole:
     async def metrics(self) -> dict[str, float]:
         out = dict(self.worker.metrics()) if self.worker else {}
         out.update(self.fleet.metrics())
+        if self.colocation is not None:
+            out.update(self.colocation.metrics())
         out.update(self.delivery.metrics())
         if self.reward_servers is not None:
             out.update(self.reward_servers.metrics())
@@ -651,6 +721,8 @@ class RolloutRole:
         await self.fleet.stop()
         if self.reward_servers is not None:
             await self.reward_servers.stop()
+        if self.colocation is not None:
+            await self.colocation.close()
         self.sender.close()
         self.control.close()
 

@@ -21,7 +21,13 @@ from typing import Any
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig
-from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
+from launcher.results import (
+    CheckpointRecord,
+    PublishResult,
+    StartRecord,
+    StepResult,
+    merge_publish_results,
+)
 from launcher.supervision import (
     Supervised,
     Supervisor,
@@ -147,6 +153,8 @@ class Run:
         elif cfg.trainer.resume == "auto":
             extra = self.restore_latest_checkpoint()
 
+        if cfg.rollout.colocated:  # the engines start on the learner's devices: leave them room
+            gather([w.offload.remote() for w in self.learners], "offloading the learner")
         self.rollout = remote_class(RolloutRole, num_cpus=0, max_concurrency=16).remote(
             self.raw,
             ingest,
@@ -156,6 +164,7 @@ class Run:
             self.secrets.engine_api_key,
             self.secrets.rollout_client,
             reward_api_key=cfg.reward.model.api_key(os.environ),  # read here: the driver's env
+            placement_group=pg if cfg.rollout.colocated else None,
         )
         self.supervisor.register("rollout supervisor", self.rollout)
         self.phase = "placing and starting the engines"
@@ -353,7 +362,7 @@ class Run:
             if targets is None or attempt:
                 targets = ray.get(self.rollout.weight_targets.remote())
             calls = [w.publish.remote(version, targets, restored) for w in self.learners]
-            out = gather(calls, what)[0]
+            out = merge_publish_results(gather(calls, what))
             ray.get(self.rollout.weights_published.remote(out))
             if not out.needs_resend:
                 break
@@ -388,8 +397,20 @@ class Run:
         return time.monotonic() - started
 
     def step(self, version: int) -> StepResult:
-        """One learner step on the batch rank 0 holds (collective over every rank)."""
+        """One learner step on the batch rank 0 holds (collective over every rank).
+
+        Co-located runs: the engines give the devices to the learner first
+        (``yield_devices``); the publish that follows gives them back.
+        """
+        if self.cfg.rollout.colocated:
+            self.yield_devices()
         return gather([w.step.remote(version) for w in self.learners], "a learner step")[0]
+
+    def yield_devices(self) -> None:
+        """Co-located engines pause and release their memory (rollout_fleet/colocation.py)."""
+        import ray
+
+        ray.get(self.rollout.yield_devices.remote())
 
     def validate(self) -> Validation:
         """Score the held-out prompts with the current weights (greedy by default): the

@@ -11,6 +11,9 @@ engine over HTTP directly (no Ray on the request path).
 Binding: engines bind 127.0.0.1 unless the fleet spans nodes; then they bind
 the node's IP and require a bearer API key (DESIGN section 4).
 
+Placement: on rollout nodes by a node-kind marker resource, or (co-located) in a
+bundle of the learner's placement group beside a learner rank.
+
 Left out: several engines per actor, and GPU placement groups for
 multi-GPU tensor-parallel SGLang spanning nodes.
 """
@@ -51,6 +54,7 @@ class EngineSpec:
     load_format: Literal["dummy", "auto"] = "dummy"
     disable_radix_cache: bool = False
     lora_rank: int = 0  # learner.lora.rank: > 0 launches SGLang with LoRA on
+    memory_saver: bool = False  # co-located: released memory is freed (--enable-memory-saver)
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     is_embedding: bool = False  # a reward model: SGLang's --is-embedding (/classify)
     extra_args: list[str] = field(default_factory=list)
@@ -81,11 +85,17 @@ def engine_spec(
     pause_mode: str = "in_place",
     lora_rank: int = 0,
     lora_target_modules: list[str] | None = None,
+    colocated: bool = False,
 ) -> EngineSpec:
-    """The spec of engine ``name`` from the rollout config (``pause_mode``: weight_sync.pause_mode;
-    ``lora_rank`` / ``lora_target_modules``: learner.lora)."""
+    """The spec of engine ``name`` from the rollout config (``pause_mode``: how it pauses
+    for weight updates, weight_sync.pause_mode; ``lora_rank`` / ``lora_target_modules``:
+    learner.lora). A ``colocated`` engine (on a learner rank's device) pauses as
+    rollout.colocate.pause_mode says and frees released memory (SGLang's
+    ``--enable-memory-saver``)."""
     from rollout_fleet.sglang_launcher import radix_cache_disabled_for
 
+    if colocated:
+        pause_mode = config.colocate.pause_mode
     return EngineSpec(
         name=name,
         model_path=str(model_path),
@@ -102,6 +112,7 @@ def engine_spec(
         disable_radix_cache=radix_cache_disabled_for(pause_mode),
         lora_rank=lora_rank,
         lora_target_modules=list(lora_target_modules or ["all-linear"]),
+        memory_saver=colocated,
         extra_args=list(config.sglang_extra_args),
         startup_timeout_s=config.engine_startup_timeout_s,
         log_dir=log_dir,
@@ -167,6 +178,7 @@ class EngineActor:
             api_key=self.spec.api_key,
             require_api_key=self.spec.expose_on_node_ip,
             num_threads=self.spec.torch_threads,
+            memory_saver=self.spec.memory_saver,
         )
         url = engine.start_server(host=host, port=self.spec.port)
         self._engine = engine
@@ -209,6 +221,7 @@ def sglang_server_spec(spec: EngineSpec, host: str = LOOPBACK) -> Any:
         lora_rank=spec.lora_rank,
         lora_target_modules=list(spec.lora_target_modules),
         is_embedding=spec.is_embedding,
+        enable_memory_saver=spec.memory_saver,
         extra_args=list(spec.extra_args),
     )
 
@@ -232,10 +245,17 @@ def create_engine_actor(
     num_cpus: float,
     num_gpus: float,
     resource_name: str | None = None,
+    scheduling_strategy: Any = None,
 ) -> Any:
-    """Create the actor for ``spec`` with its Ray resources (not yet started)."""
+    """Create the actor for ``spec`` with its Ray resources (not yet started).
+
+    ``scheduling_strategy``: a co-located engine's bundle in the learner's placement group
+    (``launcher.placement.colocated_engine_strategy``); it then needs no node marker.
+    """
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-    if resource_name:
+    if scheduling_strategy is not None:
+        options["scheduling_strategy"] = scheduling_strategy
+    elif resource_name:
         # the resource marks a node *kind*: a node declaring rollout: 1 hosts many engines
         options["resources"] = {resource_name: NODE_MARKER_SHARE}
     return engine_actor_class().options(**options).remote(spec)

@@ -290,7 +290,19 @@ class EngineClient:
         return await self._request("GET", "/model_info")
 
     async def get_server_info(self) -> dict:
-        return await self._request("GET", "/get_server_info")
+        """``GET /server_info`` (SGLang 0.5.23's name; ``/get_server_info`` is deprecated)."""
+        return await self._request("GET", "/server_info")
+
+    # -- memory occupation (co-located engines; never retried: a second release or
+    #    resume of the same tags is an error in SGLang) ----------------------------------
+
+    async def release_memory_occupation(self, tags: list[str] | None) -> None:
+        """``/release_memory_occupation``: free ``tags`` (None: all); SGLang answers null."""
+        await self._request("POST", "/release_memory_occupation", {"tags": tags}, retry="never")
+
+    async def resume_memory_occupation(self, tags: list[str] | None) -> None:
+        """``/resume_memory_occupation``: take ``tags`` back (None: all)."""
+        await self._request("POST", "/resume_memory_occupation", {"tags": tags}, retry="never")
 
     # -- weight updates (never retried: they are collectives) ------------------------------
 

@@ -1,4 +1,5 @@
-"""Rollout section of the run config: sampling, engines, workers and multi-turn conversations."""
+"""Rollout section of the run config: sampling, engines, workers, placement (co-located
+engines: ``ColocateConfig``) and multi-turn conversations."""
 
 from __future__ import annotations
 
@@ -8,6 +9,39 @@ import msgspec
 from msgspec import Meta
 
 from rollout_fleet.multi_turn.config import MultiTurnConfig
+
+MemoryTag = Literal["kv_cache", "weights", "cuda_graph"]
+
+
+class ColocateConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How co-located engines give their devices to the learner (``rollout.placement: colocated``)."""
+
+    pause_mode: Annotated[
+        Literal["retract", "abort"],
+        Meta(
+            description="How a co-located engine pauses when the learner takes its device: retract = running samples go back to the head of the engine's queue, their KV recomputed after the step, so the oldest groups still finish first (their HTTP requests stay open: rollout.request_timeout_s must outlast a learner step); abort = samples in flight return their tokens so far and are resubmitted after the step, in no particular order, so old groups can fall behind new ones and past the staleness bound. (in_place keeps running requests, whose KV must be freed: not offered.)"
+        ),
+    ] = "retract"
+    release: Annotated[
+        list[MemoryTag],
+        Meta(
+            min_length=1,
+            description="Memory an engine releases for each learner step (SGLang's /release_memory_occupation tags). Must hold kv_cache; without weights the engine keeps them resident through the step (more memory, no weight resume before the push).",
+        ),
+    ] = msgspec.field(default_factory=lambda: ["kv_cache", "weights", "cuda_graph"])
+    offload_learner: Annotated[
+        bool,
+        Meta(
+            description="On GPU: move the learner's weights and optimizer state to host memory while the engines generate, and back before each step. On CPU nothing moves (the host is the device)."
+        ),
+    ] = True
+    remote_engines: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="A mixed run: this many of rollout.num_engines run on rollout nodes instead, on devices of their own (the last ones, engine-<num_ranks> on); they get each version by broadcast (weight_sync.*, paused as weight_sync.pause_mode says) and keep generating through the learner's steps. The others, one per learner rank, are co-located.",
+        ),
+    ] = 0
 
 
 class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -147,7 +181,27 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             description="On stop, groups in flight get this long to finish (and be sent) before they are aborted.",
         ),
     ] = 30.0
+    placement: Annotated[
+        Literal["disaggregated", "colocated"],
+        Meta(
+            description="Where engines run: disaggregated = on rollout nodes, generating while the learner trains; colocated = engine i on learner rank i's device (or CPU share), time-sharing it: per version the engine pauses and releases its memory, the learner steps, the new weights are pushed by handle (/update_weights_from_tensor) and the engine resumes (docs/colocation.md)."
+        ),
+    ] = "disaggregated"
+    colocate: ColocateConfig = msgspec.field(default_factory=ColocateConfig)
     multi_turn: MultiTurnConfig = msgspec.field(default_factory=MultiTurnConfig)
+
+    @property
+    def colocated(self) -> bool:
+        return self.placement == "colocated"
+
+    @property
+    def colocated_engines(self) -> int:
+        """Engines on learner ranks' devices (engine-0 ... engine-<this - 1>)."""
+        return self.num_engines - self.colocate.remote_engines if self.colocated else 0
+
+    def is_colocated_slot(self, index: int) -> bool:
+        """Whether engine slot ``index`` shares learner rank ``index``'s device."""
+        return index < self.colocated_engines
 
     @property
     def tp_size(self) -> int:

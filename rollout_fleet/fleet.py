@@ -10,6 +10,8 @@ which the fleet drives. Lifecycle of one engine slot (``engine-0`` ... ``engine-
              one failure of a serving engine: membership.suspect (routed to last)
              N failures or the actor died: membership.die (the worker regenerates
                  its requests in flight elsewhere), kill the actor, start a new one
+             a RELEASED engine (co-located, paused for the learner's step) is only
+                 pinged: its process must live, its HTTP probe would wait for the step
         -> replacement: membership.launch (a new incarnation), then
              weights_pushed: membership.require_weights(latest version) - the next
                  publish (the driver's rejoin) sends it the weights, which makes it READY
@@ -133,8 +135,9 @@ class EngineFleet:
                 pause_mode=pause_mode,
                 lora_rank=lora_rank,
                 lora_target_modules=lora_target_modules,
+                colocated=config.is_colocated_slot(index),
             )
-            for name in (f"{name_prefix}-{i}" for i in range(config.num_engines))
+            for index, name in ((i, f"{name_prefix}-{i}") for i in range(config.num_engines))
         ]
         self._setup(
             specs,
@@ -229,6 +232,10 @@ class EngineFleet:
                 await close()
         self._health_clients.clear()
 
+    def slot_names(self) -> list[str]:
+        """The engine slots, in order (``engine-0`` first)."""
+        return list(self._slots)
+
     def urls(self) -> dict[str, str]:
         """URL of every engine process running now."""
         urls = self.membership.urls()
@@ -244,6 +251,7 @@ class EngineFleet:
                 sum(s is EngineStatus.NEEDS_WEIGHTS for s in states)
             ),
             f"{p}/engines_dead": float(sum(s is EngineStatus.DEAD for s in states)),
+            f"{p}/engines_released": float(sum(s is EngineStatus.RELEASED for s in states)),
             f"{p}/engine_restarts": float(self.engine_restarts),
             f"{p}/health_failures": float(self.health_failures),
         }
@@ -297,6 +305,10 @@ class EngineFleet:
             return f"actor died: {type(err).__name__}: {err}", True
         if not info.get("alive", True):
             return "the actor reports its engine process exited", True
+        if self._state(slot.name) is EngineStatus.RELEASED:
+            # paused for the learner's step on purpose: an HTTP probe (SGLang's /health
+            # generates a token) would wait for the step; the live process is the check
+            return None, False
         try:
             healthy = await asyncio.wait_for(self._probe(self.membership.url(slot.name)), timeout)
         except TimeoutError:

@@ -10,11 +10,18 @@ below, each of which checks the rule and raises ``IllegalTransition`` otherwise:
            any live state --drain--> DRAINING --die--> DEAD --launch--> STARTING (new incarnation)
            any live state --die------------------------^      remove (DRAINING | DEAD) -> forgotten
 
+    READY | SUSPECT --release--> RELEASED --weights_loaded(v)--> READY
+                                    +------require_weights(v)--> NEEDS_WEIGHTS(v)
+
 - STARTING: launched, weights not known to be current: never routed to.
 - NEEDS_WEIGHTS(v): alive but must load version v first (it missed a version, holds
   part of one, or is a replacement): never routed to; the next publish targets it.
 - READY: serves current weights. SUSPECT: a request or health check failed; routed
   to only when no engine is READY, READY again after ``suspect_cooldown_s``.
+- RELEASED: a co-located engine that gave its device to the learner for a step
+  (``rollout_fleet.colocation``): paused, its memory released, never routed to; its
+  requests in flight are not cancelled (the pause returned or kept their partials). The
+  next publish targets it; only a push that reaches it makes it READY again.
 - DRAINING: leaving (scale-down): no new groups; requests in flight finish.
 - DEAD: gone; its requests in flight are regenerated elsewhere. A replacement
   (same name, new process) starts again at STARTING with a new *incarnation*, so
@@ -60,20 +67,22 @@ class EngineStatus(enum.StrEnum):
     NEEDS_WEIGHTS = "needs_weights"
     READY = "ready"
     SUSPECT = "suspect"
+    RELEASED = "released"
     DRAINING = "draining"
     DEAD = "dead"
 
 
 S = EngineStatus
-LIVE = frozenset({S.STARTING, S.NEEDS_WEIGHTS, S.READY, S.SUSPECT})
+LIVE = frozenset({S.STARTING, S.NEEDS_WEIGHTS, S.READY, S.SUSPECT, S.RELEASED})
 SERVING = frozenset({S.READY, S.SUSPECT})
 
 # action -> the states it may start from (``None``: the engine is not known yet)
 RULES: dict[str, frozenset[EngineStatus | None]] = {
     "launch": frozenset({None, S.DEAD}),
-    "weights_loaded": frozenset({S.STARTING, S.NEEDS_WEIGHTS, S.READY, S.SUSPECT}),
+    "weights_loaded": frozenset({S.STARTING, S.NEEDS_WEIGHTS, S.READY, S.SUSPECT, S.RELEASED}),
     "require_weights": frozenset(LIVE),
     "suspect": frozenset(SERVING),
+    "release": frozenset(SERVING),
     "clear_suspect": frozenset({S.SUSPECT}),
     "drain": frozenset(LIVE),
     "die": frozenset({*LIVE, S.DRAINING}),
@@ -112,11 +121,16 @@ class MembershipEvent(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EngineTarget(msgspec.Struct, frozen=True, kw_only=True):
-    """One engine a publish must reach: which process (``incarnation``) at which URL."""
+    """One engine a publish must reach: which process (``incarnation``) at which URL.
+
+    ``device_rank``: the learner rank whose device a co-located engine shares (that rank
+    pushes to it by handle); -1 for an engine on its own devices (broadcast to).
+    """
 
     name: str
     url: str
     incarnation: int
+    device_rank: int = -1
 
 
 class WeightTargets(msgspec.Struct, frozen=True, kw_only=True):
@@ -224,6 +238,15 @@ class Membership:
             member = self._member(name, None)
             self._check("clear_suspect", name, member.status)
             event = self._move(member, S.READY, reason)
+        self._emit(event)
+
+    def release(self, name: str, reason: str, *, incarnation: int | None = None) -> None:
+        """A co-located engine gives its device to the learner: no new requests until a
+        publish reaches it (``weights_loaded``)."""
+        with self._lock:
+            member = self._member(name, incarnation)
+            self._check("release", name, member.status)
+            event = self._move(member, S.RELEASED, reason)
         self._emit(event)
 
     def drain(self, name: str, reason: str = "leaving") -> None:
@@ -382,7 +405,7 @@ class Membership:
         if member.status is status:
             return None
         previous, member.status, member.reason = member.status, status, reason
-        (log.info if status in (S.READY, S.STARTING) else log.warning)(
+        (log.info if status in (S.READY, S.STARTING, S.RELEASED) else log.warning)(
             "engine %s: %s -> %s%s", member.name, previous, status, f" ({reason})" if reason else ""
         )
         return self._event(member, reason)

@@ -58,6 +58,12 @@ applied) and answer one object per input, a list for a batch::
 A non-finite score travels as ``null`` (SGLang's orjson, like msgspec, writes NaN and
 inf so). ``/v1/classify`` (OpenAI style) applies a softmax: a one-label model always
 reads 1.0 there, so scoring uses ``/classify``.
+Co-located engines (SGLang 0.5.23): ``/release_memory_occupation`` and
+``/resume_memory_occupation`` ``{tags}`` (``weights``, ``kv_cache``, ``cuda_graph``;
+null = all) answer 200 with a null body; ``/update_weights_from_tensor``
+``{serialized_named_tensors, load_format, flush_cache, abort_all_requests,
+weight_version, ...}`` carries tensors by handle (``weight_sync.ipc_payload``) and
+answers ``{success, message}``, refused outside the update session like every update.
 
 Left out: multimodal inputs, sessions, top-logprobs, input (prompt) logprobs.
 """
@@ -355,3 +361,23 @@ class ProfileRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     profile_prefix: str | None = None
     profile_stages: list[str] | None = None
     detailed_annotations: bool = False
+
+
+class MemoryOccupationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``/release_memory_occupation`` and ``/resume_memory_occupation`` (SGLang
+    ``ReleaseMemoryOccupationReqInput`` / ``ResumeMemoryOccupationReqInput``): None = all tags."""
+
+    tags: list[str] | None = None
+
+
+class UpdateWeightsFromTensorRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Body of ``POST /update_weights_from_tensor`` (SGLang ``UpdateWeightsFromTensorReqInput``):
+    one base64 payload per engine TP rank (``weight_sync.ipc_payload``)."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False

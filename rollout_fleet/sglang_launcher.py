@@ -16,6 +16,12 @@ loads real weights. ``--weight-version 0`` makes the version SGLang reports an
 integer from the start (fleetrl tags tokens with ``int(weight_version)``), which
 needs an SGLang release that has ``--weight-version`` (0.5 or later).
 
+``--enable-memory-saver`` goes on for co-located engines (``rollout.placement``): without
+it SGLang's ``/release_memory_occupation`` frees nothing (it needs ``torch_memory_saver``,
+which ``fleetrl check`` looks for). ``--enable-weights-cpu-backup`` is not used: every
+resume of the weights is followed by a push, so a host copy would cost a copy per step
+and host memory for nothing.
+
 ``--disable-radix-cache`` goes on when the run pauses engines ``in_place`` for
 weight updates (``radix_cache_disabled_for``): SGLang refuses to flush its cache
 while requests run, and in-place pause keeps them running, so a prefix cached
@@ -87,6 +93,7 @@ class SGLangServerSpec:
     lora_rank: int = 0  # > 0: serve LoRA adapters (see lora_args)
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     is_embedding: bool = False  # a reward model: served on /classify and /encode
+    enable_memory_saver: bool = False  # co-located: release frees memory (torch_memory_saver)
     log_level: str = "warning"
     extra_args: list[str] = field(default_factory=list)
     python: str = sys.executable
@@ -196,6 +203,8 @@ def build_command(spec: SGLangServerSpec) -> list[str]:
         cmd += lora_args(spec.lora_rank, spec.lora_target_modules)
     if spec.is_embedding:
         cmd += ["--is-embedding"]
+    if spec.enable_memory_saver:
+        cmd += ["--enable-memory-saver"]
     cmd += list(spec.extra_args)
     return cmd
 

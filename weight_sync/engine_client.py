@@ -9,7 +9,9 @@ between them), ``/update_weights_from_distributed``,
 ``weight_version``), ``/update_weight_version``, ``/get_weights_by_name`` (the
 first rows of one tensor, for verification; SGLang answers it for some
 architectures only), and for LoRA ``/load_lora_adapter`` and
-``/unload_lora_adapter`` (their failures carry SGLang's ``error_message``).
+``/unload_lora_adapter`` (their failures carry SGLang's ``error_message``), and for
+co-located engines ``/update_weights_from_tensor`` (tensors by handle: see
+``weight_sync.ipc_payload``).
 
 Every call has a timeout, sends the engine's bearer key when it has one, and
 turns every way it can fail (no connection, timeout, HTTP error status,
@@ -171,6 +173,26 @@ class EngineClient:
                 "abort_all_requests": False,
                 "weight_version": weight_version,
                 "load_format": load_format,
+            },
+        )
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        *,
+        load_format: str | None,
+        weight_version: str,
+    ) -> dict[str, Any]:
+        """One bucket by handle (one base64 entry per engine TP rank). ``flush_cache`` is
+        false: a co-located engine's cache was flushed when its KV cache was released."""
+        return self.call(
+            "/update_weights_from_tensor",
+            {
+                "serialized_named_tensors": serialized_named_tensors,
+                "load_format": load_format,
+                "flush_cache": False,
+                "abort_all_requests": False,
+                "weight_version": weight_version,
             },
         )
 

@@ -60,7 +60,12 @@ broadcast per tensor, one request per ``bucket_mb`` of metadata), for engines
 without ``flattened_bucket`` support; it is also the per-parameter baseline of
 ``bench.weight_sync``.
 
-Left out: sending only changed tensors, and CUDA-IPC for co-located engines.
+Co-located engines (``rollout.placement: colocated``) are not reached through this
+group: each learner rank pushes to the engine on its device by handle
+(``weight_sync.tensor_push``); in a mixed run this sender broadcasts to the remote
+engines the same stream those pushes tap.
+
+Left out: sending only changed tensors.
 """
 
 from __future__ import annotations

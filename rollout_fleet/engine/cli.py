@@ -31,6 +31,7 @@ def main(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             log_requests=args.log_requests,
             max_batch_tokens=args.max_batch_tokens,
+            memory_saver=args.enable_memory_saver,
         )
     except (EngineStartupError, FileNotFoundError, ValueError) as err:
         log.error("engine: %s", err)

@@ -36,6 +36,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="reward model: padded tokens (rows × longest row) in one forward",
     )
     p.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="free released memory on /release_memory_occupation (SGLang's flag; co-located runs)",
+    )
+    p.add_argument(
         "--log-requests",
         action="store_true",
         help="reward model: log one line per scored input (rid, length), as SGLang's --log-requests",

@@ -28,9 +28,11 @@ def open_engine(
     num_threads: int | None = 1,
     log_requests: bool = False,
     max_batch_tokens: int = MAX_BATCH_TOKENS,
+    memory_saver: bool = False,
 ) -> Any:
     """The embedded engine for ``model_path`` (not yet serving): ``RewardEngine`` for a
-    sequence classifier, else ``EmbeddedEngine``."""
+    sequence classifier, else ``EmbeddedEngine`` (``memory_saver``: its released memory is
+    freed, SGLang's ``--enable-memory-saver``)."""
     common: dict[str, Any] = dict(
         engine_id=engine_id,
         device=device,
@@ -51,4 +53,4 @@ def open_engine(
         )
     from rollout_fleet.engine.server import EmbeddedEngine
 
-    return EmbeddedEngine(str(model_path), **common)
+    return EmbeddedEngine(str(model_path), memory_saver=memory_saver, **common)

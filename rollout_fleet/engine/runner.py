@@ -46,7 +46,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class WeightLoadError(ValueError):
-    """Received tensors do not match the model (unknown name, shape or dtype)."""
+    """Received tensors do not match the model (unknown name, shape or dtype), or its
+    weight memory is released (``memory_saver``)."""
+
+
+def is_resident(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's storage holds its bytes (not released by the memory saver)."""
+    needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    return tensor.numel() == 0 or tensor.untyped_storage().nbytes() >= needed
 
 
 @torch.inference_mode()
@@ -57,8 +64,8 @@ def copy_weights(
     device: torch.device,
 ) -> None:
     """Copy ``named_tensors`` into ``targets`` (a model's state dict) by name, after checking
-    every name, shape and dtype first: a bad update raises ``WeightLoadError`` and changes
-    nothing."""
+    every name, shape and dtype, and that no target's memory is released, first: a bad
+    update raises ``WeightLoadError`` and changes nothing."""
     for name, tensor in named_tensors:
         if name not in targets:
             near = [n for n in targets if n.endswith(name.split(".")[-1])][:3]
@@ -73,6 +80,11 @@ def copy_weights(
             )
         if not (tensor.is_floating_point() or tensor.dtype == targets[name].dtype):
             raise WeightLoadError(f"received weight {name!r} has dtype {tensor.dtype}")
+        if not is_resident(targets[name]):
+            raise WeightLoadError(
+                f"the memory of weight {name!r} is released: resume the engine's weights "
+                "(/resume_memory_occupation) before loading"
+            )
     for name, tensor in named_tensors:
         targets[name].data.copy_(tensor.to(device=device), non_blocking=False)
 
@@ -249,6 +261,6 @@ class ModelRunner:
         """The leading ``rows`` rows of the tensor named ``name`` (HF name) as float lists,
         as SGLang's ``/get_weights_by_name`` returns them; None for an unknown name."""
         tensor = self.model.state_dict(keep_vars=True).get(name)  # tied names included
-        if tensor is None:
+        if tensor is None or not is_resident(tensor):
             return None
         return tensor.detach()[:rows].to("cpu", torch.float32).tolist()

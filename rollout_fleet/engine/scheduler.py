@@ -20,7 +20,8 @@ and waiting sequence now with ``finish_reason abort`` and its partial output;
 their KV, re-prefilling prompt + generated-so-far after ``continue``;
 ``in_place`` stops between steps keeping the KV (a weight update then continues
 the same sequences on new weights, as PipelineRL does). All three pause until
-``continue``; requests arriving meanwhile wait in the queue.
+``continue``; requests arriving meanwhile wait in the queue. While memory is
+released (``memory_saver``, co-located engines) nothing runs either.
 
 Completion and streaming are reported through ``Sequence.on_event(seq, done)``,
 called from this thread. Events are collected while one batch of tokens is
@@ -141,6 +142,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.paused_mode: str | None = None
+        # memory released (/release_memory_occupation): nothing runs until all is resumed
+        self.memory_released = False
         self.adapter: str | None = None  # the LoRA adapter merged into the weights
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._cond = threading.Condition()
@@ -310,6 +313,10 @@ class Scheduler:
             torch.cuda.empty_cache()
         return True
 
+    def flush_now(self) -> bool:
+        """``flush_cache``'s work, for a caller already on the scheduler thread."""
+        return self._flush()
+
     def _load(self, named_tensors: list, weight_version: str | None) -> int:
         self.prefill_cache.clear()  # its KV was computed with the old weights
         count = self.runner.load_weights(named_tensors)
@@ -420,7 +427,7 @@ class Scheduler:
             self._run_commands()
 
     def _has_work(self) -> bool:
-        if self.paused_mode is not None:
+        if self.paused_mode is not None or self.memory_released:
             return False
         return bool(self.running or self.waiting)
 

@@ -10,11 +10,15 @@ Endpoints (SGLang names; request/response fields in ``rollout_fleet.protocol``):
 ``POST /abort_request``, ``GET|POST /flush_cache`` (400 while requests are
 pending), ``POST /update_weight_version``, ``GET /health``,
 ``GET /health_generate``, ``GET /model_info`` (with ``weight_version``),
-``GET /get_server_info``; the weight-update routes (``/init_weights_update_group``,
+``GET /server_info`` (and its deprecated name ``/get_server_info``; with SGLang's
+``memory_usage``); the weight-update routes (``/init_weights_update_group``,
 ``/begin_weight_update``, ``/end_weight_update``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``, ``/get_weights_by_name``,
 ``/update_weights_from_disk``), handled by
-``weight_routes.WeightRoutes``; and for LoRA ``/load_lora_adapter`` and
+``weight_routes.WeightRoutes``; for co-located engines ``/release_memory_occupation``,
+``/resume_memory_occupation`` and ``/update_weights_from_tensor``, handled by
+``colocated_routes.ColocatedRoutes`` (``memory_saver=True`` is SGLang's
+``--enable-memory-saver``: released memory is freed); and for LoRA ``/load_lora_adapter`` and
 ``/unload_lora_adapter``, handled by ``adapter_routes.AdapterRoutes`` (which says
 how this engine's one merged adapter differs from SGLang's per-request adapters).
 ``EmbeddedEngine.add_routes`` lists every route in one table. No route exists here that
@@ -44,6 +48,7 @@ from aiohttp import web
 from fleetrl.log import get_logger
 from rollout_fleet import protocol as P
 from rollout_fleet.engine.adapter_routes import AdapterRoutes
+from rollout_fleet.engine.colocated_routes import ColocatedRoutes
 from rollout_fleet.engine.http_json import json_response, read_body
 from rollout_fleet.engine.http_service import MAX_BODY_BYTES, HttpService
 from rollout_fleet.engine.profile_routes import ProfileRoutes
@@ -81,6 +86,7 @@ class EmbeddedEngine(HttpService):
         weight_version: str = P.INITIAL_WEIGHT_VERSION,
         receiver_factory: Any = None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        memory_saver: bool = False,
     ) -> None:
         super().__init__(
             model_path,
@@ -116,6 +122,14 @@ class EmbeddedEngine(HttpService):
             self.scheduler, engine_id=engine_id, weight_call=self.weight_routes.call
         )
         self.profile_routes = ProfileRoutes(engine_id)
+        self.colocated_routes = ColocatedRoutes(
+            self.runner,
+            self.scheduler,
+            engine_id=engine_id,
+            memory_saver=memory_saver,
+            session_open=lambda: self.weight_routes.session_open,
+            weight_call=self.weight_routes.call,
+        )
         self._relays: list[EventRelay] = []
         self.scheduler.add_delivery_hook(self._wake_relays)
         self.scheduler.start()
@@ -139,13 +153,14 @@ class EmbeddedEngine(HttpService):
         r.add_get("/health_generate", self.health_generate)
         r.add_get("/model_info", self.get_model_info)
         r.add_get("/get_server_info", self.get_server_info)
+        r.add_get("/server_info", self.get_server_info)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/abort_request", self.abort_request)
         r.add_get("/flush_cache", self.flush_cache)
         r.add_post("/flush_cache", self.flush_cache)
-        weights, lora = self.weight_routes, self.adapter_routes
+        weights, lora, coloc = self.weight_routes, self.adapter_routes, self.colocated_routes
         r.add_post("/init_weights_update_group", weights.init_weights_update_group)
         r.add_post("/begin_weight_update", weights.begin_weight_update)
         r.add_post("/end_weight_update", weights.end_weight_update)
@@ -154,6 +169,10 @@ class EmbeddedEngine(HttpService):
         r.add_post("/update_weights_from_disk", weights.update_weights_from_disk)
         r.add_get("/get_weights_by_name", weights.get_weights_by_name)
         r.add_post("/get_weights_by_name", weights.get_weights_by_name)
+        r.add_post("/update_weights_from_tensor", coloc.update_weights_from_tensor)
+        for method in (r.add_get, r.add_post):  # SGLang's api_route takes both
+            method("/release_memory_occupation", coloc.release_memory_occupation)
+            method("/resume_memory_occupation", coloc.resume_memory_occupation)
         r.add_post("/load_lora_adapter", lora.load_lora_adapter)
         r.add_post("/unload_lora_adapter", lora.unload_lora_adapter)
         r.add_post("/start_profile", self.profile_routes.start_profile)
@@ -304,8 +323,8 @@ class EmbeddedEngine(HttpService):
         sched = self.scheduler
         if not sched.alive:
             return web.Response(status=503)
-        if sched.paused_mode is not None or sched.running:
-            return web.Response(status=200)  # busy or paused: a probe would only queue
+        if sched.paused_mode is not None or sched.running or sched.memory_released:
+            return web.Response(status=200)  # busy, paused or released: a probe would only queue
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         body = P.GenerateRequest(
@@ -350,6 +369,8 @@ class EmbeddedEngine(HttpService):
                 "max_running_requests": self.scheduler.max_running_requests,
                 "context_length": self.runner.max_context,
                 "weight_version": self.scheduler.weight_version,
-                "internal_states": [self.scheduler.load()],
+                "internal_states": [
+                    {**self.scheduler.load(), "memory_usage": self.colocated_routes.memory.usage()}
+                ],
             }
         )

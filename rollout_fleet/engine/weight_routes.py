@@ -60,6 +60,11 @@ class WeightRoutes:
         self._update_session = False  # between /begin_weight_update and /end_weight_update
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{engine_id}-weights")
 
+    @property
+    def session_open(self) -> bool:
+        """Between ``/begin_weight_update`` and ``/end_weight_update``."""
+        return self._update_session
+
     async def call(self, fn, *args) -> Any:
         """``fn(*args)`` on the weight thread, awaited from the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

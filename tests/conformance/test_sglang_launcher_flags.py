@@ -12,9 +12,10 @@ every argv with ``--device cpu`` and a tiny model folder, in a subprocess
 because resolution writes environment variables.
 
 Specs: defaults, tensor parallel 2, an API key on a node IP, real weights,
-extra arguments, in_place vs abort pause, LoRA serving (SGLang's
-``check_lora_server_args`` runs in the resolution), the shipped GPU configs turned
-into specs the way the launcher does (``engine_spec`` -> ``sglang_server_spec``), and
+extra arguments, in_place vs abort pause, the memory saver of co-located engines
+(``--enable-memory-saver``; a shipped GPU config made co-located), LoRA serving (SGLang's
+``check_lora_server_args`` runs in the resolution), the shipped GPU configs turned into
+specs the way the launcher does (``engine_spec`` -> ``sglang_server_spec``), and
 reward-model servers as the reward fleet builds them (``reward_server_specs``:
 ``--is-embedding``, their own weights, tensor parallel, the run's key on a node IP),
 resolved over a tiny reward-model folder.
@@ -55,6 +56,7 @@ def _config_spec(config: str, *overrides: str) -> SGLangServerSpec:
         api_key="run-key",
         expose_on_node_ip=True,  # a multi-node fleet binds the node IP, with a key
         pause_mode=cfg.weight_sync.pause_mode,
+        colocated=cfg.rollout.is_colocated_slot(0),
     )
     server_spec = sglang_server_spec(spec, host=NODE_IP)
     server_spec.port = PORT  # SGLangServer picks a free port at launch
@@ -105,6 +107,14 @@ CASES: dict[str, SGLangServerSpec] = {
     "ppo_7b_config": _config_spec("gsm8k_ppo_qwen2.5_7b.yaml"),
     "grpo_7b_config_abort": _config_spec(
         "gsm8k_grpo_qwen2.5_7b.yaml", "weight_sync.pause_mode=abort"
+    ),
+    "memory_saver": SGLangServerSpec(model_path="/models/m", port=PORT, enable_memory_saver=True),
+    "grpo_7b_config_colocated": _config_spec(
+        "gsm8k_grpo_qwen2.5_7b.yaml",
+        "rollout.placement=colocated",
+        "rollout.gpus_per_engine=1",
+        "rollout.num_engines=4",
+        "learner.num_ranks=4",
     ),
     "lora_all_linear": SGLangServerSpec(model_path="/models/m", port=PORT, lora_rank=8),
     "lora_named_modules": SGLangServerSpec(
@@ -159,6 +169,7 @@ def _expected(spec: SGLangServerSpec) -> dict[str, object]:
         "random_seed": spec.random_seed,
         "base_gpu_id": spec.base_gpu_id if spec.base_gpu_id is not None else 0,
         "is_embedding": spec.is_embedding,
+        "enable_memory_saver": spec.enable_memory_saver,
     }
 
 
@@ -206,6 +217,10 @@ def test_the_shipped_gpu_configs_launch_what_they_say():
         assert args.disable_radix_cache is True  # weight_sync.pause_mode: in_place
     abort = _parse(build_command(CASES["grpo_7b_config_abort"])[3:])
     assert abort.disable_radix_cache is False  # abort flushes the cache per update
+    colocated = _parse(build_command(CASES["grpo_7b_config_colocated"])[3:])
+    assert colocated.enable_memory_saver is True  # release frees memory (torch_memory_saver)
+    assert colocated.tp_size == 1 and colocated.disable_radix_cache is False  # abort pause
+    assert colocated.enable_weights_cpu_backup is False  # every resume is followed by a push
 
 
 def test_reward_servers_serve_their_own_weights_as_an_embedding_model():
@@ -232,7 +247,7 @@ for argv in json.load(sys.stdin):
     view = resolving_view(args)
     out.append({k: getattr(view, k) for k in
                 ("tp_size", "load_format", "disable_radix_cache", "weight_version", "api_key",
-                 "is_embedding")}
+                 "is_embedding", "enable_memory_saver")}
                | {"enable_lora": bool(view.enable_lora)})
 print("RESOLVED " + json.dumps(out))
 """
@@ -270,5 +285,6 @@ def test_sglang_resolves_every_argv_on_cpu(tiny_model_dir, tiny_reward_dir):
             "weight_version": spec.weight_version,
             "api_key": spec.api_key,
             "is_embedding": spec.is_embedding,
+            "enable_memory_saver": spec.enable_memory_saver,
             "enable_lora": spec.lora_rank > 0,
         }

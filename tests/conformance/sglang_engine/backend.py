@@ -3,9 +3,11 @@
 SGLang's route handlers call the methods below. Most are SGLang's own
 ``TokenizerManager`` code, bound to this object: the weight-update calls
 (``init_weights_update_group``, ``begin_weight_update``, ``end_weight_update``,
-``update_weights_from_distributed`` with its pause/lock handling and
+``update_weights_from_distributed`` and ``update_weights_from_tensor`` with their
+pause/lock handling and
 ``_update_weight_version_if_provided``, ``destroy_weights_update_group``,
-``update_weight_version``, ``get_weights_by_name``, ``flush_cache``),
+``update_weight_version``, ``get_weights_by_name``, ``flush_cache``,
+``release_memory_occupation``, ``resume_memory_occupation``),
 ``pause_generation`` / ``continue_generation`` (abort mode: abort everything
 and wait until no request holds the model-update lock), ``abort_request``,
 ``config_value``, the detokenisation of logprobs, and LoRA: ``init_lora`` (the
@@ -67,6 +69,9 @@ _ANSWERED = (
     io.FlushCacheReqInput,
     io.LoadLoRAAdapterReqInput,
     io.UnloadLoRAAdapterReqInput,
+    io.UpdateWeightsFromTensorReqInput,
+    io.ReleaseMemoryOccupationReqInput,
+    io.ResumeMemoryOccupationReqInput,
 )
 
 
@@ -185,6 +190,9 @@ class EngineBackend(EmbeddingFrontEnd):
     begin_weight_update = TokenizerControlMixin.begin_weight_update
     end_weight_update = TokenizerControlMixin.end_weight_update
     update_weights_from_distributed = TokenizerControlMixin.update_weights_from_distributed
+    update_weights_from_tensor = TokenizerControlMixin.update_weights_from_tensor
+    release_memory_occupation = TokenizerControlMixin.release_memory_occupation
+    resume_memory_occupation = TokenizerControlMixin.resume_memory_occupation
     get_weights_by_name = TokenizerControlMixin.get_weights_by_name
     update_weight_version = TokenizerControlMixin.update_weight_version
     _update_weight_version_if_provided = TokenizerControlMixin._update_weight_version_if_provided

@@ -5,6 +5,7 @@ Usage::
     with start_sglang_engine(model_dir, tp_size=2, api_key="k") as engine:
         requests.get(f"{engine.url}/model_info", headers={"Authorization": "Bearer k"})
         weights = engine.rank_weights()  # one {name: tensor} per TP rank
+        memory = engine.rank_memory()    # offload tags and memory-saver calls per TP rank
 
 Processes come from a fork server that has SGLang imported, and are ended by their own pid
 (``Process.terminate`` / ``kill``), never by name.
@@ -83,6 +84,18 @@ class SGLangEngine:
                 raise TimeoutError("a TP rank did not answer")
             versions.append(m.decode(conn.recv_bytes())[1].weight_version)
         return versions
+
+    def rank_memory(self, timeout: float = READ_TIMEOUT_S) -> list:
+        """Each TP rank's ``RankMemoryReply``: SGLang's offload tags, the memory saver's
+        calls in order, errors SGLang's scheduler would have died of, weight bytes held."""
+        for conn in self._inspect:
+            conn.send_bytes(m.encode(m.RankMemoryRequest()))
+        replies = []
+        for rank, conn in enumerate(self._inspect):
+            if not conn.poll(timeout):
+                raise TimeoutError(f"TP rank {rank} did not answer")
+            replies.append(m.decode(conn.recv_bytes())[1])
+        return replies
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the ranks to exit, terminate the HTTP process; kill, by pid, what is left."""

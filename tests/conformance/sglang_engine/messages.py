@@ -85,6 +85,18 @@ class RankWeightsReply(msgspec.Struct):
     weight_version: str
 
 
+class RankMemoryRequest(msgspec.Struct):
+    """Test side: the rank's memory state (SGLang's offload tags, the saver's calls)."""
+
+
+class RankMemoryReply(msgspec.Struct):
+    offload_tags: list[str]
+    calls: list[str]  # "pause:<tag>" / "resume:<tag>", in order
+    errors: list[str]  # exceptions of control requests (SGLang's scheduler would die of them)
+    weight_bytes: int
+    running: int  # requests in the running batch (TP rank 0 generates)
+
+
 class Ready(msgspec.Struct):
     """A TP rank has loaded its model and joined the TP group."""
 
@@ -102,6 +114,8 @@ _LOCAL_TYPES = {
         ScoreOutput,
         RankWeightsRequest,
         RankWeightsReply,
+        RankMemoryRequest,
+        RankMemoryReply,
         Ready,
         Shutdown,
     )

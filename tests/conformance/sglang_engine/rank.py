@@ -15,7 +15,17 @@ loads the HF model, and builds SGLang's own weight-update objects:
 - ``BaseTpWorker.init_weights_update_group`` / ``destroy_weights_update_group`` /
   ``get_weights_by_name`` on our thin tp-worker adapter;
 - LoRA load / unload requests go to ``lora.LoraAdapters`` (peft on the rank's
-  model, in place of SGLang's GPU ``LoRAManager``).
+  model, in place of SGLang's GPU ``LoRAManager``);
+- co-location: the manager's ``release_memory_occupation`` /
+  ``resume_memory_occupation`` over ``memory.CpuMemorySaver`` (in place of
+  ``torch_memory_saver``), and ``update_weights_from_tensor`` with
+  ``BaseTpWorker.deserialize_own_rank`` (each rank reads its own payload entry with
+  SGLang's ``SafeUnpickler``) and the model runner's flattened-bucket loader. An
+  exception SGLang's scheduler would die of (a failed assertion, a resume of a tag
+  never released) is kept in ``errors`` and read by the test (``RankMemoryRequest``).
+  SGLang synchronizes ``torch.get_device_module()`` after a release, which on a
+  CUDA build of torch is ``torch.cuda`` even with no GPU: on this CPU engine it is
+  ``torch.cpu`` (``_cpu_device_module``).
 
 The loop serves two pipes: control requests from the HTTP process (SGLang's
 ``io_struct`` types, answered with theirs) and the test's weight read-out.
@@ -90,6 +100,7 @@ def _build_tp_worker(model_runner: _ModelRunner):
         init_weights_update_group = BaseTpWorker.init_weights_update_group
         destroy_weights_update_group = BaseTpWorker.destroy_weights_update_group
         get_weights_by_name = BaseTpWorker.get_weights_by_name
+        deserialize_own_rank = BaseTpWorker.deserialize_own_rank
         weight_update_runners = TpModelWorker.weight_update_runners
 
         def __init__(self, runner: _ModelRunner):
@@ -117,6 +128,7 @@ class RankProcess:
         from sglang.srt.runtime_context import get_parallel, publish
         from sglang.srt.server_args import ServerArgs
 
+        from .memory import CpuMemorySaver
         from .model import HFModelAdapter
         from .scheduler import EngineScheduler
 
@@ -175,10 +187,12 @@ class RankProcess:
             context_len=model_config.context_len,
             eos_token_ids=eos_ids,
         )
+        self.memory_saver = CpuMemorySaver(self.model)
+        self.errors: list[str] = []  # what would have killed SGLang's scheduler process
         self.weight_manager = SchedulerWeightUpdaterManager(
             tp_worker=_build_tp_worker(self.model_runner),
             draft_worker=None,
-            memory_saver_adapter=None,
+            memory_saver_adapter=self.memory_saver,
             flush_cache=self.scheduler.flush_cache,
             is_fully_idle=self.scheduler.is_fully_idle,
             scheduler=self.scheduler,
@@ -225,6 +239,12 @@ class RankProcess:
             return wm.update_weights_from_distributed(obj)
         elif isinstance(obj, io.GetWeightsByNameReqInput):
             return wm.get_weights_by_name(obj)
+        elif isinstance(obj, io.UpdateWeightsFromTensorReqInput):
+            return wm.update_weights_from_tensor(obj)
+        elif isinstance(obj, io.ReleaseMemoryOccupationReqInput):
+            return wm.release_memory_occupation(obj)
+        elif isinstance(obj, io.ResumeMemoryOccupationReqInput):
+            return wm.resume_memory_occupation(obj)
         elif isinstance(obj, io.LoadLoRAAdapterReqInput):
             return self.model.lora.load(obj)
         elif isinstance(obj, io.UnloadLoRAAdapterReqInput):
@@ -255,6 +275,14 @@ class RankProcess:
                 for name, t in self.model.named_weights().items()
             ]
             return m.RankWeightsReply(tensors=tensors, weight_version=get_serving().weight_version)
+        if isinstance(obj, m.RankMemoryRequest):
+            return m.RankMemoryReply(
+                offload_tags=sorted(self.weight_manager.offload_tags),
+                calls=list(self.memory_saver.calls),
+                errors=list(self.errors),
+                weight_bytes=self.memory_saver.weights_nbytes(),
+                running=len(self.scheduler.running_batch.reqs),
+            )
         raise TypeError(f"unsupported inspect request {type(obj).__name__}")
 
     def serve(self) -> None:
@@ -276,12 +304,25 @@ class RankProcess:
                     logger.exception(
                         "TP rank %d failed on %s", self.cfg.tp_rank, type(obj).__name__
                     )
+                    self.errors.append(f"{type(obj).__name__}: {type(exc).__name__}: {exc}")
                     reply = _failure_reply(obj, exc) if seq else None
                 if reply is not None:
                     conn.send_bytes(m.encode(reply, seq))
             if self.running:
                 self.scheduler.step()
                 self.flush_wrapper.check_pending()
+
+
+def _cpu_device_module() -> None:
+    """``torch.get_device_module()`` (no device given) names the CPU in this process."""
+    import torch
+
+    named = torch.get_device_module
+
+    def get_device_module(device=None):
+        return torch.cpu if device is None else named(device)
+
+    torch.get_device_module = get_device_module
 
 
 def _failure_reply(obj: Any, exc: Exception) -> Any:
@@ -303,6 +344,7 @@ def rank_main(cfg: RankConfig, ctrl: Connection, inspect: Connection) -> None:
         level=os.environ.get("SGLANG_ENGINE_LOG_LEVEL", "WARNING"),
         format=f"[tp{cfg.tp_rank}] %(levelname)s %(name)s: %(message)s",
     )
+    _cpu_device_module()
     rank = RankProcess(cfg, ctrl, inspect)
     inspect.send_bytes(m.encode(m.Ready()))
     rank.serve()

@@ -31,6 +31,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_TOKEN
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.runtime_context import get_serving
@@ -93,6 +94,7 @@ class EngineScheduler:
         self.hisparse_coordinator = None
         self._engine_paused = False
         self.num_flushes = 0
+        self.disaggregation_mode = DisaggregationMode.NULL  # read by the memory release
 
     # -- what SGLang's scheduler methods read ------------------------------------------
     def collect_inflight_reqs(self) -> set[Req]:

@@ -195,6 +195,58 @@ def test_missing_config_file_is_named():
             "reward.custom_function.path",
             "need the function",
         ),
+        (
+            ["rollout.placement=colocated", "rollout.num_engines=2"],
+            "rollout.num_engines",
+            "learner.num_ranks",
+            "one engine on each learner device",
+        ),
+        (
+            [
+                "rollout.placement=colocated",
+                "rollout.num_engines=2",
+                "rollout.colocate.remote_engines=2",
+            ],
+            "rollout.num_engines",
+            "learner.num_ranks",
+            "set rollout.num_engines=3",
+        ),
+        (
+            [
+                "rollout.placement=colocated",
+                "rollout.backend=sglang",
+                "rollout.gpus_per_engine=2",
+                "trainer.device=cuda",
+                "learner.gpus_per_rank=1",
+            ],
+            "rollout.gpus_per_engine",
+            "rollout.placement",
+            "co-located engines are one device each",
+        ),
+        (
+            ["rollout.placement=colocated", "trainer.device=cuda", "learner.gpus_per_rank=2"],
+            "learner.gpus_per_rank",
+            "rollout.placement",
+            "share exactly one device",
+        ),
+        (
+            ["rollout.placement=colocated", "rollout.colocate.release=[weights]"],
+            "rollout.colocate.release",
+            "rollout.placement",
+            "add kv_cache",
+        ),
+        (
+            ["rollout.placement=colocated", "weight_sync.sync_every=2"],
+            "weight_sync.sync_every",
+            "rollout.placement",
+            "take it back with the publish that follows it",
+        ),
+        (
+            ["rollout.placement=colocated", "learner.lora.rank=8"],
+            "learner.lora.rank",
+            "rollout.placement",
+            "sends adapters only",
+        ),
     ],
 )
 def test_cross_section_rule_refused_at_load_naming_both_keys(overrides, key, other, fragment):

@@ -100,3 +100,32 @@ def test_plan_command_prints_the_table_for_the_demo_config(capsys):
 def test_sequence_parallel_is_cross_checked_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_run_config(None, overrides)
+
+
+def test_a_colocated_device_must_hold_the_larger_of_its_two_phases():
+    from launcher.plan_colocated import colocated_phases
+
+    cfg = load_run_config(
+        GRPO_7B,
+        ["rollout.placement=colocated", "rollout.gpus_per_engine=1",
+         "rollout.num_engines=8", "learner.num_ranks=8"],
+    )  # fmt: skip
+    shape = model_shape(cfg, str(QWEN_7B_JSON))
+    phases = colocated_phases(cfg, shape, 80.0, on_gpu=True)
+    learner = sum(r.total for r in learner_roles(cfg, shape)) / GB
+    assert phases.generating_gb == pytest.approx(cfg.rollout.mem_fraction_static * 80.0)
+    assert phases.training_gb == pytest.approx(learner)  # the engine released everything
+    assert phases.fits and phases.larger == "generating"
+    text, fits = render(cfg, 80.0, str(QWEN_7B_JSON))
+    assert fits and "co-located device: generating 68.000 GiB" in text
+    import msgspec
+
+    kept = msgspec.structs.replace(
+        cfg.rollout,
+        colocate=msgspec.structs.replace(
+            cfg.rollout.colocate, release=["kv_cache"], offload_learner=False
+        ),
+    )
+    both = colocated_phases(msgspec.structs.replace(cfg, rollout=kept), shape, 80.0, on_gpu=True)
+    assert both.generating_gb == pytest.approx(phases.generating_gb + learner)
+    assert both.training_gb > phases.training_gb and not both.fits

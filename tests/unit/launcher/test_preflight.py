@@ -419,3 +419,43 @@ def test_a_critic_folder_and_a_checkpoint_to_resume_that_are_not_there_are_findi
     assert set(findings) == {"learner.critic.model_path", "trainer.resume_from_path"}
     assert "not a Hugging Face model folder" in findings["learner.critic.model_path"].problem
     assert "not a complete fleetrl checkpoint" in findings["trainer.resume_from_path"].problem
+
+
+# ---- co-location ---------------------------------------------------------------------------
+
+COLOCATED_GPU = (
+    "rollout.placement=colocated",
+    "rollout.backend=sglang",
+    "trainer.device=cuda",
+    "learner.num_ranks=2",
+    "learner.gpus_per_rank=1",
+    "rollout.num_engines=2",
+    "rollout.gpus_per_engine=1",
+)
+
+
+def test_colocated_sglang_needs_the_memory_saver_and_room_for_the_larger_phase(tmp_path):
+    from launcher.preflight import check_colocation
+
+    cfg = _cfg(tmp_path, *COLOCATED_GPU)
+    versions = {"sglang": "0.5.23", "torch_memory_saver": "0.0.9"}
+    ready = _probes(package_version=versions.get, cuda_memory_gb=lambda: 80.0)
+    assert check_colocation(cfg, ready, local=True) == []
+    no_saver = _probes(package_version={"sglang": "0.5.23"}.get, cuda_memory_gb=lambda: 80.0)
+    [f] = check_colocation(cfg, no_saver, local=True)
+    assert f.key == "rollout.placement" and "torch_memory_saver" in f.problem
+    # SGLang takes mem_fraction_static of the device while generating: with 0.97 x 80 GiB
+    # there is no room left for the two processes' CUDA contexts
+    greedy = _cfg(tmp_path, *COLOCATED_GPU, "rollout.mem_fraction_static=0.97")
+    [f] = check_colocation(greedy, ready, local=True)
+    assert "while generating" in f.problem and "rollout.mem_fraction_static" in f.fix
+    assert check_colocation(cfg, no_saver, local=False) == []  # a cluster: not seen from here
+
+
+def test_a_colocated_cpu_run_shares_the_host_memory_among_its_ranks(tmp_path):
+    from launcher.preflight import check_colocation
+
+    cfg = _cfg(tmp_path, "rollout.placement=colocated")
+    assert check_colocation(cfg, _probes(host_memory_gb=lambda: 16.0), local=True) == []
+    [f] = check_colocation(cfg, _probes(host_memory_gb=lambda: 1e-4), local=True)
+    assert "host share per rank" in f.problem

@@ -28,6 +28,7 @@ RESULT = {
     "drain": S.DRAINING,
     "die": S.DEAD,
     "remove": None,  # forgotten
+    "release": S.RELEASED,
 }
 
 # the legal table written out once more by hand, so a change to RULES must be deliberate
@@ -43,6 +44,9 @@ LEGAL = {
     ("die", S.STARTING), ("die", S.NEEDS_WEIGHTS), ("die", S.READY), ("die", S.SUSPECT),
     ("die", S.DRAINING),
     ("remove", S.DRAINING), ("remove", S.DEAD),
+    ("release", S.READY), ("release", S.SUSPECT),
+    ("weights_loaded", S.RELEASED), ("require_weights", S.RELEASED),
+    ("drain", S.RELEASED), ("die", S.RELEASED),
 }  # fmt: skip
 
 
@@ -59,6 +63,7 @@ def in_state(status: EngineStatus | None) -> Membership:
         S.SUSPECT: [lambda: m.weights_loaded("e", 0), lambda: m.suspect("e", "slow")],
         S.DRAINING: [lambda: m.drain("e")],
         S.DEAD: [lambda: m.die("e", "killed")],
+        S.RELEASED: [lambda: m.weights_loaded("e", 0), lambda: m.release("e", "learner step")],
     }[status]
     for step in path:
         step()
@@ -76,6 +81,7 @@ def act(m: Membership, action: str) -> None:
         "drain": lambda: m.drain("e"),
         "die": lambda: m.die("e", "gone"),
         "remove": lambda: m.remove("e"),
+        "release": lambda: m.release("e", "learner step"),
     }
     calls[action]()
 
@@ -218,3 +224,17 @@ def test_urls_are_those_of_running_processes():
     m.launch("x", "http://x")
     assert m.urls() == {"x": "http://x"}
     assert m.snapshot()["e"]["state"] == "dead"
+
+
+def test_a_released_engine_is_never_routed_and_only_a_push_that_reaches_it_returns_it():
+    m = in_state(S.RELEASED)
+    m.launch("f", "http://f")
+    m.weights_loaded("f", 0)
+    assert [name for name, _, _ in m.routable()] == ["f"]
+    assert [t.name for t in m.weight_targets().engines] == ["e", "f"]  # the next push reaches it
+    assert m.behind() == []  # released on purpose: not an engine that missed a version
+    target = m.weight_targets().engines[0]
+    m.apply_sync(SyncOutcome(version=1, targets=(target,), failed={"e": "push timed out"}))
+    assert m.status("e") is S.NEEDS_WEIGHTS and "e" not in [n for n, _, _ in m.routable()]
+    m.apply_sync(SyncOutcome(version=1, targets=(target,)))
+    assert m.status("e") is S.READY

@@ -1,0 +1,112 @@
+"""Moving a learner rank's state off its GPU while a co-located engine generates, and back.
+
+In a co-located run (``rollout.placement: colocated``) the engine and learner rank i take
+turns on one device. While the engine generates, the rank holds nothing it does not
+need there: ``offload`` moves every model it built (policy, reference, critic: FSDP2
+modules, whose ``_apply`` re-points their sharded parameters) and every optimizer's
+state to host memory and empties CUDA's cache; ``onload`` brings them back before the
+next step or anything else that reads them (a publish, a checkpoint, a snapshot).
+Gradients are not moved: the step sets them to None after each update.
+
+On CPU there is nothing to move (the host is the device): both calls return at once
+and report 0 s. Neither does anything for models already kept on the host by
+``learner.param_offload`` (FSDP's CPU offload) or ``rollout.colocate.offload_learner``
+off.
+
+Left out: pinned host buffers (moves use pageable memory), overlapping the onload with
+the engine's release.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+
+
+def _optimizer_state_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != device:
+                state[key] = value.to(device, non_blocking=True)
+
+
+class DeviceResidency:
+    """Whether a rank's models and optimizer state are on its device, and moving them."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        models: Iterable[nn.Module],
+        optimizers: Iterable[torch.optim.Optimizer],
+        *,
+        enabled: bool,
+    ) -> None:
+        self.device = device
+        self.models = list(models)
+        self.optimizers = list(optimizers)
+        self.enabled = enabled and device.type == "cuda"
+        self.offloaded = False
+
+    def offload(self) -> float:
+        """Everything to host memory; the seconds it took (0 when there is nothing to move)."""
+        if not self.enabled or self.offloaded:
+            return 0.0
+        started = time.perf_counter()
+        self._move(torch.device("cpu"))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self.offloaded = True
+        return time.perf_counter() - started
+
+    def onload(self) -> float:
+        """Everything back on the device; the seconds it took."""
+        if not self.offloaded:
+            return 0.0
+        started = time.perf_counter()
+        self._move(self.device)
+        torch.cuda.synchronize(self.device)
+        self.offloaded = False
+        return time.perf_counter() - started
+
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """On the device for the block; offloaded again after it if it was before."""
+        was_offloaded = self.offloaded
+        self.onload()
+        try:
+            yield
+        finally:
+            if was_offloaded:
+                self.offload()
+
+    def _move(self, device: torch.device) -> None:
+        with torch.no_grad():
+            for model in self.models:
+                model.to(device)
+            for optimizer in self.optimizers:
+                _optimizer_state_to(optimizer, device)
+
+
+def residency_for(worker, *, enabled: bool) -> DeviceResidency:
+    """The residency of a set-up ``learner.worker.LearnerWorker``: its models and optimizers,
+    but those FSDP already keeps on the host (``learner.param_offload``,
+    ``learner.reference.param_offload``)."""
+    cfg = worker.cfg
+    models, optimizers = [], []
+    if not cfg.param_offload:
+        models.append(worker.policy)
+        optimizers.append(worker.optimizer)
+        if worker.critic is not None:
+            models.append(worker.critic)
+            optimizers.append(worker.critic_optimizer)
+    if worker.reference is not None and not cfg.reference.param_offload:
+        models.append(worker.reference)
+    return DeviceResidency(worker.device, models, optimizers, enabled=enabled)
