@@ -11,8 +11,9 @@ TORCH  ?= torch==2.14.1 torchvision==0.29.1
 SGLANG ?= sglang==0.5.23
 DEMO_OUT ?= runs/demo/run
 DEMO_RM_OUT ?= runs/demo/rm
+DEMO_RLHF_OUT ?= runs/demo/rlhf
 
-.PHONY: demo demo-rm test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
+.PHONY: demo demo-rm demo-rlhf test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
 
 venv: $(STAMP)
 
@@ -37,6 +38,14 @@ demo-rm: $(STAMP)
 	$(VENV)/bin/fleetrl rm train --config configs/demo_rm_cpu.yaml trainer.output_dir=$(DEMO_RM_OUT)
 	$(VENV)/bin/fleetrl rm eval --model $(DEMO_RM_OUT)/reward_model --policy runs/demo/add2/model \
 		--prompts runs/demo/add2/data/test.parquet --rule configs/rules/even_answer.py --max-new-tokens 4
+
+# The RLHF demo's RL half (configs/demo_rlhf_cpu.yaml): GRPO on the reward model's score
+# alone, scored by a reward server the run places; the reward model first if there is none.
+demo-rlhf: $(STAMP)
+	test -f $(DEMO_RM_OUT)/reward_model/config.json || $(MAKE) demo-rm
+	rm -rf $(DEMO_RLHF_OUT)
+	$(VENV)/bin/fleetrl train --config configs/demo_rlhf_cpu.yaml trainer.output_dir=$(DEMO_RLHF_OUT) \
+		reward.model.path=$(DEMO_RM_OUT)/reward_model
 
 test: $(STAMP) lint
 	env -u RAY_ADDRESS $(PY) -m pytest -q tests
