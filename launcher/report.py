@@ -66,6 +66,9 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     before, after = summary.get("initial_val_score"), summary.get("final_val_score")
     if before is not None and after is not None:
         lines.append(f"held-out score: {before:.3f} -> {after:.3f} ({after - before:+.3f})")
+    before, after = summary.get("initial_val_rule_score"), summary.get("final_val_rule_score")
+    if before is not None and after is not None:  # a reward model scored: the rule apart
+        lines.append(f"held-out rule score: {before:.3f} -> {after:.3f} ({after - before:+.3f})")
     if "samples" in summary and summary.get("train_wall_s"):
         lines.append(
             f"trained on {summary['samples']} samples in {summary['train_wall_s']:.0f}s "

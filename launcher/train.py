@@ -138,6 +138,9 @@ class Progress:
     waited_s: float = 0.0  # time the learner waited for batches (trainer/idle_fraction)
     checkpointed_step: int = -1
     val_scores: list[tuple[int, float]] = field(default_factory=list)
+    # the rule score of the held-out samples, apart from the reward (a run that learns from
+    # a reward model: did the policy move toward what the rule says?)
+    val_rule_scores: list[tuple[int, float]] = field(default_factory=list)
     started_at: float = field(default_factory=time.monotonic)
     loop_started_at: float = 0.0
 
@@ -221,6 +224,8 @@ def validate(roles: Any, progress: Progress, tracker: Any) -> dict[str, float]:
     metrics["timing_s/testing"] = time.monotonic() - t0
     if "val/score/mean" in metrics:
         progress.val_scores.append((progress.step, metrics["val/score/mean"]))
+    if "val/rule_score/mean" in metrics:
+        progress.val_rule_scores.append((progress.step, metrics["val/rule_score/mean"]))
     tracker.log_generations(progress.step, progress.version, result.samples)
     return metrics
 
@@ -279,6 +284,8 @@ def execute(session: Any, cfg: RunConfig, tracker: Any, stop: Any) -> dict[str, 
             tracker.log(progress.step, {**val, "policy_version": progress.version})
             if "val/score/mean" in val:
                 summary["initial_val_score"] = val["val/score/mean"]
+            if cfg.reward.uses_model and "val/rule_score/mean" in val:
+                summary["initial_val_rule_score"] = val["val/rule_score/mean"]
         if cfg.trainer.save_hf_freq > 0 and origin.resumed_from is None:
             roles.save_hf_snapshot(progress.step)  # the policy before any update
         train_loop(roles, cfg, progress, tracker, stop)
@@ -301,6 +308,8 @@ def execute(session: Any, cfg: RunConfig, tracker: Any, stop: Any) -> dict[str, 
         if progress.val_scores:
             summary["final_val_score"] = progress.val_scores[-1][1]
             summary["val_scores"] = progress.val_scores
+        if cfg.reward.uses_model and progress.val_rule_scores:
+            summary["final_val_rule_score"] = progress.val_rule_scores[-1][1]
     if interrupted_start is not None:
         raise interrupted_start
     summary["wall_s"] = time.monotonic() - wall0
