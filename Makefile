@@ -75,18 +75,18 @@ bench: $(STAMP)
 	$(VENV)/bin/fleetrl bench all --quick --out runs/bench
 
 # On a machine with a GPU and this virtualenv: every stage of the GPU check on CUDA (the SGLang
-# stages too where SGLang is installed); report in runs/gpu_check/gpu_check.json. On the lent
-# GPU machine, which cannot install anything: `bash scripts/device/gpu_check.sh` with
-# .device-bundle carried (docs/gpu_check.md).
+# stages too where SGLang is installed); report in runs/gpu_check/gpu_check.json. On a GPU
+# machine without a package registry (one H200, Python 3.12, torch 2.11; see docs/gpu_check.md),
+# which cannot install anything: `bash scripts/device/gpu_check.sh` with .device-bundle carried.
 gpu-check: $(STAMP)
 	env -u RAY_ADDRESS $(PY) scripts/gpu_check.py --device cuda --out runs/gpu_check --work runs/gpu_check_work
 
-# What the lent GPU machine lacks (ray, pyzmq, msgspec for Python 3.12), packed into
+# What that GPU machine lacks (ray, pyzmq, msgspec for Python 3.12), packed into
 # .device-bundle/ to travel with the working tree; prints the sizes (kept when up to date).
 device-bundle: $(STAMP)
 	$(PY) scripts/device/bundle.py
 
-# The GPU check proven on the CPU before a GPU is lent (CI runs this beside `make test`): the
+# The GPU check proven on the CPU before it runs on a GPU (CI runs this beside `make test`): the
 # bundle installs for Python 3.12 and Ray starts from it, and every stage of
 # scripts/gpu_check.py runs at tiny sizes with what the GPU machine lacks refused.
 device-check: device-bundle

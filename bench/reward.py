@@ -21,11 +21,11 @@ the more of the time is the forward both arms share); ``forwards_*`` count the s
 forwards per round (``/get_server_info``), and ``scores_agree`` checks that both arms read
 the same scores. A benchmark, not a test: nothing is asserted.
 
-Left out, for now: the end-to-end cost of model scoring on an RL step (issue 23 item 9,
-second half). It needs the reward pipeline (the rollout worker scoring each group through
-``RewardModelClient`` beside its rule scorer), which lands separately; the hook is
-``run``'s ``e2e`` argument: a callable ``(out_dir, quick) -> dict`` whose figures (e.g.
-``e2e_step_overhead``, model+rule step time ÷ rule-only) go into ``summary``.
+Not measured here: the end-to-end cost of model scoring on an RL step (the rollout worker
+scoring each group through ``RewardModelClient`` beside its rule scorer), which
+``bench/reward_e2e.py`` measures. The hook for such figures is ``run``'s ``e2e`` argument:
+a callable ``(out_dir, quick) -> dict`` whose figures (e.g. ``e2e_step_overhead``,
+model+rule step time ÷ rule-only) go into ``summary``.
 
 Run: ``python -m bench.reward --out DIR [--quick] [--reps N] [--hidden H] [--layers L]
 [--batch B]`` (writes ``DIR/reward.json``); ``fleetrl bench reward`` calls ``run``.

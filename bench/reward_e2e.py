@@ -1,6 +1,6 @@
 """What reward-model scoring costs an RL step: rule scoring alone against rule + model scoring,
-in the same suite, alternated, reported as a ratio (issue 23's goal: model scoring adds
-<= 10 % to an e2e step when it overlaps generation).
+in the same suite, alternated, reported as a ratio (the goal: model scoring adds <= 10 % to
+an e2e step when it overlaps generation).
 
 Both arms are ``launcher.train.run`` on the e2e suite's workload (bench/e2e.py: the same
 long-tailed data, the same warm-started model, the same sizes and staleness bound).

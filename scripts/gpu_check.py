@@ -3,8 +3,9 @@
     python scripts/gpu_check.py [--device cuda|cpu] [--out DIR] [--work DIR] [--budget-s S]
                                 [--stages a,b] [--skip a,b] [--colocated-push MODULE:FUNCTION]
 
-On the lent GPU machine: ``bash scripts/device/gpu_check.sh`` (unpacks the device bundle,
-then runs this with ``--device cuda --out $OUT``). ``--device cpu`` runs every stage's code
+On a GPU machine without a package registry (one H200, Python 3.12, torch 2.11; see
+docs/gpu_check.md): ``bash scripts/device/gpu_check.sh`` (unpacks the device bundle, then
+runs this with ``--device cuda --out $OUT``). ``--device cpu`` runs every stage's code
 path at tiny sizes on the CPU, so that a GPU run cannot die on a typo. The stages and the
 report: ``bench/gpu/`` (``bench.gpu.check``).
 """

@@ -1,5 +1,6 @@
 """The GPU check (``scripts/gpu_check.py``): what one GPU proves in minutes that the CPU tiers
-cannot, built for the GPU machine this project can be lent (DESIGN.md §11, docs/gpu_check.md).
+cannot, built for a GPU machine without a package registry (one H200, Python 3.12, torch 2.11;
+see docs/gpu_check.md).
 
 ``check`` drives the stages of ``plan`` within one time budget, each in a process of its
 own (``stage``), and writes ``report``'s JSON. The stages, one module each: ``machine``

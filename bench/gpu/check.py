@@ -9,7 +9,8 @@ stage gets ``min(its limit, what is left of the budget)``; one that would get le
 its ``min_s`` is skipped as out of time, so the whole check ends within ``--budget-s``.
 The SGLang stages are skipped with one line where SGLang or a GPU is missing.
 
-Writes into ``--out`` (the device tool's ``$OUT``: few, small files): ``gpu_check.json``
+Writes few, small files into ``--out`` (on the GPU machine, one H200 without a package
+registry as docs/gpu_check.md describes, a remote run's ``$OUT``): ``gpu_check.json``
 (``bench.gpu.report``: every stage with status, why, seconds and figures, a summary of
 the headline figures, the machine) and ``gpu_check.log`` (the tail of every stage's log);
 each stage's full log and scratch files stay in ``--work``. Exit status: 0 no stage
@@ -240,7 +241,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--import-guard",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="refuse what the lent GPU machine lacks (bench.gpu.import_guard; "
+        help="refuse what the GPU machine lacks (bench.gpu.import_guard; "
         "default: on with --device cpu)",
     )
     parser.add_argument("--colocated-push", default="",

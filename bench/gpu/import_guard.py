@@ -1,4 +1,6 @@
-"""Make a run on this machine refuse the packages the lent GPU machine does not have.
+"""Make a run on this machine refuse the packages the GPU check's machine does not have.
+
+That machine: one H200, Python 3.12, torch 2.11, no package registry (docs/gpu_check.md).
 
 The CPU check (``scripts/gpu_check.py --device cpu``) runs every stage here, where the
 virtualenv also holds wandb, fastapi, pydantic, uvicorn, SGLang and more that the GPU

@@ -1,5 +1,6 @@
-"""What the lent GPU machine has, what fleetrl's GPU check needs there, and what must travel.
+"""What the GPU machine has, what fleetrl's GPU check needs there, and what must travel.
 
+The machine: one H200, Python 3.12, torch 2.11, no package registry (docs/gpu_check.md).
 ``h200_packages.txt`` (beside this file) lists the distributions the machine already has;
 ``ROOTS`` are the ones the check imports there that it lacks. ``resolve`` walks their
 requirements as they apply on the machine (CPython 3.12 on x86-64 Linux, ``TARGET_MARKERS``)

@@ -1,8 +1,8 @@
 """The GPU check's stages, in running order, with their time limits per device.
 
-The CUDA limits are sized for the lent H200 so that every stage fits one 9-minute command
-(``bench.gpu.check.DEFAULT_BUDGET_S``); a stage repeats its measurements until its
-deadline, so a limit is a cap, not a guess at its speed. The CPU limits are for the
+The CUDA limits are sized for one H200 (docs/gpu_check.md) so that every stage fits one
+9-minute command (``bench.gpu.check.DEFAULT_BUDGET_S``); a stage repeats its measurements
+until its deadline, so a limit is a cap, not a guess at its speed. The CPU limits are for the
 2-core machine the project is built on, where ``--device cpu`` runs every stage's code at
 tiny sizes. The SGLang stages run only where SGLang and a GPU are (``sglang_skip_reason``).
 """
@@ -62,7 +62,7 @@ def sglang_skip_reason(device: str) -> str | None:
         if importlib.util.find_spec(module) is None:
             return (
                 f"{module} is not installed: the SGLang stages need a machine with SGLang's "
-                "CUDA engine (the lent GPU machine cannot have it)"
+                "CUDA engine (the H200 machine the check targets cannot have it)"
             )
     return None
 

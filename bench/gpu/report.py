@@ -4,7 +4,7 @@ Every stage ends as ``ok``, ``failed`` (``why``: the error's first line, or the 
 did not hold) or ``skipped`` (``why``: what it needs that this machine lacks, or that the
 time budget ran out). Figures a stage measured before it failed or ran out of time are kept.
 
-The report folder is what the device tool brings back from ``$OUT``: at most 8 files of
+The report folder is what a remote run brings back from ``$OUT``: at most 8 files of
 at most 16 MiB, no deeper than ``$OUT/a/b/file``, names of letters, digits, ``.``, ``_``
 and ``-``. ``out_folder_problems`` says what in a folder breaks those rules, so a test
 can hold the check to them.
@@ -110,7 +110,7 @@ def write_report(
 
 
 def out_folder_problems(out: Path) -> list[str]:
-    """What in ``out`` the device tool would not bring back (empty: everything comes back)."""
+    """What in ``out`` a remote run would not bring back (empty: everything comes back)."""
     problems = []
     files = [p for p in sorted(out.rglob("*")) if not p.is_dir()]
     if len(files) > OUT_MAX_FILES:

@@ -2,7 +2,8 @@
 
 They run in one process (they share one server) and report five results; the driver skips
 them with one line where SGLang or a GPU is missing (``bench.gpu.plan.sglang_skip_reason``):
-the lent GPU machine cannot have SGLang's CUDA kernels.
+the GPU machine the check targets (one H200, no package registry) cannot have SGLang's
+CUDA kernels.
 
 - ``sglang_engine``: a random-init Qwen2-shaped folder (~0.45 B parameters) served by a real
   SGLang server started by ``rollout_fleet.sglang_launcher.SGLangServer`` (``--load-format

@@ -12,8 +12,8 @@ device), so the paths measured are the ones a one-GPU or co-located run can take
   (``bench.gpu.ipc``), and ``local_copy_gbps``, a plain copy in one process: the baseline
   every path is divided by;
 - ``colocated_*``: the co-located mode's push (``/update_weights_from_tensor`` through
-  SGLang's serializer, built on its own branch), when ``--colocated-push MODULE:FUNCTION``
-  names it: a ``ColocatedPush`` called with the same tensors; until then the figure says
+  SGLang's serializer; docs/colocation.md), when ``--colocated-push MODULE:FUNCTION``
+  names it: a ``ColocatedPush`` called with the same tensors; without one the figure says
   it is not wired in.
 
 The tensors are a decoder's parameter list (``bench.weight_sync.transformer_param_shapes``:

@@ -1,11 +1,11 @@
-"""`make device-bundle`: what the lent GPU machine lacks, packed to travel with the working tree.
+"""`make device-bundle`: what the GPU machine lacks, packed to travel with the working tree.
 
     .venv/bin/python scripts/device/bundle.py [--out .device-bundle] [--cache .device-cache]
 
-The GPU machine this project can be lent (DESIGN.md §11, docs/gpu_check.md) has Python 3.12,
-torch, transformers and most of what fleetrl needs, but no ray, pyzmq or msgspec and no
-package registry; a run there takes the working tree plus at most 64 MiB of carried files.
-This builds ``.device-bundle/`` (git-ignored, named in the device tool's ``carry``):
+The GPU check's machine (one H200; see docs/gpu_check.md) has Python 3.12, torch 2.11,
+transformers and most of what fleetrl needs, but no ray, pyzmq or msgspec and no package
+registry; a run there takes the working tree plus at most 64 MiB of carried files.
+This builds ``.device-bundle/`` (git-ignored, named in the remote run's ``carry``):
 
 - ``site.tar.xz``: the installed files of ``ROOTS`` and of every dependency of theirs that
   the machine lacks (``bench.gpu.machine_packages``), for CPython 3.12 manylinux x86-64:
@@ -64,7 +64,7 @@ from bench.gpu.machine_packages import (  # noqa: E402
 
 SITE_TARBALL = "site.tar.xz"
 MIB = 1024 * 1024
-# The working tree and the bundle travel together: 64 MiB is the device tool's limit; 60
+# The working tree and the bundle travel together: 64 MiB is the remote run's limit; 60
 # leaves room for the tree to grow between builds.
 LIMIT_MIB = 60.0
 # The machine runs torch's manylinux_2_28 wheels, so its glibc is at least 2.28.
@@ -197,7 +197,7 @@ def pack(site: Path, tarball: Path) -> None:
 
 
 def working_tree_bytes(repo: Path = REPO) -> int:
-    """Bytes of what the device tool sends: tracked files and untracked ones git does not ignore."""
+    """Bytes of what a remote run sends: tracked files and untracked ones git does not ignore."""
     listed = subprocess.run(
         ["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         check=True,

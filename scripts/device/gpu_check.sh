@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check on the lent GPU machine (docs/gpu_check.md): the one command the device tool
-# runs, from the repository root, with .device-bundle carried:
+# The GPU check on a GPU machine without a package registry (one H200, Python 3.12, torch 2.11;
+# see docs/gpu_check.md): the one command a remote run there issues, from the repository root,
+# with .device-bundle carried:
 #
 #     bash scripts/device/gpu_check.sh [gpu_check.py flags, e.g. --stages learner,rollout]
 #
@@ -12,7 +13,7 @@
 # interpreter, the device, the site folder and the scratch folder.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT="${OUT:?OUT must name the folder the report goes to (the device tool sets it)}"
+OUT="${OUT:?OUT must name the folder the report goes to (the remote run sets it)}"
 PYTHON="${PYTHON:-python3}"
 site=$("$PYTHON" scripts/device/unpack.py .device-bundle --to "${SITE:-/tmp/fleetrl-site}")
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"

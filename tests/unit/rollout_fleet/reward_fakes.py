@@ -1,17 +1,17 @@
 """In-process fakes of reward-model servers and of their client, for the reward pipeline's tests.
 
 ``FakeRewardModelClient`` has the interface of ``rollout_fleet.rewards.model_client
-.RewardModelClient`` (the reward-serve branch's): ``score`` splits the inputs into
-batches of ``batch_size``, sends each to a server, and on a dead, hung (timeout),
-non-finite or wrong-count reply tries the next server, up to ``max_attempts``,
-then raises ``RewardServerError`` naming the servers tried. The servers
+.RewardModelClient``: ``score`` splits the inputs into batches of ``batch_size``, sends
+each to a server, and on a dead, hung (timeout), non-finite or wrong-count reply tries the
+next server, up to ``max_attempts``, then raises ``RewardServerError`` naming the servers
+tried. The servers
 (``FakeRewardServer``) are plain objects found by URL in a ``FakeRewardFleet``;
 each logs every item it scored, so a test can count items lost or scored twice.
 
 ``HttpRewardFleet`` is the same scenario over the wire: hostile aiohttp servers on
 loopback answering ``/classify`` in SGLang's reply shape, scored through the REAL client
-(``rollout_fleet.rewards.model_client``, the reward-serve branch's); the fault tests run
-on both where the real client is present.
+(``rollout_fleet.rewards.model_client``); the fault tests run on both where the real
+client is present.
 """
 
 from __future__ import annotations

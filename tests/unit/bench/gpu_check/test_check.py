@@ -176,10 +176,10 @@ def test_without_cuda_the_cuda_check_exits_2_with_one_line(tmp_path):
 def test_the_cuda_stages_fit_one_device_command_with_room_to_unpack():
     stages = [s for name, s in check.STAGES.items() if name != "sglang"]
     assert sum(s.limit_s["cuda"] for s in stages) <= check.DEFAULT_BUDGET_S["cuda"]
-    # the device tool runs one command for at most 600 s; unpacking and the driver need ~60
+    # the GPU machine runs one command for at most 600 s; unpacking and the driver need ~60
     assert check.DEFAULT_BUDGET_S["cuda"] <= 600 - 60
     script = (REPO / "scripts" / "device" / "gpu_check.sh").read_text()
     assert f"BUDGET_S:-{check.DEFAULT_BUDGET_S['cuda']:.0f}" in script
-    docs = (REPO / "docs" / "gpu_check.md").read_text()  # the command a session is told to run
+    docs = (REPO / "docs" / "gpu_check.md").read_text()  # the command the GPU check is run with
     assert "| `command` | `bash scripts/device/gpu_check.sh` |" in docs
     assert '| `carry` | `[".device-bundle"]` |' in docs

@@ -1,5 +1,6 @@
-"""The import guard (bench.gpu.import_guard) makes a process here refuse what the lent GPU
-machine lacks, as it would fail there, while the machine's and the bundle's packages load."""
+"""The import guard (bench.gpu.import_guard) makes a process here refuse what the GPU machine
+(one H200, Python 3.12, torch 2.11, no package registry; docs/gpu_check.md) lacks, as it would
+fail there, while the machine's and the bundle's packages load."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The GPU check's report (bench.gpu.report): the table, the JSON, and the rules of the
-folder the device tool brings back."""
+folder a remote run brings back."""
 
 from __future__ import annotations
 
