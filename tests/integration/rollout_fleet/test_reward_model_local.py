@@ -6,8 +6,8 @@ Proves: each trajectory's ``model_score_raw`` is what transformers'
 ``AutoModelForSequenceClassification`` gives the response re-rendered for the reward
 model (its template, OpenRLHF's EOS rule, its tokens), in the right order within the
 group; ``model_score`` is that, standardised with the folder's statistics and clipped;
-each group is one client call. The client here runs the model in process (the serving
-branch's /classify client is the real one).
+each group is one client call. The client here runs the model in process (the real one,
+rollout_fleet/rewards/model_client.py, is tested over HTTP in the reward fault tests).
 """
 
 from __future__ import annotations
