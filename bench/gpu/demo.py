@@ -75,7 +75,7 @@ def metrics_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "pg_losses": [r["actor/pg_loss"] for r in steps],
         "step_s": step_s,
         "step_s_median": _median(step_s),
-        "tokens_per_step": steps[-1].get("perf/tokens") if steps else None,
+        "tokens_per_step": steps[-1].get("perf/total_num_tokens") if steps else None,
         "samples_per_s": _median(
             [r["perf/samples_per_s"] for r in steps if "perf/samples_per_s" in r]
         ),

@@ -69,9 +69,9 @@ def test_demo_figures_read_steps_losses_memory_and_scores_from_metrics_rows(tmp_
     rows = [
         {"step": 0, "val/score/mean": 0.1},
         {"step": 1, "actor/pg_loss": 0.5, "timing_s/step": 1.5, "perf/peak_memory_gb": 2.0,
-         "plan/learner_gb": 1.8, "perf/tokens": 500.0, "perf/samples_per_s": 30.0},
+         "plan/learner_gb": 1.8, "perf/total_num_tokens": 500.0, "perf/samples_per_s": 30.0},
         {"step": 2, "actor/pg_loss": -0.25, "timing_s/step": 0.5, "perf/peak_memory_gb": 2.5,
-         "plan/learner_gb": 1.8, "perf/tokens": 512.0, "perf/samples_per_s": 50.0,
+         "plan/learner_gb": 1.8, "perf/total_num_tokens": 512.0, "perf/samples_per_s": 50.0,
          "val/score/mean": 0.3},
     ]  # fmt: skip
     path = tmp_path / "metrics.jsonl"
