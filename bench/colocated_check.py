@@ -34,7 +34,8 @@ from typing import Any
 import requests
 import torch
 
-MODEL = {"layers": 4, "hidden": 512, "heads": 8}  # ~25 M parameters: figures above noise
+# ~17 M parameters (68 MB in fp32): figures above noise
+MODEL = {"layers": 4, "hidden": 512, "heads": 8}
 STARTUP_S = 240.0
 
 

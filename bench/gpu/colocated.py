@@ -1,7 +1,7 @@
 """Stage ``colocated``: one co-located switch on the device, learner and engine in two processes.
 
 Runs ``bench.colocated_check.check_colocated(work, figures, device)``: an embedded engine
-with the memory saver in a process of its own (a ~25 M-parameter model), paused and
+with the memory saver in a process of its own (a ~17 M-parameter model), paused and
 released; the device memory that came back; its weights resumed and version 1 pushed by
 handle through ``/update_weights_from_tensor`` (``weight_sync.tensor_push``: CUDA IPC on
 a GPU, a shared-memory file on CPU; rows checked through ``/get_weights_by_name``); its KV

@@ -38,7 +38,7 @@ STAGES: dict[str, StageSpec] = {
                   headline=("bytes", "local_copy_gbps", "ipc_copy_gbps", "gloo_bucketed_gbps",
                             "gloo_raw_broadcast_gbps", "gloo_per_param_gbps",
                             "gloo_bucketed_vs_local_copy", "colocated_gbps")),
-        StageSpec("colocated", "bench.gpu.colocated", {"cuda": 40, "cpu": 300},
+        StageSpec("colocated", "bench.gpu.colocated", {"cuda": 40, "cpu": 180},
                   doc="one co-located switch: the engine's release and resume, a push by "
                       "CUDA IPC handle, the learner's offload and onload",
                   headline=("bytes_released", "device_bytes_freed", "memory_returned",
