@@ -12,9 +12,13 @@ device), so the paths measured are the ones a one-GPU or co-located run can take
   (``bench.gpu.ipc``), and ``local_copy_gbps``, a plain copy in one process: the baseline
   every path is divided by;
 - ``colocated_*``: the co-located mode's push (``/update_weights_from_tensor`` through
-  SGLang's serializer; docs/colocation.md), when ``--colocated-push MODULE:FUNCTION``
-  names it: a ``ColocatedPush`` called with the same tensors; without one the figure says
-  it is not wired in.
+  SGLang's serializer; docs/colocation.md) at this stage's size, when
+  ``--colocated-push MODULE:FUNCTION`` names it: a ``ColocatedPush`` called with the same
+  tensors. Without one the figure says it is not wired in here and points to the
+  ``colocated`` stage (``bench.gpu.colocated``), which measures that push
+  (``weight_sync.tensor_push`` into an embedded engine, ``push_gbps``) at its own small
+  model: a default here would need an engine holding a model of these tensors' names and
+  shapes, written out and loaded, which this stage's time, most of it gloo's, lacks.
 
 The tensors are a decoder's parameter list (``bench.weight_sync.transformer_param_shapes``:
 CUDA hidden 1024, 16 layers, vocabulary 32,000, bf16: about 0.5 GB). GB/s are 1e9 bytes
@@ -41,6 +45,11 @@ SIZES = {
 # The co-located mode's push: (named tensors on the device, device, a scratch folder) ->
 # figures, at least {"seconds": one version's push, end to end}.
 ColocatedPush = Callable[[Sequence[tuple[str, Any]], str, Path], dict[str, float]]
+# the ``colocated`` figure without --colocated-push (the module docstring says why)
+NOT_WIRED_IN = (
+    "not wired in here: the colocated stage measures the co-located push "
+    "(push_gbps); --colocated-push MODULE:FUNCTION measures it at this size"
+)
 
 
 def load_colocated_push(spec: str) -> ColocatedPush:
@@ -57,7 +66,7 @@ def load_colocated_push(spec: str) -> ColocatedPush:
 def _colocated(ctx: StageContext, shapes: list, dtype: Any, total_bytes: int) -> dict[str, Any]:
     spec = ctx.options.get("colocated_push")
     if not spec:
-        return {"colocated": "not wired in: pass --colocated-push MODULE:FUNCTION"}
+        return {"colocated": NOT_WIRED_IN}
     import torch
 
     push = load_colocated_push(spec)
