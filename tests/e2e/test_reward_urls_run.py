@@ -93,8 +93,12 @@ def test_rl_scores_every_group_on_a_reward_server_started_by_hand(tmp_path: Path
         assert r["reward_model/failures"] == 0 and r.get("reward_model/retries", 0) == 0
         assert r["reward/model_failed"] == 0 and r["reward/samples_failed"] == 0
         assert r["reward/model_batches_failed"] == 0
-    # the model's scores were used (a step's mean is there when groups were scored in it)
-    assert any(isinstance(r.get("reward/model_score/mean"), float) for r in steps)
+    # the model's scores were used, and alone (rule_weight 0): where a step scored groups,
+    # the mean reward is the mean model score
+    scored = [r for r in steps if "reward/model_score/mean" in r]
+    assert scored, steps
+    for r in scored:
+        assert r["reward/score/mean"] == pytest.approx(r["reward/model_score/mean"])
     # the run placed no reward server of its own
     roster = json.loads((run_dir / "roles.json").read_text())
     assert not any(name.startswith("reward-") for name in roster), roster
