@@ -7,8 +7,9 @@ written to ``DIR/<suite>.json`` inside the standard envelope of
 ``bench.common.suite_record``. ``all`` runs each suite in a child process of its
 own (``python -m launcher.cli bench SUITE ...``) so a crash, a hang or leaked
 state (Ray, process groups) in one cannot spoil the next; with ``--quick`` the
-children share a deadline that keeps the whole run under about 25 minutes (e2e,
-every η twice, and the accuracy suite, whole training runs, take most of it). A suite
+children share a deadline that keeps the whole run under about 35 minutes (e2e,
+every η twice, the accuracy suite and the reward suite's e2e half, whole training runs,
+take most of it). A suite
 that is missing, fails or times out still gets its JSON, with ``status: error``
 and a one-line ``error`` (``suite unavailable: ...``), and the table shows it.
 Either way ``bench.report`` then writes ``report.md`` and the plots (in the parent
@@ -77,7 +78,9 @@ QUICK_BUDGET_S: dict[str, float] = {
     "learner": 80.0,
     "e2e": 600.0,
     "accuracy": 540.0,
-    "reward": 120.0,  # a server process plus 256 samples x (5 reps + warm-up) x 2 arms
+    # batched vs per-sample (a server, 256 samples x (5 reps + warm-up) x 2 arms: ~60 s),
+    # then the e2e half: a warm start and 4 training runs (473 s in all at load 6-8)
+    "reward": 540.0,
 }
 
 

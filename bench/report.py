@@ -103,6 +103,13 @@ HEADLINES: dict[str, list[tuple[str, str, str]]] = {
             " same server (median of alternated rounds)",
             "verl's reward loop (one HTTP request per sample)",
         ),
+        (
+            "model_vs_rule",
+            "RL samples/s with reward-model scoring on top of the rule (model weight 0) ÷ rule"
+            " scoring alone, paired per alternated repetition (= 1 / (1 + model_scoring_overhead);"
+            " goal >= 1 / 1.1)",
+            "rule-based rewards only (no reward model)",
+        ),
     ],
 }
 SUITES: tuple[str, ...] = tuple(HEADLINES)

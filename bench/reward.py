@@ -21,14 +21,17 @@ the more of the time is the forward both arms share); ``forwards_*`` count the s
 forwards per round (``/get_server_info``), and ``scores_agree`` checks that both arms read
 the same scores. A benchmark, not a test: nothing is asserted.
 
-Not measured here: the end-to-end cost of model scoring on an RL step (the rollout worker
-scoring each group through ``RewardModelClient`` beside its rule scorer), which
-``bench/reward_e2e.py`` measures. The hook for such figures is ``run``'s ``e2e`` argument:
-a callable ``(out_dir, quick) -> dict`` whose figures (e.g. ``e2e_step_overhead``,
-model+rule step time ÷ rule-only) go into ``summary``.
+Then the end-to-end half (``run``'s ``e2e`` hook, by default ``served_e2e``):
+``bench.reward_e2e.run_served`` starts a reward server of its own for a reward model with
+the RL workload's tokenizer, trains a rule-only arm against a rule + model arm (model
+weight 0: same policy, scoring on top) alternated, stops the server, and its figures join
+``summary``: ``model_vs_rule`` (samples/s with model scoring ÷ rule-only, paired per
+repetition), ``model_scoring_overhead`` (= 1 / model_vs_rule − 1, goal <= 0.10),
+``group_latency_s``, ``server_scored_items``; every run is in ``DIR/reward_e2e.json``.
+``e2e=None`` measures batching alone.
 
 Run: ``python -m bench.reward --out DIR [--quick] [--reps N] [--hidden H] [--layers L]
-[--batch B]`` (writes ``DIR/reward.json``); ``fleetrl bench reward`` calls ``run``.
+[--batch B] [--no-e2e]`` (writes ``DIR/reward.json``); ``fleetrl bench reward`` calls ``run``.
 """
 
 from __future__ import annotations
@@ -36,10 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,66 +49,24 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import REPO_ROOT, Progress, alternate
+from bench import reward_e2e
+from bench.common import Progress, alternate
+from bench.reward_server import RewardServer
+from fleetrl.log import get_logger
 
-SERVER_START_TIMEOUT_S = 300.0
+log = get_logger(__name__)
+
+E2EHook = Callable[[Path, bool], dict[str, Any]]
+
 # The CPU demo's shape: prompts of ~23 tokens, responses of at most 4, rendered with the
 # reward model's chat template (a few tokens more).
 MEDIAN_TOKENS, MAX_TOKENS = 32, 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _samples(count: int, vocab: int, median: int, cap: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(np.log(median), 0.6, size=count), 4, cap).astype(int)
     return [rng.integers(7, vocab, size=int(n)).tolist() for n in lengths]
-
-
-class _Server:
-    """A reward server process (``python -m rollout_fleet.engine.cli``), ended by its pid."""
-
-    def __init__(self, model_dir: Path, max_running_requests: int) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "FLEETRL_LOG_LEVEL": "WARNING"}
-        cmd = [sys.executable, "-m", "rollout_fleet.engine.cli", "--model", str(model_dir),
-               "--port", str(self.port), "--engine-id", "bench-reward",
-               "--max-running-requests", str(max_running_requests)]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
-
-    def wait(self) -> None:
-        import requests
-
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the reward server exited with {self.proc.returncode}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"the reward server at {self.url} did not start")
-
-    def forwards(self) -> int:
-        import requests
-
-        return int(requests.get(self.url + "/get_server_info", timeout=30).json()["forwards"])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
 
 
 def _measure_size(
@@ -130,7 +88,7 @@ def _measure_size(
         )  # fmt: skip
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         samples = _samples(samples_count, vocab, MEDIAN_TOKENS, MAX_TOKENS, seed=0)
-        server = _Server(model_dir, max_running_requests=batch_size)
+        server = RewardServer(model_dir, max_running_requests=batch_size)
         loop = asyncio.new_event_loop()
         try:
             server.wait()
@@ -180,6 +138,11 @@ def _measure_size(
     }
 
 
+def served_e2e(out_dir: Path, quick: bool) -> dict[str, Any]:
+    """The e2e half's summary: both arms on a reward server started (and stopped) for them."""
+    return reward_e2e.run_served(out_dir, quick)["summary"]
+
+
 def run(
     out_dir: str | Path,
     quick: bool = False,
@@ -187,7 +150,7 @@ def run(
     hidden_sizes: list[int] | None = None,
     layers: int | None = None,
     batch_size: int | None = None,
-    e2e: Callable[[Path, bool], dict[str, float]] | None = None,
+    e2e: E2EHook | None = served_e2e,
 ) -> dict[str, Any]:
     reps = reps or (5 if quick else 9)
     sizes = list(hidden_sizes or ([64] if quick else [64, 256]))
@@ -213,8 +176,13 @@ def run(
     }
     for m in measured[1:]:
         summary[f"batched_vs_per_sample_hidden{m['hidden']}"] = m["ratio"]
+    error = None
     if e2e is not None:
-        summary.update(e2e(out_dir, quick))
+        try:
+            summary.update(e2e(out_dir, quick))
+        except Exception as err:  # the batched figures above are kept; the suite fails
+            log.exception("bench reward: the e2e half failed")
+            error = f"the e2e half failed: {type(err).__name__}: {err}"
     result = {
         "suite": "reward",
         "config": {
@@ -244,6 +212,8 @@ def run(
             ],
         },
     }
+    if error is not None:
+        result["error"] = error
     (out_dir / "reward.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -256,11 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, nargs="*", default=None)
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--no-e2e", action="store_true", help="batched vs per-sample alone")
     args = parser.parse_args(argv)
     from fleetrl.log import setup_logging
 
     setup_logging("bench")
-    result = run(args.out, args.quick, args.reps, args.hidden, args.layers, args.batch)
+    e2e = None if args.no_e2e else served_e2e
+    result = run(args.out, args.quick, args.reps, args.hidden, args.layers, args.batch, e2e)
     json.dump(result["summary"], sys.stdout)  # entry point: the headline on stdout
     return 0
 

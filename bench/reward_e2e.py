@@ -16,10 +16,15 @@ samples/s(model) ÷ samples/s(rule), with min, max and every pair;
 goal <= 0.10). The reward servers' group latency (``reward/group_latency_s/mean``) and
 any scoring failures are recorded beside it.
 
-The reward servers are not started here: ``reward_urls`` name servers already running
-that serve ``reward_model`` (a one-label reward folder with the policy's tokenizer; a
-tiny random one is built when none is given). ``fleetrl bench reward`` (bench/reward.py)
-starts them and calls ``run``.
+Reward servers: ``run`` scores on servers already running (``reward_urls``) that serve
+``reward_model`` (a one-label reward folder with the policy's tokenizer; a tiny random
+one is built when none is given); ``run_served`` starts one itself (bench/reward_server.py:
+``fleetrl engine`` over the folder, in a process of its own on loopback), runs both arms
+on it and stops it by its process object, and adds what the server counted
+(``server_scored_items``). ``fleetrl bench reward`` calls ``run_served`` through
+bench/reward.py's ``e2e`` hook, after the batched-vs-per-sample half. On a CPU machine
+the server shares the cores with the run's engine and learner, so the overhead measured
+there includes that competition for cores; on GPU nodes the reward fleet has its own.
 
 Left out: the cost when scoring cannot overlap (a synchronous trainer scoring at the
 learner), reward servers sharing devices with the engines.
@@ -29,16 +34,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench import e2e
 from bench.common import Progress, median, ratio, suite_json_path, suite_record, write_json
+from bench.reward_server import RewardServer
 
 SUITE = "reward_e2e"
 ARMS = ("rule", "model")
 DEFAULT_ETA = 2
+# the e2e suite's workload and sizes (a quick run: 2 repetitions x 2 arms of 32 steps)
+QUICK_SIZES, FULL_SIZES = e2e.QUICK_SIZES, e2e.FULL_SIZES
 SCORING_KEYS = ("reward/group_latency_s/mean", "reward/model_failed", "reward/samples_failed")
 
 
@@ -132,17 +140,99 @@ def run(
     ``reward_e2e.json``."""
     if not reward_urls:
         raise ValueError("reward_e2e: give the reward servers' URLs (reward_urls)")
+    prepared = _prepare(out_dir, quick, sizes, base_config, reward_model)
+    return _train_arms(prepared, reward_urls, quick=quick, reps=reps, eta=eta, train_fn=train_fn)
+
+
+def run_served(
+    out_dir: str | Path,
+    quick: bool = False,
+    *,
+    reward_model: str | Path | None = None,
+    reps: int | None = None,
+    eta: int = DEFAULT_ETA,
+    sizes: e2e.E2ESizes | None = None,
+    base_config: str | Path | None = None,
+    train_fn: e2e.TrainFn | None = None,
+    server_factory: Callable[[Path], RewardServer] = RewardServer,
+) -> dict[str, Any]:
+    """``run`` on a reward server started here for the reward model, stopped after the runs
+    (also when one fails). The summary adds what the server itself counted
+    (``server_scored_requests``, ``server_scored_items``), which says the model arm's scores
+    came from it."""
+    prepared = _prepare(out_dir, quick, sizes, base_config, reward_model)
+    prepared.progress.note(f"starting a reward server for {prepared.reward_model}")
+    with server_factory(prepared.reward_model) as server:
+        server.wait()
+        prepared.progress.note(f"reward server at {server.url}")
+        out = _train_arms(
+            prepared, [server.url], quick=quick, reps=reps, eta=eta, train_fn=train_fn
+        )
+        info = server.info()
+    out["summary"]["server_scored_requests"] = info.get("scored_requests")
+    out["summary"]["server_scored_items"] = info.get("scored_items")
+    out["config"]["server"] = "embedded reward engine (fleetrl engine), own process, loopback"
+    write_json(
+        suite_json_path(out_dir, SUITE),
+        suite_record(
+            SUITE,
+            config=out["config"],
+            results=out["results"],
+            summary=out["summary"],
+            wall_s=time.monotonic() - prepared.started,
+        ),
+    )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """What both entry points share before training: the workload and the reward model."""
+
+    out_dir: Path
+    sizes: e2e.E2ESizes
+    workload: e2e.Workload
+    reward_model: Path
+    progress: Progress
+    started: float
+
+
+def _prepare(
+    out_dir: str | Path,
+    quick: bool,
+    sizes: e2e.E2ESizes | None,
+    base_config: str | Path | None,
+    reward_model: str | Path | None,
+) -> _Prepared:
     started = time.monotonic()
-    sizes = sizes or (e2e.QUICK_SIZES if quick else e2e.FULL_SIZES)
-    reps = max(1, reps) if reps is not None else (e2e.QUICK_REPS if quick else e2e.FULL_REPS)
-    train = train_fn or e2e.default_train_fn()
+    sizes = sizes or (QUICK_SIZES if quick else FULL_SIZES)
     work = Path(out_dir) / SUITE
-    plan = run_plan(reps)
-    progress = Progress(SUITE, total=len(plan))
+    progress = Progress(SUITE)
     workload = e2e.prepare_workload(work, sizes, base_config, progress)
     folder = (
         Path(reward_model) if reward_model else build_reward_model(work, sizes, workload.model_dir)
     )
+    return _Prepared(Path(out_dir), sizes, workload, folder, progress, started)
+
+
+def _train_arms(
+    prepared: _Prepared,
+    reward_urls: Sequence[str],
+    *,
+    quick: bool,
+    reps: int | None,
+    eta: int,
+    train_fn: e2e.TrainFn | None,
+) -> dict[str, Any]:
+    out_dir, sizes, workload, folder = (
+        prepared.out_dir, prepared.sizes, prepared.workload, prepared.reward_model
+    )  # fmt: skip
+    reps = max(1, reps) if reps is not None else (e2e.QUICK_REPS if quick else e2e.FULL_REPS)
+    train = train_fn or e2e.default_train_fn()
+    work = out_dir / SUITE
+    plan = run_plan(reps)
+    progress = prepared.progress
+    progress.total = len(plan)
     config = {
         "eta": eta,
         "reps": reps,
@@ -189,7 +279,7 @@ def run(
             config=config,
             results={"runs": runs},
             summary=summary,
-            wall_s=time.monotonic() - started,
+            wall_s=time.monotonic() - prepared.started,
         ),
     )
     return {"config": config, "results": {"runs": runs}, "summary": summary}

@@ -15,13 +15,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from fleetrl.models.tiny import make_tiny_model
+from tests.e2e.demo_run import demo_train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -52,18 +52,12 @@ def _alive(pid: int) -> bool:
 def test_run_places_the_reward_fleet_and_replaces_a_killed_reward_server(tmp_path: Path):
     rm = make_tiny_model(tmp_path / "rm", layers=1, hidden=32, heads=4, max_positions=64, seed=3, reward_model=True)  # fmt: skip
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "launcher.cli", "train", "--config", "configs/demo_cpu.yaml",
-        f"trainer.output_dir={run_dir}", f"trainer.total_steps={STEPS}",
-        "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
-        "trainer.resume=disable",
-        f"model.path={tmp_path / 'model'}", "model.warmstart.steps=20",
-        f"data.train_files=[{tmp_path / 'data' / 'train.parquet'}]",
-        f"data.val_files=[{tmp_path / 'data' / 'test.parquet'}]",
+    cmd = demo_train_cmd(
+        tmp_path, run_dir, STEPS,
         f"reward.model.path={rm}", "reward.model.cpus_per_engine=0.5",
         "rollout.health_check_interval_s=1", "rollout.health_check_timeout_s=3",
         "rollout.health_failures_before_dead=2",
-    ]  # fmt: skip
+    )  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     log_path = tmp_path / "train.log"
     with log_path.open("w") as log:

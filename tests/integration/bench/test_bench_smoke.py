@@ -14,8 +14,9 @@ import math
 from pathlib import Path
 
 import pytest
+import requests
 
-from bench import accuracy, cli, e2e
+from bench import accuracy, cli, e2e, reward_e2e
 from bench.common import read_json
 from bench.report import HEADLINES, write_report
 
@@ -37,14 +38,57 @@ def _assert_headlines(record: dict, suite: str) -> None:
         assert isinstance(value, int | float) and math.isfinite(value) and value > 0, (key, value)
 
 
+def _classifying_train(seen: list):
+    """A stand-in for the training loop that, in the model arm, scores one input on the
+    reward server it is pointed at (the server the reward suite started) and runs 20 %
+    slower; the rule arm touches no server."""
+
+    def train(cfg):
+        urls = list(cfg.reward.model.urls)
+        if urls:
+            reply = requests.post(
+                urls[0] + "/classify", json={"input_ids": [[7, 8, 9]]}, timeout=60
+            )
+            reply.raise_for_status()
+            seen.append(reply.json()[0]["embedding"][0])
+        run_dir = Path(cfg.trainer.output_dir)
+        run_dir.mkdir(parents=True)
+        step_s = 1.2 if urls else 1.0
+        rows = [
+            {"step": step, "timing_s/step": step_s, "time/elapsed_s": step * step_s}
+            for step in range(1, cfg.trainer.total_steps + 1)
+        ]
+        path = run_dir / "metrics.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return {"metrics_path": str(path), "run_dir": str(run_dir)}
+
+    return train
+
+
 @pytest.mark.parametrize("suite", PEER_SUITES)
-def test_suite_runs_at_its_smallest_size_and_reports_its_headline_ratios(suite, tmp_path):
+def test_suite_runs_at_its_smallest_size_and_reports_its_headline_ratios(suite, tmp_path, monkeypatch):  # fmt: skip
     _require_module(suite)
+    scored: list[float] = []
+    if suite == "reward":  # its e2e half trains: scripted here, on the real server it starts
+        tiny = dataclasses.replace(
+            e2e.QUICK_SIZES, total_steps=4, warmup_steps=1, test_freq=2, train_size=16,
+            val_size=4, hidden=32, layers=1, warmstart_steps=0,
+        )  # fmt: skip
+        monkeypatch.setattr(reward_e2e, "QUICK_SIZES", tiny)
+        monkeypatch.setattr(e2e, "default_train_fn", lambda: _classifying_train(scored))
     record = cli.run_suite(suite, tmp_path, quick=True, reps=1, flags=SMALLEST_FLAGS)
     _assert_headlines(record, suite)
     assert read_json(tmp_path / f"{suite}.json")["suite"] == suite
     written = write_report(tmp_path)
     assert f"| {suite} |" in written["report.md"].read_text()
+    if suite == "reward":
+        summary = record["summary"]
+        assert len(scored) == 2 and all(math.isfinite(v) for v in scored)  # 2 model-arm runs
+        assert summary["model_vs_rule"] == pytest.approx(1 / 1.2)
+        assert summary["server_scored_items"] == 2  # the scripted runs' inputs, on that server
+        url = read_json(tmp_path / "reward_e2e.json")["config"]["reward_urls"][0]
+        with pytest.raises(requests.ConnectionError):  # stopped after the runs
+            requests.get(url + "/health", timeout=5)
 
 
 @pytest.mark.slow
