@@ -57,43 +57,47 @@ def wrong_sum(answer: int, rng: np.random.Generator) -> int:
             return wrong
 
 
-def add2_pairs(split: str, size: int, seed: int) -> list[dict[str, Any]]:
-    """Preference rows of one split of ``add2`` (deterministic in ``seed``)."""
+def _add2_pairs(
+    split: str,
+    size: int,
+    seed: int,
+    streams: tuple[int, int],
+    answers: Callable[[int, np.random.Generator], tuple[int, int]],
+) -> list[dict[str, Any]]:
+    """``size`` rows over one split of ``add2``'s instances, each pass in a fresh random
+    order: ``answers(sum, rng)`` gives the (chosen, rejected) answers of an instance; the
+    random stream is ``streams[0]`` for train, ``streams[1]`` for test (deterministic)."""
     train, test = split_instances(get_task("add2"), seed)
     instances = train if split == "train" else test
-    rng = np.random.default_rng([seed, 3 if split == "train" else 4])
+    rng = np.random.default_rng([seed, streams[0] if split == "train" else streams[1]])
     rows = []
     while len(rows) < size:
         for i in rng.permutation(len(instances)):
             if len(rows) == size:
                 break
             content, answer = instances[i]
-            wrong = wrong_sum(int(answer), rng)
-            rows.append({"prompt": [{"role": "user", "content": content}], "chosen": answer, "rejected": str(wrong)})  # fmt: skip
+            chosen, rejected = answers(int(answer), rng)
+            rows.append({"prompt": [{"role": "user", "content": content}], "chosen": str(chosen), "rejected": str(rejected)})  # fmt: skip
     return rows
+
+
+def add2_pairs(split: str, size: int, seed: int) -> list[dict[str, Any]]:
+    """Preference rows of one split of ``add2`` (deterministic in ``seed``)."""
+    return _add2_pairs(split, size, seed, (3, 4), lambda total, rng: (total, wrong_sum(total, rng)))
 
 
 NEAR_SHARE = 0.6  # add2_even: pairs of the policy's own two answers (sum, sum + 1)
 
 
+def _even_over_odd(total: int, rng: np.random.Generator) -> tuple[int, int]:
+    if rng.random() < NEAR_SHARE:
+        return (total, total + 1) if total % 2 == 0 else (total + 1, total)
+    return 2 * int(rng.integers(0, 55)), 2 * int(rng.integers(0, 55)) + 1
+
+
 def add2_even_pairs(split: str, size: int, seed: int) -> list[dict[str, Any]]:
     """Preference rows of one split of ``add2_even``: an even answer over an odd one."""
-    train, test = split_instances(get_task("add2"), seed)
-    instances = train if split == "train" else test
-    rng = np.random.default_rng([seed, 5 if split == "train" else 6])
-    rows = []
-    while len(rows) < size:
-        for i in rng.permutation(len(instances)):
-            if len(rows) == size:
-                break
-            content, answer = instances[i]
-            total = int(answer)
-            if rng.random() < NEAR_SHARE:
-                even, odd = (total, total + 1) if total % 2 == 0 else (total + 1, total)
-            else:
-                even, odd = 2 * int(rng.integers(0, 55)), 2 * int(rng.integers(0, 55)) + 1
-            rows.append({"prompt": [{"role": "user", "content": content}], "chosen": str(even), "rejected": str(odd)})  # fmt: skip
-    return rows
+    return _add2_pairs(split, size, seed, (5, 6), _even_over_odd)
 
 
 TASKS: dict[str, Callable[[str, int, int], list[dict[str, Any]]]] = {
