@@ -63,7 +63,6 @@ from bench.e2e import (
     default_train_fn,
     first_number,
     prepare_workload,
-    run_overrides,
     train_once,
 )
 from fleetrl.log import get_logger
@@ -312,15 +311,8 @@ def run(
         for eta, correction in plan if index % 2 == 0 else list(reversed(plan)):
             label = f"η={eta}" + (" bypass" if correction == "bypass" else "") + f" seed {seed}"
             run_dir = work / "runs" / f"{setting_key(eta, correction)}-seed{seed}"
-            overrides = run_overrides(
-                work_sizes,
-                eta=eta,
-                correction=correction,
-                run_dir=run_dir,
-                model_dir=workload.model_dir,
-                train_file=workload.train_file,
-                val_file=workload.val_file,
-                max_eta=max_eta,
+            overrides = workload.overrides(
+                work_sizes, eta=eta, correction=correction, run_dir=run_dir, max_eta=max_eta
             ) + [
                 f"trainer.seed={seed}",
                 # no in-run validation: snapshots, scored after the run (see the docstring)

@@ -387,6 +387,15 @@ class Workload:
     model_dir: Path
     base_config: Path
 
+    def overrides(
+        self, sizes: E2ESizes, *, eta: int, correction: str, run_dir: Path, max_eta: int
+    ) -> list[str]:
+        """``run_overrides`` for one run on this workload's model and data."""
+        return run_overrides(
+            sizes, eta=eta, correction=correction, run_dir=run_dir, model_dir=self.model_dir,
+            train_file=self.train_file, val_file=self.val_file, max_eta=max_eta,
+        )  # fmt: skip
+
 
 def prepare_workload(
     work: Path, sizes: E2ESizes, base_config: str | Path | None, progress: Progress
@@ -496,22 +505,14 @@ def run(
     progress = Progress(SUITE, total=len(plan))
     progress.note(f"headline η = {headline_eta} (declared); {reps} repetitions per η")
     workload = prepare_workload(work, sizes, base_config, progress)
-    model_dir = workload.model_dir
-    train_file, val_file, budget_stats = workload.train_file, workload.val_file, workload.budget
+    budget_stats = workload.budget
     max_eta = max(etas)
     runs: list[dict[str, Any]] = []
     for rep, eta, correction in plan:
         label = f"η={eta}" + (" bypass" if correction == "bypass" else "")
         run_dir = work / "runs" / f"rep{rep}-eta{eta}-{correction}"
-        overrides = run_overrides(
-            sizes,
-            eta=eta,
-            correction=correction,
-            run_dir=run_dir,
-            model_dir=model_dir,
-            train_file=train_file,
-            val_file=val_file,
-            max_eta=max_eta,
+        overrides = workload.overrides(
+            sizes, eta=eta, correction=correction, run_dir=run_dir, max_eta=max_eta
         )
         progress.note(f"training {label} (rep {rep + 1}/{reps}) -> {run_dir}")
         result, rows = train_once(train, base, overrides, run_dir)

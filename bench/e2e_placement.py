@@ -39,7 +39,6 @@ from bench.e2e import (
     default_train_fn,
     first_number,
     prepare_workload,
-    run_overrides,
     train_once,
 )
 
@@ -157,15 +156,8 @@ def run(
     runs: list[dict[str, Any]] = []
     for rep, eta, placement in plan:
         run_dir = work / "runs" / f"rep{rep}-eta{eta}-{placement}"
-        overrides = run_overrides(
-            sizes,
-            eta=eta,
-            correction="decoupled",
-            run_dir=run_dir,
-            model_dir=workload.model_dir,
-            train_file=workload.train_file,
-            val_file=workload.val_file,
-            max_eta=headline_eta,
+        overrides = workload.overrides(
+            sizes, eta=eta, correction="decoupled", run_dir=run_dir, max_eta=headline_eta
         ) + [f"rollout.placement={placement}"]
         progress.note(f"training η={eta} {placement} (rep {rep + 1}/{reps}) -> {run_dir}")
         result, rows = train_once(train, workload.base_config, overrides, run_dir)

@@ -248,15 +248,8 @@ def _train_arms(
     runs: list[dict[str, Any]] = []
     for rep, arm in plan:
         run_dir = work / "runs" / f"rep{rep}-{arm}"
-        overrides = e2e.run_overrides(
-            sizes,
-            eta=eta,
-            correction="decoupled",
-            run_dir=run_dir,
-            model_dir=workload.model_dir,
-            train_file=workload.train_file,
-            val_file=workload.val_file,
-            max_eta=eta,
+        overrides = workload.overrides(
+            sizes, eta=eta, correction="decoupled", run_dir=run_dir, max_eta=eta
         )
         if arm == "model":
             overrides += model_overrides(folder, reward_urls)
