@@ -16,9 +16,11 @@ built-in scorer of each prompt's ``data_source``, ``rollout_fleet.rewards``), an
 samples of one prompt that the rule ranks apart, the fraction the reward model ranks the
 same way: what a group-relative advantage needs), ``rule_mean``, ``rm_mean``, ``samples``.
 
-The score is read at each sequence's true last token (its EOS), not through
-transformers' pooling, which looks for the last non-pad token and reads the wrong one
-when a tokenizer's pad token is its EOS. Single process, no Ray.
+Every sequence is rendered by ``fleetrl.data.render`` (the rendering training and RL
+scoring use) and scored by ``fleetrl.models.sequence_scores`` at its true last token (its
+EOS), as the reward servers read it, not through transformers' pooling, which looks for
+the last non-pad token and reads the wrong one when a tokenizer's pad token is its EOS.
+Single process, no Ray.
 """
 
 from __future__ import annotations
@@ -70,28 +72,13 @@ def load_reward_model(folder: str | Path) -> tuple[Any, Any]:
 
 
 def score_sequences(model: Any, sequences: list[list[int]] | list[np.ndarray]) -> np.ndarray:
-    """The reward model's score of each token sequence, read at its last token."""
-    import torch
+    """The reward model's score of each token sequence, read at its last token (the forward
+    the embedded reward engine runs: ``fleetrl.models.sequence_scores``)."""
+    from fleetrl.models.sequence_scores import score_at_last_tokens
 
     backbone = getattr(model, model.base_model_prefix)
-    out = np.zeros(len(sequences))
-    order = np.argsort([len(s) for s in sequences])  # similar lengths share a batch
-    with torch.no_grad():
-        for start in range(0, len(order), SCORE_BATCH):
-            chunk = order[start : start + SCORE_BATCH]
-            width = max(len(sequences[i]) for i in chunk)
-            ids = torch.zeros(len(chunk), width, dtype=torch.long)
-            mask = torch.zeros(len(chunk), width, dtype=torch.long)
-            for row, i in enumerate(chunk):
-                ids[row, : len(sequences[i])] = torch.tensor(
-                    np.asarray(sequences[i], dtype=np.int64)
-                )
-                mask[row, : len(sequences[i])] = 1
-            hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state
-            last = mask.sum(dim=1) - 1
-            scores = model.score(hidden[torch.arange(len(chunk)), last]).float()[:, 0]
-            out[chunk] = scores.numpy()
-    return out
+    values = score_at_last_tokens(backbone, model.score, sequences, max_rows=SCORE_BATCH)
+    return np.asarray([row[0] for row in values], dtype=np.float64)
 
 
 def eval_pairs(folder: str | Path, files: list[str], *, max_length: int, chat: bool) -> dict[str, Any]:  # fmt: skip
@@ -116,7 +103,7 @@ def sample_responses(
     """``count`` responses per prompt from the policy: {group, prompt, response, data_source, ground_truth, extra_info}."""
     import torch
 
-    from fleetrl.data.reader import render_prompt
+    from fleetrl.data.render import render_prompt
     from fleetrl.data.schema import read_rows
     from fleetrl.models.loading import load_causal_lm, load_tokenizer
 
@@ -196,15 +183,15 @@ def rule_function(spec: str) -> Any:
 
 
 def eval_policy_samples(folder: str | Path, args: argparse.Namespace) -> dict[str, Any]:
-    from fleetrl.models.reward_input import reward_token_ids
+    from fleetrl.data.render import render_reward_input
 
     model, tokenizer = load_reward_model(folder)
     samples = sample_responses(
         args.policy, args.prompts, count=args.samples, max_prompts=args.max_prompts,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
     )  # fmt: skip
-    chat = not args.no_chat_template
-    rm = score_sequences(model, [reward_token_ids(tokenizer, s["prompt"], s["response"], apply_chat_template=chat) for s in samples])  # fmt: skip
+    chat = "off" if args.no_chat_template else "auto"
+    rm = score_sequences(model, [render_reward_input(tokenizer, s["prompt"], s["response"], chat) for s in samples])  # fmt: skip
     judge = rule_function(args.rule)
     rule = []
     for s in samples:

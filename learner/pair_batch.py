@@ -33,6 +33,7 @@ import torch
 
 from buffer.arrow_batch import list_column_numpy
 from fleetrl.data.pairs import PAIR_SCHEMA
+from fleetrl.models.sequence_scores import last_token_columns
 from learner.batching import BatchError, plan_ranks
 from learner.packing import MicroBatchInputs, as_long, layout_sequences
 
@@ -133,7 +134,7 @@ def build_pair_inputs(
         return MicroBatchInputs.empty(device)
     seqs = [batch.chosen(i) for i in indices] + [batch.rejected(i) for i in indices]
     layout = layout_sequences(seqs, packing=packing, row_tokens=row_tokens)
-    last = layout.start_of + np.array([len(s) for s in seqs], dtype=np.int64) - 1
+    last = last_token_columns(layout.start_of, np.array([len(s) for s in seqs]))
     return MicroBatchInputs(
         indices=indices,
         input_ids=as_long(layout.ids, device),

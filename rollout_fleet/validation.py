@@ -10,7 +10,8 @@ fleetrl's own (``val/num_samples``, ``val/num_failed``, ``val/response_length/me
 sample whose reward failed counts only in ``val/num_reward_failed``. ``pick_samples`` is
 ``trainer.log_val_generations``: the same seeded choice of prompts at every validation,
 so an answer can be followed from step to step, each a ``ValSample``
-(launcher/generations.py writes them to ``<run dir>/generations.jsonl`` and wandb).
+(launcher/generations.py writes them to ``<run dir>/generations.jsonl`` and wandb), the
+prompt with the special tokens the policy read.
 
 Left out: several samples per prompt (verl's ``mean@N``/``best@N`` for N > 1).
 """
@@ -112,9 +113,13 @@ def pick_samples(
     total: int,
     count: int,
     seed: int,
-    decode: Callable[[list[int]], str],
+    decode: Callable[..., str],
 ) -> list[ValSample]:
-    """``count`` samples of the ``total`` prompts, the same positions at every validation."""
+    """``count`` samples of the ``total`` prompts, the same positions at every validation.
+
+    ``decode(ids, skip_special_tokens=...)`` is the tokenizer's: the prompt is written as
+    the policy read it, its special tokens (BOS, the template's markers) included; the
+    response as text."""
     if count <= 0 or total <= 0:
         return []
     chosen = set(np.random.default_rng(seed).permutation(total)[:count].tolist())
@@ -123,8 +128,8 @@ def pick_samples(
         ValSample(
             index=r.position,
             data_source=r.prompt.data_source,
-            prompt=decode([int(t) for t in r.prompt.prompt_ids]),
-            response=decode(r.sample.output_ids),
+            prompt=decode([int(t) for t in r.prompt.prompt_ids], skip_special_tokens=False),
+            response=decode(r.sample.output_ids, skip_special_tokens=True),
             ground_truth=r.prompt.ground_truth,
             score=r.score,
             response_length=r.sample.num_generated,

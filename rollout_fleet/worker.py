@@ -339,8 +339,7 @@ class RolloutWorker:
                 total = position + 1
                 tasks.create_task(one(position, prompt))
         metrics = summarize(results, len(failed), multi_turn=self.multi_turn is not None)
-        decode = functools.partial(self._tokenizer.decode, skip_special_tokens=True)
-        samples = pick_samples(results, total, keep_samples, sample_seed, decode)
+        samples = pick_samples(results, total, keep_samples, sample_seed, self._tokenizer.decode)
         return Validation(metrics=metrics, samples=samples)
 
     def metrics(self) -> dict[str, float]:

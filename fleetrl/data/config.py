@@ -52,7 +52,10 @@ class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = -1
     apply_chat_template: Annotated[
-        bool, Meta(description="Render `prompt` messages with the tokenizer's chat template.")
+        bool,
+        Meta(
+            description="Render chat-message prompts with the tokenizer's chat template (it must have one); off, or a plain-string prompt: the text as the tokenizer encodes it, its BOS included (fleetrl.data.render)."
+        ),
     ] = True
     shuffle: Annotated[
         bool, Meta(description="Shuffle each epoch deterministically from `seed`.")
@@ -121,7 +124,7 @@ class PreferenceDataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     apply_chat_template: Annotated[
         bool,
         Meta(
-            description="Render chat prompts with the tokenizer's template, the response as the assistant's message (fleetrl.models.reward_input)."
+            description="Render chat prompts with the tokenizer's template where it has one, the response as the assistant's message; plain-string prompts stay text (fleetrl.data.render, the rendering RL scoring uses with reward.model.apply_chat_template=auto)."
         ),
     ] = True
     shuffle: Annotated[

@@ -2,7 +2,7 @@
 
 ``PreferencePairs`` reads and validates every preference file once
 (``fleetrl.data.preference``), renders both sequences of each pair as the reward model
-reads them (``fleetrl.models.reward_input``: prompt + response, EOS last) and keeps the
+reads them (``fleetrl.data.render.render_reward_input``: prompt + response, EOS last) and keeps the
 token ids in two flat int32 buffers. Rows that cannot teach anything are counted by
 reason and dropped, logged once, as the RL prompt reader drops over-long prompts:
 
@@ -35,9 +35,9 @@ import numpy as np
 import pyarrow as pa
 
 from fleetrl.data.preference import read_preference_rows
+from fleetrl.data.render import render_reward_input
 from fleetrl.data.schema import DatasetError
 from fleetrl.log import get_logger
-from fleetrl.models.reward_input import reward_token_ids
 
 log = get_logger(__name__)
 
@@ -90,6 +90,8 @@ class PreferencePairs:
         self.max_length = max_length
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self.origin: list[tuple[str, int]] = []  # (file, row) of each kept pair
+        # on: the template where the tokenizer has one (reward.model.apply_chat_template's auto)
+        template = "auto" if apply_chat_template else "off"
         chosen: list[list[int]] = []
         rejected: list[list[int]] = []
         margins: list[float] = []
@@ -98,12 +100,7 @@ class PreferencePairs:
                 reason = self._drop_reason(row)
                 if reason is None:
                     ids = [
-                        reward_token_ids(
-                            tokenizer,
-                            row["prompt"],
-                            row[side],
-                            apply_chat_template=apply_chat_template,
-                        )  # fmt: skip
+                        render_reward_input(tokenizer, row["prompt"], row[side], template)
                         for side in ("chosen", "rejected")
                     ]
                     if max(len(ids[0]), len(ids[1])) > max_length:

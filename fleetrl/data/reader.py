@@ -1,8 +1,9 @@
 """Stream tokenized prompts from verl-schema Parquet files, epoch after epoch, resumably.
 
-``PromptReader`` reads and validates every file once, renders each prompt with
-the tokenizer's chat template (``add_generation_prompt=True``), tokenizes it,
-and drops prompts longer than ``max_prompt_length`` tokens (counted in
+``PromptReader`` reads and validates every file once, renders each prompt (chat
+messages with the tokenizer's chat template and the generation prompt, a plain string
+as its text: ``fleetrl.data.render.render_prompt``, the one rendering of prompts),
+tokenizes it, and drops prompts longer than ``max_prompt_length`` tokens (counted in
 ``num_filtered``, logged once), or truncates them or refuses the file
 (``truncation``, verl's values). ``max_samples`` keeps a subset of the rows (verl's
 ``train_max_samples``). It then hands out ``PromptItem``s forever:
@@ -29,22 +30,19 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from fleetrl.data.render import ChatTemplateMissing, Prompt, render_prompt
+from fleetrl.data.render import Tokenizer as ChatTokenizer
 from fleetrl.data.schema import DatasetError, read_rows
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)
 
 STATE_VERSION = 1
-
-
-class ChatTokenizer(Protocol):
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
-
-    def encode(self, text: str, **kwargs: Any) -> list[int]: ...
+__all__ = ["PromptItem", "PromptReader", "render_prompt", "truncate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,21 +54,14 @@ class PromptItem:
     data_source: str
     ground_truth: str
     extra_info: dict[str, Any]
-    raw_prompt: list[dict[str, str]]  # the chat messages before templating
+    raw_prompt: Prompt  # the chat messages (or the plain string) before rendering
     ability: str = ""
     file: str = ""  # which file and row it came from, for error messages and analysis
     row: int = -1
 
 
-def render_prompt(
-    tokenizer: ChatTokenizer, messages: list[dict[str, str]], apply_chat_template: bool
-) -> list[int]:
-    """Token ids of ``messages``: chat template with generation prompt, or contents joined by newlines."""
-    if apply_chat_template:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    else:
-        text = "\n".join(message["content"] for message in messages)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+def _raw(prompt: Prompt) -> Prompt:
+    return prompt if isinstance(prompt, str) else [dict(message) for message in prompt]
 
 
 TRUNCATIONS = ("filter", "error", "left", "right", "middle")
@@ -135,7 +126,10 @@ class PromptReader:
         offsets = [0]
         chunks: list[np.ndarray] = []
         for file, row_index, row in _sample(self.files, max_samples, shuffle, seed):
-            ids = render_prompt(tokenizer, row["prompt"], apply_chat_template)
+            try:
+                ids = render_prompt(tokenizer, row["prompt"], apply_chat_template)
+            except ChatTemplateMissing as err:
+                raise DatasetError(file, str(err), row=row_index, field="prompt") from None
             if len(ids) > max_prompt_length:
                 if truncation == "filter":
                     self.num_filtered += 1
@@ -201,7 +195,7 @@ class PromptReader:
             data_source=row["data_source"],
             ground_truth=row["reward_model"]["ground_truth"],
             extra_info=dict(row["extra_info"]),
-            raw_prompt=[dict(message) for message in row["prompt"]],
+            raw_prompt=_raw(row["prompt"]),
             ability=row["ability"],
             file=file,
             row=row_index,

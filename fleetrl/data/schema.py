@@ -3,7 +3,8 @@
 One row is one prompt::
 
     data_source   str                          which scorer grades it ("openai/gsm8k", "synth/add")
-    prompt        list[{role: str, content: str}]   chat messages, rendered by the chat template
+    prompt        list[{role: str, content: str}]   chat messages, rendered by the chat template,
+                  | str                              or a plain string (fleetrl.data.render)
     ability       str                          free-form tag ("math", "synth")
     reward_model  {style: str, ground_truth: str}
     extra_info    {split: str, index: int, ...}     anything else the scorer or analysis needs
@@ -82,11 +83,15 @@ def validate_row(row: Any, *, file: str | Path, index: int) -> None:
         raise fail("ability", f"expected a string, got {_type_name(row['ability'])}")
 
     prompt = row["prompt"]
-    if not isinstance(prompt, list) or not prompt:
+    if isinstance(prompt, str) and prompt:
+        pass  # a plain-string prompt: the text itself (fleetrl.data.render)
+    elif not isinstance(prompt, list) or not prompt:
         raise fail(
-            "prompt", f"expected a non-empty list of {{role, content}} messages, got {prompt!r:.80}"
+            "prompt",
+            f"expected a non-empty string or list of {{role, content}} messages, got {prompt!r:.80}",
         )
-    validate_messages(prompt, fail)
+    else:
+        validate_messages(prompt, fail)
 
     reward_model = row["reward_model"]
     if not isinstance(reward_model, Mapping):
@@ -146,6 +151,13 @@ def read_rows(file: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _prompt_type(prompts: list[Any]) -> pa.DataType:
+    """A string column when every prompt is a plain string, else chat messages."""
+    if prompts and all(isinstance(p, str) for p in prompts):
+        return pa.string()
+    return pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+
+
 def write_rows(rows: Iterable[Mapping[str, Any]], file: str | Path) -> Path:
     """Validate ``rows`` and write them as one Parquet file (parent folders are created)."""
     path = Path(file)
@@ -156,10 +168,7 @@ def write_rows(rows: Iterable[Mapping[str, Any]], file: str | Path) -> Path:
     table = pa.table(
         {
             "data_source": pa.array(columns["data_source"], pa.string()),
-            "prompt": pa.array(
-                columns["prompt"],
-                pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])),
-            ),
+            "prompt": pa.array(columns["prompt"], _prompt_type(columns["prompt"])),
             "ability": pa.array(columns["ability"], pa.string()),
             "reward_model": pa.array(
                 columns["reward_model"],

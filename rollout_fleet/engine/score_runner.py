@@ -8,12 +8,10 @@ batch transformers reads the last token that is not ``pad_token_id``; a sequence
 with the pad token, e.g. an EOS that doubles as pad, is read at that token here and by
 SGLang, one token earlier by transformers.)
 
-Batching: padded, not packed. The prompts are sorted by length and cut into forwards of at
-most ``max_rows`` rows and ``max_batch_tokens`` padded tokens (rows × longest row); each
-forward right-pads with an attention mask, runs the base model once and applies the head to
-the hidden state at each row's last real token. Right padding never changes the real
-tokens' states under causal attention, and sorting keeps the padding small; packing would
-need a varlen attention kernel this CPU path does not have.
+Batching and the read-out are ``fleetrl.models.sequence_scores.score_at_last_tokens``, the
+forward ``fleetrl rm eval`` runs too: sorted by length, forwards of at most ``max_rows``
+rows and ``max_batch_tokens`` padded tokens, right-padded, the head at each row's last real
+token (packing would need a varlen attention kernel this CPU path does not have).
 
 Weights: ``load_weights`` copies tensors by Hugging Face name, everything validated before
 the first copy (``runner.copy_weights``), for ``/update_weights_from_disk``. Driven by one
@@ -29,6 +27,7 @@ import torch
 
 from fleetrl.log import get_logger
 from fleetrl.models.loading import load_sequence_classifier, load_tokenizer
+from fleetrl.models.sequence_scores import length_chunks, score_at_last_tokens
 from rollout_fleet.engine.cli_args import DEFAULT_MAX_BATCH_TOKENS
 from rollout_fleet.engine.runner import copy_weights
 
@@ -90,44 +89,17 @@ class ScoreRunner:
 
     def forwards(self, lengths: list[int]) -> list[list[int]]:
         """The indices of each forward ``score`` runs for prompts of ``lengths``."""
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        chunks: list[list[int]] = []
-        current: list[int] = []
-        for index in order:
-            rows = len(current) + 1
-            if current and (rows > self.max_rows or rows * lengths[index] > self.max_batch_tokens):
-                chunks.append(current)
-                current = []
-            current.append(index)
-        if current:
-            chunks.append(current)
-        return chunks
+        return length_chunks(
+            lengths, max_rows=self.max_rows, max_batch_tokens=self.max_batch_tokens
+        )
 
-    @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[list[float]]:
         """The head's values at each prompt's last token, in the prompts' order."""
-        out: list[list[float]] = [[] for _ in prompts]
-        for chunk in self.forwards([len(p) for p in prompts]):
-            values = self._forward([prompts[i] for i in chunk])
-            for index, row in zip(chunk, values, strict=True):
-                out[index] = row
-        return out
-
-    def _forward(self, rows: list[list[int]]) -> list[list[float]]:
-        longest = max(len(r) for r in rows)
-        ids = torch.zeros((len(rows), longest), dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[i, : len(row)] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        self.forwards_run += 1
-        padded = bool((mask == 0).any())
-        hidden = self.base(input_ids=ids, attention_mask=mask if padded else None)
-        states = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
-        last = mask.sum(dim=1) - 1
-        pooled = states[torch.arange(len(rows), device=self.device), last]
-        return self.head(pooled).float().cpu().tolist()
+        self.forwards_run += len(self.forwards([len(p) for p in prompts]))
+        return score_at_last_tokens(
+            self.base, self.head, prompts, device=self.device,
+            max_rows=self.max_rows, max_batch_tokens=self.max_batch_tokens,
+        )  # fmt: skip
 
     # -- weights ---------------------------------------------------------------------------
 

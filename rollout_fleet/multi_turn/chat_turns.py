@@ -17,8 +17,8 @@ puts between the end of the policy's turn and the start of the next one:
    observation's own turn plus the next generation prompt (ChatML:
    ``<|im_start|>tool\\n<content><|im_end|>\\n<|im_start|>assistant\\n``).
 
-Rendering and encoding are as ``fleetrl.data.reader.render_prompt`` does for
-the prompt (text, then ``encode(add_special_tokens=False)``), so the whole
+Rendering and encoding are as ``fleetrl.data.render.render_prompt`` does for
+a templated prompt (text, then ``encode(add_special_tokens=False)``), so the whole
 sequence is the template's rendering of the conversation (up to how the
 policy's own tokens would be re-tokenised, and special tokens inside a turn,
 which its message text leaves out). A template that
@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from fleetrl.data.render import encode_text
 from rollout_fleet.sample_runner import SampleFailed
 
 Message = dict[str, Any]
@@ -63,7 +64,7 @@ class ChatTurns:
         )
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_text(self.tokenizer, text, from_template=True)
 
     def assistant_content(self, turn_ids: Sequence[int]) -> str:
         """The assistant message of a generated turn: its text without special tokens."""

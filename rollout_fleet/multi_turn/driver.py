@@ -83,7 +83,7 @@ class MultiTurnDriver:
     ) -> Conversation:
         """Run the conversation of one sample; raises ``SampleFailed`` (engines, environment,
         chat template) as ``SampleRunner.generate`` does."""
-        if not prompt.raw_prompt:
+        if not prompt.raw_prompt or isinstance(prompt.raw_prompt, str):
             raise ValueError(f"sample {uid}: multi-turn needs the prompt's chat messages")
         messages: list[dict[str, Any]] = [dict(m) for m in prompt.raw_prompt]
         response = SampleProgress([int(t) for t in prompt.prompt_ids], sampling["max_new_tokens"])

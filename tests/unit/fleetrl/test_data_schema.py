@@ -42,7 +42,8 @@ def test_written_rows_read_back_identically(tmp_path):
     [
         (("data_source",), "", "data_source"),
         (("data_source",), KeyError, "data_source"),
-        (("prompt",), "3+5=", "prompt"),
+        (("prompt",), "", "prompt"),
+        (("prompt",), 5, "prompt"),
         (("prompt",), [], "prompt"),
         (("prompt", 0, "role"), "narrator", "prompt[0].role"),
         (("prompt", 0, "content"), 5, "prompt[0].content"),
@@ -59,6 +60,11 @@ def test_bad_row_error_names_file_row_and_field(path, value, field):
     err = info.value
     assert (err.file, err.row, err.field) == ("data/train.parquet", 7, field)
     assert str(err).startswith(f"dataset error in data/train.parquet: row 7: field {field!r}: ")
+
+
+def test_a_plain_string_prompt_is_a_prompt(tmp_path):
+    rows = [_with(("prompt",), "3+5="), _with(("prompt",), "4+4=")]
+    assert read_rows(write_rows(rows, tmp_path / "plain.parquet")) == rows
 
 
 def test_bad_row_in_a_parquet_file_is_reported_with_its_row_index(tmp_path):

@@ -9,9 +9,10 @@ import pytest
 
 from fleetrl.data.pairs import PAIR_SCHEMA, PairCursor, PreferencePairs
 from fleetrl.data.preference import read_preference_rows, write_preference_rows
+from fleetrl.data.render import render_reward_input as reward_token_ids
+from fleetrl.data.render import reward_text
 from fleetrl.data.schema import DatasetError
 from fleetrl.models.loading import load_tokenizer
-from fleetrl.models.reward_input import reward_text, reward_token_ids
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_reward_input_renders_chat_then_response_and_ends_with_one_eos(tokenizer
     # a plain prompt string: prompt, response, then EOS appended
     plain = reward_token_ids(tokenizer, "2+3=", "5")
     assert tokenizer.decode(plain) == "2+3=5<|im_end|>"
-    assert reward_text(tokenizer, _chat("a"), "b", apply_chat_template=False) == "ab"
+    assert reward_text(tokenizer, _chat("a"), "b", "off") == ("ab", False)
 
 
 def _rows(n: int) -> list[dict]:

@@ -160,3 +160,27 @@ def test_max_samples_keeps_a_seeded_choice_or_the_first_rows(files, tokenizer):
     assert len(picks[0]) <= 4 and picks[0] == picks[1] != picks[2]
     every = PromptReader(files, tokenizer, max_prompt_length=64, shuffle=False, max_samples=0)
     assert len(every) == 10  # 0 (and -1) = all rows, as verl; the over-long one filtered
+
+
+def test_prompts_without_a_template_are_encoded_as_the_tokenizer_encodes_text(tmp_path):
+    """A base Llama's prompts start with its BOS, whether the prompt is a plain string or
+    chat messages rendered as text; a template's rendering carries its own specials."""
+    from tests.unit.fleetrl.tokenizer_kinds import LLAMA2_TEMPLATE, llama_style
+
+    chat, plain = _row("1+1=", "2", 0), {**_row("", "2", 1), "prompt": "Q: 1+1=?\nA:"}
+    files = [write_rows([chat], tmp_path / "chat.parquet"), write_rows([plain], tmp_path / "plain.parquet")]  # fmt: skip
+    base = llama_style()
+    reader = PromptReader(files, base, max_prompt_length=64, shuffle=False, apply_chat_template=False)  # fmt: skip
+    items = list(reader.iter_once())
+    assert [item.prompt_ids.tolist() for item in items] == [
+        base.encode("1+1="),
+        base.encode("Q: 1+1=?\nA:"),
+    ]
+    assert all(item.prompt_ids[0] == base.bos_token_id for item in items)
+    assert items[1].raw_prompt == "Q: 1+1=?\nA:"
+    templated = llama_style(LLAMA2_TEMPLATE)
+    (item, _) = PromptReader(files, templated, max_prompt_length=64, shuffle=False).iter_once()
+    ids = item.prompt_ids.tolist()
+    assert ids[0] == templated.bos_token_id and ids[1] != templated.bos_token_id  # one BOS
+    with pytest.raises(DatasetError, match="chat.parquet: row 0: field 'prompt'.*no chat template"):
+        PromptReader(files, base, max_prompt_length=64)

@@ -31,12 +31,16 @@ def rm_tokenizer(template: str | None = HUMAN_TEMPLATE):
     return tok
 
 
+def _text(inputs: RewardModelInputs, prompt, response: str) -> str:
+    return inputs.tokenizer.decode(inputs.input_ids(prompt, response))
+
+
 def test_the_prompt_is_re_rendered_with_the_reward_models_own_chat_template_and_eos():
     tok = rm_tokenizer()
     inputs = RewardModelInputs(tok, apply_chat_template="auto", max_length=100)
-    text = inputs.text(MESSAGES, "7")
-    # the template's trailing newline stripped, then " " + EOS, as OpenRLHF renders pairs
-    assert text == "Human: add\nHuman: 3+4=\nAssistant: 7 <|im_end|>"
+    # the template's trailing newline stripped, then the EOS id (no space before it)
+    text = "Human: add\nHuman: 3+4=\nAssistant: 7<|im_end|>"
+    assert _text(inputs, MESSAGES, "7") == text
     ids = inputs.input_ids(MESSAGES, "7")
     assert ids == tok.encode(text, add_special_tokens=False)
     assert ids[-1] == tok.eos_token_id
@@ -47,7 +51,7 @@ def test_the_prompt_is_re_rendered_with_the_reward_models_own_chat_template_and_
 def test_a_chatml_template_that_ends_with_eos_gets_none_added():
     tok = build_tokenizer()  # ChatML: the assistant turn ends with <|im_end|> = EOS
     inputs = RewardModelInputs(tok, apply_chat_template="on", max_length=100)
-    text = inputs.text(MESSAGES, "7")
+    text = _text(inputs, MESSAGES, "7")
     assert text.endswith("<|im_start|>assistant\n7<|im_end|>")
     assert text.count("<|im_end|>") == 3
 
@@ -55,7 +59,7 @@ def test_a_chatml_template_that_ends_with_eos_gets_none_added():
 def test_without_a_template_the_prompt_text_and_response_are_joined():
     for tok, mode in ((rm_tokenizer(None), "auto"), (rm_tokenizer(), "off")):
         inputs = RewardModelInputs(tok, apply_chat_template=mode, max_length=100)
-        assert inputs.text(MESSAGES, "7") == "add\n3+4=7 <|im_end|>"
+        assert _text(inputs, MESSAGES, "7") == "add\n3+4=7<|im_end|>"
     with pytest.raises(ValueError, match="apply_chat_template is 'on' but .* no chat template"):
         RewardModelInputs(rm_tokenizer(None), apply_chat_template="on", max_length=10)
 
@@ -63,7 +67,7 @@ def test_without_a_template_the_prompt_text_and_response_are_joined():
 def test_long_inputs_keep_their_last_tokens_so_the_scored_end_stays():
     tok = rm_tokenizer()
     inputs = RewardModelInputs(tok, apply_chat_template="on", max_length=6)
-    full = tok.encode(inputs.text(MESSAGES, "7777"), add_special_tokens=False)
+    full = RewardModelInputs(tok, apply_chat_template="on", max_length=100).input_ids(MESSAGES, "7777")  # fmt: skip
     ids = inputs.input_ids(MESSAGES, "7777")
     assert ids == full[-6:] and ids[-1] == tok.eos_token_id
     assert inputs.num_truncated == 1

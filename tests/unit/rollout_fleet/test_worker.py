@@ -434,6 +434,20 @@ def test_validate_scores_one_greedy_sample_per_prompt_by_data_source():
     assert sender.trajectories == []
 
 
+def test_validation_samples_log_the_prompt_with_its_special_tokens():
+    class MarkingTokenizer(FakeTokenizer):  # "<s>" stands for the specials a decode can skip
+        def decode(self, token_ids, skip_special_tokens=True):
+            text = super().decode(token_ids)
+            return text if skip_special_tokens else f"<s> {text}"
+
+    worker, _, _ = make_worker([FakeEngine("a")], n=1, max_new_tokens=2)
+    worker._tokenizer = MarkingTokenizer()
+    validation = asyncio.run(worker.validate([prompt(0)], keep_samples=1, sample_seed=0))
+    (sample,) = validation.samples
+    assert sample.prompt == "<s> 10 11 12"  # what the policy read
+    assert sample.response == "100 101"
+
+
 def test_a_crashing_group_stops_the_worker_loudly():
     class Broken(RewardPipeline):
         async def score_group(self, *args, **kwargs):
