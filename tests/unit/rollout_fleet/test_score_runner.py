@@ -34,3 +34,20 @@ def test_scores_keep_the_inputs_order_across_forwards(runner):
     assert len(together) == len(prompts)
     for a, b in zip(together, alone, strict=True):
         assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_rm_eval_and_the_reward_engine_read_the_same_last_token(runner, tiny_reward_dir):
+    """One read-out for every scorer: ``rm eval`` (transformers' folder) and the embedded
+    reward engine agree, a sequence ending in the pad token included (transformers' own
+    pooling would read the token before it)."""
+    import torch
+
+    from launcher.rm_eval import load_reward_model, score_sequences
+
+    model, tokenizer = load_reward_model(tiny_reward_dir)
+    pad = tokenizer.pad_token_id
+    prompts = [[3, 4, 5, pad], [7] * 12, [9, 8]]
+    engine = [row[0] for row in runner.score(prompts)]
+    assert score_sequences(model, prompts).tolist() == pytest.approx(engine, abs=1e-5)
+    pooled = model(input_ids=torch.tensor([prompts[0]])).logits[0, 0].item()
+    assert engine[0] != pytest.approx(pooled, abs=1e-4)  # transformers reads one token early
