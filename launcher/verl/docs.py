@@ -55,6 +55,13 @@ one) and the rest to learner ranks of one GPU each. 8 GPUs with TP 2: 4 learner 
 `fleetrl.learner.num_ranks` or `fleetrl.rollout.num_engines` (or both) to split otherwise;
 the other side gets what is left. Every command says the split it chose on stderr.
 
+The split is decided before any size verl gives for all GPUs is divided: the deprecated
+`actor_rollout_ref.actor.ppo_micro_batch_size` (a global micro-batch) becomes
+`learner.micro_batch_size` = it / the data-parallel learner ranks (learner ranks /
+`ulysses_sequence_parallel_size`), as verl divides it by its own; 8 GPUs and 64 give 16 per
+rank over the 4 learner ranks. The other deprecated global sizes (`log_prob_micro_batch_size`,
+the critic's, the reward model's) have no effect here and are named as such.
+
 On a cluster (`trainer.nnodes` > 1, or `--address`), the learner ranks go to nodes marked
 with Ray's custom resource `learner` and the engines to nodes marked `rollout` (verl's
 nodes carry no marks): start each node with `ray start ... --resources='{"learner": 8}'`
@@ -66,6 +73,12 @@ or `'{"rollout": 8}'`, or one node with both, `'{"rollout": 4, "learner": 4}'`
 - **Rollouts are SGLang servers** (`actor_rollout_ref.rollout.name: sglang`); vLLM, HF and
   TensorRT-LLM rollouts are refused. On a CPU, `fleetrl.rollout.backend: embedded` runs
   fleetrl's embedded engine instead.
+- **A reward model scores alone and raw, as verl**: with `reward_model.enable: true` verl
+  trains on the model's score as it comes (its reward manager returns the model's scores
+  and skips the rule function), so the run gets `reward.rule_weight: 0`,
+  `reward.model.normalize: false` and `reward.model.clip: 0`. A `fleetrl:` section that
+  sets them wins (`reward: {rule_weight: 1, model: {normalize: true, clip: 10}}` adds the
+  rule score and OpenRLHF's normalisation).
 - **Synchronous, as verl**: verl's trainer generates and trains in turn, so a verl config
   runs with `buffer.max_staleness: 0`. Set `fleetrl.buffer.max_staleness` (1-4) to overlap
   generation and training: that is what fleetrl is for.

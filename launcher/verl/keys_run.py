@@ -110,7 +110,7 @@ KEYS: list[Key] = [
     N("critic.ulysses_sequence_parallel_size", 1, "one setting for policy and critic: actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
     R("critic.grad_clip", 1.0, "learner.critic.optim.grad_clip", "verl's FSDP critic clips with this one (optim.clip_grad is read when it is left at 1.0)"),
     # ---- reward model
-    R("reward_model.enable", False, "reward.model.path", "true: reward_model.model.path scores every sample (its score is added to the rule score: set fleetrl.reward.rule_weight=0 for the model alone)"),
+    R("reward_model.enable", False, "reward.model.path", "true: reward_model.model.path scores every sample, alone and raw as in verl (reward.rule_weight 0, no normalisation or clip; a fleetrl: section may set them)"),
     R("reward_model.enable_resource_pool", False, "reward.model.num_engines", "true: the reward servers get reward_model.n_gpus_per_node x nnodes GPUs of their own; false: theirs come out of trainer's GPUs"),
     R("reward_model.n_gpus_per_node", 8, "reward.model.num_engines", "with enable_resource_pool"),
     R("reward_model.nnodes", 0, "reward.model.num_engines", "with enable_resource_pool"),

@@ -10,15 +10,20 @@ against), plus the lines that say how the run differs (the GPU split).
 fits around the learner ranks or engines given there.
 
 The rules, each verl's meaning (ray_trainer.py, workers/config/*.py):
-- GPUs: ``trainer.n_gpus_per_node`` x ``nnodes`` (less a reward server's, unless the
+- GPUs (decided before any rule that divides a size per GPU, ``micro_batches``):
+  ``trainer.n_gpus_per_node`` x ``nnodes`` (less a reward server's, unless the
   reward model has its own pool) are split between learner ranks (one GPU each) and
   SGLang engines (``tensor_model_parallel_size`` GPUs each): half to each side, engines
   rounded down to whole engines; one GPU is shared (half each, gloo weight sync).
+- Micro-batches: ``ppo_micro_batch_size_per_gpu``, else the deprecated global
+  ``ppo_micro_batch_size`` divided by the data-parallel learner ranks of that split.
 - Steps: ``trainer.total_training_steps``, else ``total_epochs`` (counted at start).
 - Warm-up: ``lr_warmup_steps`` > 0, else ``lr_warmup_steps_ratio``; schedule:
   ``warmup_style`` (deprecated) over ``lr_scheduler_type``; clipping: the workers'
   ``grad_clip`` over ``optim.clip_grad``; PPO bounds: ``clip_ratio_low/high``, null =
   ``clip_ratio``.
+- Reward model (``reward_model.enable``): verl scores with the model alone, raw: the
+  rule weight is 0 and the score is neither normalised nor clipped.
 - Synchronous: verl's trainer generates and trains in turn on one policy, so
   ``buffer.max_staleness`` is 0 (set it in the ``fleetrl:`` section to go asynchronous).
 """
@@ -59,6 +64,17 @@ def refusal(key: str, got: Any, fix: str) -> str:
 class Translation:
     settings: dict[str, Setting] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)  # how this run is laid out (logged)
+    split_decided: bool = False  # the GPU split (``gpus``) has run: learner ranks are final
+
+    def learner_ranks(self, fleetrl_overrides: dict[str, Any]) -> int:
+        """The run's learner ranks: the user's, else the GPU split's. Rules that divide a
+        verl size per GPU read it, and run after the split (``RULES`` order)."""
+        if not self.split_decided:
+            raise RuntimeError("a per-GPU rule ran before the GPU split: reorder RULES")
+        ranks = _get(fleetrl_overrides, "learner.num_ranks")
+        if ranks is None and "learner.num_ranks" in self.settings:
+            ranks = self.settings["learner.num_ranks"].value
+        return int(ranks or 1)
 
     def set(self, key: str, value: Any, source: str, why: str = "") -> None:
         self.settings[key] = Setting(key, value, source, why)
@@ -200,23 +216,6 @@ def validation_sampling(v: Values, out: Translation, _: dict) -> None:
 
 
 @rule
-def micro_batches(v: Values, out: Translation, fo: dict) -> None:
-    if v[f"{A}.use_dynamic_bsz"]:
-        return
-    per_gpu, total = v[f"{A}.ppo_micro_batch_size_per_gpu"], v[f"{A}.ppo_micro_batch_size"]
-    if per_gpu is None and total is None:
-        raise VerlRefused([
-            refusal(f"{A}.ppo_micro_batch_size_per_gpu", None,
-                    "it (sequences per GPU and micro-batch), or use_dynamic_bsz=true: verl requires one without dynamic batching"),
-        ])  # fmt: skip
-    if per_gpu is not None:
-        out.set("learner.micro_batch_size", per_gpu, f"{A}.ppo_micro_batch_size_per_gpu")
-    else:
-        ranks = _get(fo, "learner.num_ranks") or 1
-        out.set("learner.micro_batch_size", max(1, total // ranks), f"{A}.ppo_micro_batch_size", "the deprecated global size, per learner rank")  # fmt: skip
-
-
-@rule
 def critic(v: Values, out: Translation, _: dict) -> None:
     enable = v["critic.enable"]
     state = "auto" if enable is None else "on" if enable else "off"
@@ -341,11 +340,18 @@ def reward_model(v: Values, out: Translation, _: dict) -> None:
     out.set("reward.model.mem_fraction_static", v[f"{rm}.rollout.gpu_memory_utilization"], f"{rm}.rollout.gpu_memory_utilization")  # fmt: skip
     pool = v[f"{rm}.n_gpus_per_node"] * v[f"{rm}.nnodes"] if v[f"{rm}.enable_resource_pool"] else tp  # fmt: skip
     out.set("reward.model.num_engines", max(1, pool // tp), f"{rm}.enable_resource_pool, n_gpus_per_node, nnodes")  # fmt: skip
+    # verl's reward manager returns the model's scores as they are (rm_scores) and skips
+    # the rule: the model alone, raw (a fleetrl: section may weigh a rule in, or normalise)
+    why = "verl trains on the reward model's score alone"
+    out.set("reward.rule_weight", 0.0, f"{rm}.enable", why)
+    out.set("reward.model.normalize", False, f"{rm}.enable", f"{why}, raw")
+    out.set("reward.model.clip", 0.0, f"{rm}.enable", f"{why}, unclipped")
 
 
 @rule
 def gpus(v: Values, out: Translation, fo: dict) -> None:
     """The split of verl's GPUs between learner ranks and engines (the module docstring)."""
+    out.split_decided = True
     if v["trainer.device"] == "cpu":
         out.lines.append("trainer.device=cpu: no GPUs; one learner rank, one engine per fleetrl defaults")  # fmt: skip
         return
@@ -392,3 +398,26 @@ def gpus(v: Values, out: Translation, fo: dict) -> None:
         + "; verl shares them all between training and rollout, fleetrl gives each its own "
         "(set fleetrl.learner.num_ranks or fleetrl.rollout.num_engines to split otherwise)"
     )
+
+
+@rule
+def micro_batches(v: Values, out: Translation, fo: dict) -> None:
+    """verl's micro-batch per GPU, or its deprecated global one divided as verl divides it:
+    by the data-parallel learner ranks (ranks / Ulysses group) of the final GPU split."""
+    if v[f"{A}.use_dynamic_bsz"]:
+        return
+    per_gpu, total = v[f"{A}.ppo_micro_batch_size_per_gpu"], v[f"{A}.ppo_micro_batch_size"]
+    if per_gpu is None and total is None:
+        raise VerlRefused([
+            refusal(f"{A}.ppo_micro_batch_size_per_gpu", None,
+                    "it (sequences per GPU and micro-batch), or use_dynamic_bsz=true: verl requires one without dynamic batching"),
+        ])  # fmt: skip
+    if per_gpu is not None:
+        out.set("learner.micro_batch_size", per_gpu, f"{A}.ppo_micro_batch_size_per_gpu")
+        return
+    sp = _get(fo, "learner.sequence_parallel") or v[f"{A}.ulysses_sequence_parallel_size"] or 1
+    dp = max(1, out.learner_ranks(fo) // sp)
+    out.set(
+        "learner.micro_batch_size", max(1, total // dp), f"{A}.ppo_micro_batch_size",
+        f"the deprecated global size over {dp} data-parallel learner rank(s)",
+    )  # fmt: skip

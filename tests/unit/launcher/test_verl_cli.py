@@ -114,3 +114,23 @@ def test_with_sglang_fleetrl_check_lists_what_this_machine_lacks_by_verl_key(tmp
         "at trainer.logger (fleetrl logging.wandb): no wandb credentials",
     ):
         assert expected in text, f"{expected!r} not in:\n{text}"
+
+
+def test_config_show_divides_the_global_micro_batch_and_keeps_the_reward_model_raw(tmp_path):
+    verl = {
+        "trainer": {"n_gpus_per_node": 8, "nnodes": 1},
+        "actor_rollout_ref": {
+            "rollout": {"name": "sglang"},
+            "actor": {"ppo_micro_batch_size": 64, "ppo_micro_batch_size_per_gpu": None},
+        },
+        "reward_model": {"enable": True, "model": {"path": "/rm"}, "rollout": {"name": "sglang"}},
+    }
+    path = tmp_path / "verl.yaml"
+    path.write_text(yaml.safe_dump(verl))
+    result = fleetrl(tmp_path, "config", "show", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    cfg = yaml.safe_load(result.stdout)
+    ranks = cfg["learner"]["num_ranks"]
+    assert ranks > 1 and cfg["learner"]["micro_batch_size"] == 64 // ranks
+    reward = cfg["reward"]
+    assert (reward["rule_weight"], reward["model"]["normalize"], reward["model"]["clip"]) == (0.0, False, 0.0)  # fmt: skip

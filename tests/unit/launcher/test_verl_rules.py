@@ -344,3 +344,46 @@ def test_a_value_fleetrl_cannot_honour_is_refused_naming_the_key_and_the_fix(ove
     with pytest.raises(VerlRefused) as refused:
         load_verl({}, BASE + overrides).run_config()
     assert any(named in line for line in refused.value.lines), refused.value.lines
+
+
+# verl's deprecated global (all-GPU) micro-batch sizes
+DEPRECATED_GLOBAL = sorted(
+    k.path for k in TABLE.keys if k.path.endswith("micro_batch_size") and "*" not in k.path
+)
+
+
+def test_every_deprecated_global_size_of_verl_is_known():
+    assert [
+        f"{A}.ppo_micro_batch_size",
+        f"{RO}.log_prob_micro_batch_size",
+        "critic.forward_micro_batch_size",
+        "critic.ppo_micro_batch_size",
+        "reward_model.micro_batch_size",
+    ] == DEPRECATED_GLOBAL
+
+
+@pytest.mark.parametrize("key", DEPRECATED_GLOBAL)
+def test_a_deprecated_global_size_is_divided_by_the_final_learner_ranks(key):
+    """verl's default GPU split (8 GPUs, rollout TP 2: 4 learner ranks) is decided before
+    the global micro-batch of 64 is divided: 16 sequences per rank, as verl's 64 over its
+    data-parallel ranks; a global size fleetrl does not read is named as such."""
+    per_gpu = [f"{A}.ppo_micro_batch_size_per_gpu=null", f"{A}.ppo_micro_batch_size=64"]
+    mine = per_gpu if key.startswith(A) else [*BASE[1:], f"{key}=64"]
+    loaded = load_verl({}, [*BASE[:1], *mine])
+    cfg = loaded.run_config()
+    assert cfg.learner.num_ranks == 4
+    if key.startswith(A):
+        assert cfg.learner.micro_batch_size == 64 // 4
+    else:
+        assert cfg.learner.micro_batch_size == 2  # BASE's per-GPU size: untouched
+        assert any(line.startswith(f"{key}=64 has no effect") for line in loaded.notes)
+    with_sp = load_verl({}, [*BASE[:1], *per_gpu, f"{A}.ulysses_sequence_parallel_size=2"])
+    assert with_sp.run_config().learner.micro_batch_size == 64 // 2  # 2 data-parallel groups
+
+
+def test_reward_model_enable_scores_with_the_model_alone_raw_unless_the_file_asks():
+    cfg = load_verl({}, BASE + RM).run_config()
+    assert (cfg.reward.rule_weight, cfg.reward.model.normalize, cfg.reward.model.clip) == (0, False, 0)  # fmt: skip
+    asked = {"fleetrl": {"reward": {"rule_weight": 0.5, "model": {"normalize": True}}}}
+    cfg = load_verl(asked, BASE + RM).run_config()
+    assert (cfg.reward.rule_weight, cfg.reward.model.normalize) == (0.5, True)
