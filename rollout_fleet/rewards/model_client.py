@@ -8,10 +8,17 @@ returns one float per input, in order. Servers are SGLang (``--is-embedding``) o
 embedded engine serving a reward folder; never ``/v1/classify``, whose softmax makes a
 one-label model read 1.0.
 
-Faults. An attempt fails on: no answer (refused, reset, a server that died), a timeout
-(``request_timeout_s``), HTTP 5xx / 408 / 429, or a bad reply (not JSON, the wrong
-number of items, a score that is missing, null or not finite: SGLang writes NaN and inf
-as null). The batch is then tried again after ``retry_backoff_s`` × 2^(k-1) on another
+Faults fail samples, not batches, where they come from one input. A score that is null or
+not finite (the embedded reward engine writes NaN and inf as null) comes back as NaN and
+the scorer fails that sample alone. SGLang 0.5.23 cannot write such a reply at all (its
+JSON refuses NaN) and answers the whole batch with HTTP 500: a batch answered 500 is split
+in halves, each scored on its own (its own attempts), until the input that fails is
+alone; an input answered 500 and never scored comes back as NaN, the others are scored
+(a server failing everything costs about two requests per input before its samples fail).
+An attempt fails on: no answer (refused, reset, a server
+that died), a timeout (``request_timeout_s``), HTTP 5xx / 408 / 429, or a bad reply (not
+JSON, the wrong number of items, an item without a score, a score that is not a number).
+The batch is then tried again after ``retry_backoff_s`` × 2^(k-1) on another
 server (failover: servers the batch has not failed on first, then servers not cooling
 after a failure of their own, ``retry_backoff_s`` × 2^failures up to the timeout, then the
 least loaded) until ``max_attempts`` attempts are spent, and then ``RewardServerError`` names each server
@@ -52,6 +59,9 @@ log = get_logger(__name__)
 
 CLASSIFY_PATH = "/classify"
 RETRYABLE_STATUS = frozenset({408, 429})  # and every 5xx
+# SGLang's answer to a batch whose reply it cannot write (a NaN or inf score: its JSON
+# refuses them) is a 500, as for its other internal errors: the batch is split
+INPUT_ERROR_STATUS = 500
 _DECODER = msgspec.json.Decoder()
 _ENCODER = msgspec.json.Encoder()
 
@@ -66,11 +76,13 @@ class RewardServerError(RuntimeError):
 
 
 class _AttemptFailed(Exception):
-    """One attempt failed; ``retry`` says whether another server may do better."""
+    """One attempt failed; ``retry`` says whether another server may do better; ``status``
+    is the HTTP status of a server that answered (0: no answer)."""
 
-    def __init__(self, cause: str, *, retry: bool) -> None:
+    def __init__(self, cause: str, *, retry: bool, status: int = 0) -> None:
         self.cause = cause
         self.retry = retry
+        self.status = status
         super().__init__(cause)
 
 
@@ -113,7 +125,17 @@ class RewardModelClient:
         self._session: aiohttp.ClientSession | None = None
         self._turn = 0  # round-robin among equally loaded servers
         self._counts = dict.fromkeys(
-            ("requests", "items", "retries", "failovers", "timeouts", "bad_replies", "failures"),
+            (
+                "requests",
+                "items",
+                "retries",
+                "failovers",
+                "timeouts",
+                "bad_replies",
+                "failures",
+                "splits",
+                "inputs_refused",
+            ),
             0,
         )
         self._answered = 0  # requests with a usable reply
@@ -222,12 +244,18 @@ class RewardModelClient:
                 self._failed(server)
                 causes.append(f"{server.name} ({server.url}): {err.cause}")
                 log.warning("reward model: attempt %d of a batch of %d on %s failed: %s", attempt + 1, len(batch), server.name, err.cause)  # fmt: skip
+                if err.status == INPUT_ERROR_STATUS and len(batch) > 1:
+                    return await self._split(batch)
                 if not err.retry:
                     break
                 continue
             server.failures, server.cooling_until = 0, 0.0
             self._counts["items"] += len(batch)
             return scores
+        if len(batch) == 1 and any(f"HTTP {INPUT_ERROR_STATUS}:" in c for c in causes):
+            self._counts["inputs_refused"] += 1
+            log.warning("reward model: an input was refused by every attempt (%s): its sample fails", causes[-1])  # fmt: skip
+            return [math.nan]
         self._counts["failures"] += 1
         names = list(dict.fromkeys(tried))
         raise RewardServerError(
@@ -236,6 +264,15 @@ class RewardModelClient:
             servers=names,
             causes=causes,
         )
+
+    async def _split(self, batch: list[list[int]]) -> list[float]:
+        """Both halves of a batch a server could not answer, scored apart (module docstring)."""
+        self._counts["splits"] += 1
+        half = len(batch) // 2
+        first, second = await asyncio.gather(
+            self._score_batch(batch[:half]), self._score_batch(batch[half:])
+        )
+        return first + second
 
     async def _attempt(self, server: _Server, batch: list[list[int]], rids: list[str]) -> list[float]:  # fmt: skip
         session = self._get_session()
@@ -263,7 +300,7 @@ class RewardModelClient:
         if status >= 400:
             text = raw.decode("utf-8", errors="replace").strip()[:300]
             retry = status >= 500 or status in RETRYABLE_STATUS
-            raise _AttemptFailed(f"HTTP {status}: {text}", retry=retry)
+            raise _AttemptFailed(f"HTTP {status}: {text}", retry=retry, status=status)
         try:
             scores = parse_classify_reply(raw, len(batch))
         except ValueError as err:
@@ -297,8 +334,9 @@ class RewardModelClient:
 
 
 def parse_classify_reply(raw: bytes, expected: int) -> list[float]:
-    """``embedding[0]`` of each item of a batched ``/classify`` reply (``ValueError`` if the
-    reply is not JSON, not a list of ``expected`` items, or a score is missing or not finite)."""
+    """``embedding[0]`` of each item of a batched ``/classify`` reply, NaN where the score is
+    null or not finite (that sample fails, the others stand); ``ValueError`` if the reply is
+    not JSON, not a list of ``expected`` items, or a score is missing or not a number."""
     try:
         data: Any = _DECODER.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as err:  # 1e999: out of range
@@ -313,7 +351,9 @@ def parse_classify_reply(raw: bytes, expected: int) -> list[float]:
         if not isinstance(embedding, list) or not embedding:
             raise ValueError(f"item {i} has no embedding")
         value = embedding[0]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):  # fmt: skip
-            raise ValueError(f"item {i} has score {value!r}, not a finite number")
-        scores.append(float(value))
+        if value is None:  # SGLang's JSON for NaN and inf
+            value = math.nan
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"item {i} has score {value!r}, not a number")
+        scores.append(float(value) if math.isfinite(value) else math.nan)
     return scores

@@ -23,7 +23,8 @@ rule, never by the reward model), and its failure does not fail the sample.
 
 A sample *fails* (``SampleReward.error``) when a term its reward needs failed:
 the rule function raised, timed out or returned a non-finite value, the
-data_source has no scorer, or the reward model could not score it. A failed
+data_source has no scorer, or the reward model could not score it (a model weighted
+0 is watched, not needed: its failures are counted and fail no sample). A failed
 sample is sent with its group, marked (``Trajectory.reward_error``), and trains
 nothing; the worker drops a group whose every sample failed.
 
@@ -111,8 +112,10 @@ class RewardPipeline:
         self.model = model
         self.rule_weight = rule_weight
         self.model_weight = model_weight
-        # without a reward model, or with the rule weighed in, every row needs a rule score
+        # without a reward model, or with the rule weighed in, every row needs a rule score;
+        # a model weighted 0 is watched, not trained on: its failures fail no sample
         self.rule_required = model is None or rule_weight != 0
+        self.model_required = model is not None and model_weight != 0
         self.samples_scored = 0
         self.samples_failed = 0
         self.rule_failed = 0
@@ -195,7 +198,8 @@ class RewardPipeline:
                 score += self.rule_weight * rule.score
         if model is not None:
             if model.failed:
-                errors.append(str(model.error))
+                if self.model_required:
+                    errors.append(str(model.error))
             else:
                 metrics[MODEL_SCORE] = model.score
                 metrics[MODEL_SCORE_RAW] = float(model.raw if model.raw is not None else 0.0)

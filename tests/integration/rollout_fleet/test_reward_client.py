@@ -13,6 +13,7 @@ attempt that finds no server waits for ``set_servers``; a wrong key is refused.
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 from collections.abc import Callable
 
@@ -126,7 +127,7 @@ def test_scores_in_order_in_batches_of_batch_size_with_the_key(real_server):
     ("behaviour", "counter"),
     [
         (items("NaN"), "bad_replies"),  # a NaN literal: not JSON
-        (items("null"), "bad_replies"),  # how SGLang's orjson writes NaN and inf
+        (items('"0.5"'), "bad_replies"),  # a score that is not a number
         (items("1e999"), "bad_replies"),  # inf
         (raw("[]"), "bad_replies"),  # the wrong number of items
         (raw('{"error": {"message": "boom"}}'), "bad_replies"),  # not a list
@@ -154,7 +155,7 @@ def test_a_bad_reply_fails_over_to_the_next_server_and_is_counted(real_server, b
 
 def test_only_bad_servers_raise_after_max_attempts_naming_each_and_counted():
     async def run():
-        async with Hostile(items("null")) as nan_url, Hostile(raw("[]")) as short_url:
+        async with Hostile(items("true")) as nan_url, Hostile(raw("[]")) as short_url:
             client = make_client({"nan": nan_url, "short": short_url}, max_attempts=4)
             try:
                 with pytest.raises(RewardServerError) as caught:
@@ -165,9 +166,26 @@ def test_only_bad_servers_raise_after_max_attempts_naming_each_and_counted():
 
     err, stats = asyncio.run(run())
     assert sorted(err.servers) == ["nan", "short"] and len(err.causes) == 4
-    assert "score None, not a finite number" in str(err) and "0 items for a batch of 3" in str(err)
+    assert "score True, not a number" in str(err) and "0 items for a batch of 3" in str(err)
     assert stats["reward_model/bad_replies"] == 4 and stats["reward_model/failures"] == 1
     assert stats["reward_model/items"] == 0
+
+
+def test_a_null_score_is_nan_for_its_input_alone_with_no_retry(real_server):
+    """null is how a server's JSON writes a NaN or inf score: that input's sample fails."""
+    url, _, _ = real_server
+
+    async def run():
+        async with Hostile(items("null")) as nan_url:
+            client = make_client({"nan": nan_url})
+            try:
+                return await client.score(INPUTS[:3]), client.stats()
+            finally:
+                await client.aclose()
+
+    scores, stats = asyncio.run(run())
+    assert len(scores) == 3 and all(math.isnan(s) for s in scores)
+    assert stats["reward_model/retries"] == 0 and stats["reward_model/bad_replies"] == 0
 
 
 def test_refused_500_and_hung_servers_fail_over_and_the_timeout_is_counted(real_server):

@@ -2,9 +2,9 @@
 
 ``FakeRewardModelClient`` has the interface of ``rollout_fleet.rewards.model_client
 .RewardModelClient``: ``score`` splits the inputs into batches of ``batch_size``, sends
-each to a server, and on a dead, hung (timeout), non-finite or wrong-count reply tries the
-next server, up to ``max_attempts``, then raises ``RewardServerError`` naming the servers
-tried. The servers
+each to a server, and on a dead, hung (timeout) or wrong-count reply tries the next server,
+up to ``max_attempts``, then raises ``RewardServerError`` naming the servers tried; a
+non-finite score is handed back for its sample, as the real client does. The servers
 (``FakeRewardServer``) are plain objects found by URL in a ``FakeRewardFleet``;
 each logs every item it scored, so a test can count items lost or scored twice.
 
@@ -158,7 +158,7 @@ class FakeRewardModelClient:
             except OSError:
                 self.counts["errors"] += 1
                 continue
-            if len(scores) != len(batch) or not all(math.isfinite(s) for s in scores):
+            if len(scores) != len(batch):
                 self.counts["bad_replies"] += 1
                 continue
             self.counts["items"] += len(batch)
@@ -201,7 +201,8 @@ class ScriptedClient:
 
 class HttpRewardServer:
     """A hostile reward server on loopback answering POST /classify in SGLang's reply shape
-    (a list of ``{"embedding": [score], "meta_info": {...}}``), ``mode`` as FakeRewardServer's."""
+    (a list of ``{"embedding": [score], "meta_info": {...}}``), ``mode`` as FakeRewardServer's;
+    a batch with a NaN score is answered 500, as SGLang 0.5.23 answers it."""
 
     def __init__(self, url: str = "", score_fn: Callable[[list[int]], float] = length_score):
         self.url = url
@@ -232,7 +233,9 @@ class HttpRewardServer:
             scores = [math.nan] * len(batch)
         elif self.mode == "wrong_count":
             scores = scores[:-1]
-        else:
+        if not all(math.isfinite(s) for s in scores):  # SGLang's JSON cannot write the reply
+            raise web.HTTPInternalServerError(text="Internal Server Error")
+        if self.mode != "wrong_count":
             for ids in batch:
                 self.scored[tuple(ids)] += 1
         items = [

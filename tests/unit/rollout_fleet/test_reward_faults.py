@@ -33,7 +33,7 @@ from rollout_fleet.rewards.model_scorer import ModelScorer, servers_from_urls
 from rollout_fleet.rewards.pipeline import RewardPipeline
 from rollout_fleet.rewards.runner import RewardRunner
 from tests.unit.rollout_fleet.fakes import FakeEngine
-from tests.unit.rollout_fleet.reward_fakes import FakeRewardFleet, HttpRewardFleet
+from tests.unit.rollout_fleet.reward_fakes import FakeRewardFleet, HttpRewardFleet, length_score
 from tests.unit.rollout_fleet.test_worker import make_worker
 
 N = 4  # samples per group
@@ -72,8 +72,9 @@ def make_fleet(request):
         pytest.importorskip("rollout_fleet.rewards.model_client")
     fleets = []
 
-    def make(count: int):
-        fleets.append(FakeRewardFleet(count) if request.param == "fake" else HttpRewardFleet(count))
+    def make(count: int, score_fn=length_score):
+        kind = FakeRewardFleet if request.param == "fake" else HttpRewardFleet
+        fleets.append(kind(count, score_fn=score_fn))
         return fleets[-1]
 
     yield make
@@ -172,17 +173,47 @@ def test_with_every_server_hung_the_samples_fail_counted_and_the_run_goes_on(tmp
     assert metrics["reward_model/timeouts"] == 3 * 2
 
 
-@pytest.mark.parametrize("mode", ["nan", "wrong_count"])
-def test_nan_scores_or_a_wrong_reply_count_on_every_server_fail_the_groups(
-    tmp_path, make_fleet, mode
-):
+def test_a_wrong_reply_count_on_every_server_fails_the_groups(tmp_path, make_fleet):
     fleet = make_fleet(2)
     for server in fleet.servers.values():
-        server.mode = mode
+        server.mode = "wrong_count"
     core, _, metrics = run(tmp_path, pipeline(fleet), groups=2)
     check_exactly_once(core, fleet, metrics, groups=2)
     assert held(core) == [] and metrics["reward/groups_failed"] == 2
     assert metrics["reward_model/bad_replies"] == 2 * 3  # three attempts per batch
+
+
+def test_nan_scores_on_every_server_fail_every_sample_and_so_the_groups(tmp_path, make_fleet):
+    fleet = make_fleet(2)
+    for server in fleet.servers.values():
+        server.mode = "nan"
+    core, _, metrics = run(tmp_path, pipeline(fleet), groups=2)
+    assert held(core) == [] and metrics["reward/groups_failed"] == 2
+    assert metrics["reward/samples_failed"] == 2 * N
+
+
+def test_a_nan_score_fails_its_sample_alone_and_the_others_are_scored(make_fleet):
+    """One response the reward model scores NaN, in a group of four: through the real client
+    and servers that answer such a batch as SGLang does (500), only its sample fails."""
+    tok = build_tokenizer()
+    poison = tok.convert_tokens_to_ids("7")
+    fleet = make_fleet(2, score_fn=lambda ids: math.nan if poison in ids else len(ids) / 10)
+    client = fleet.client_factory(
+        servers_from_urls(fleet.urls), api_key=None, batch_size=64, request_timeout_s=10.0,
+        max_attempts=2, retry_backoff_s=0.0,
+    )  # fmt: skip
+    scorer = ModelScorer(client, RewardModelInputs(tok, apply_chat_template="on", max_length=512))
+
+    async def score():
+        try:
+            return await scorer.score([{"role": "user", "content": "1+1="}], ["2", "3", "7", "22"])
+        finally:
+            await scorer.aclose()
+
+    scores = asyncio.run(score())
+    assert [s.failed for s in scores] == [False, False, True, False]
+    assert "not finite" in str(scores[2].error)
+    assert scores[3].raw > scores[0].raw  # the others are the model's own scores
 
 
 class PassThroughClient:

@@ -112,6 +112,21 @@ def test_scores_combine_by_weight_and_a_needed_term_that_failed_fails_the_sample
     assert model_only.stats()["reward/rule_failed"] == 1.0  # counted all the same
 
 
+def test_a_reward_model_weighted_zero_fails_no_sample():
+    """Its score is reported for analysis (a model watched, not trained on), and its
+    failures are counted; the rule alone decides the reward."""
+    fleet = FakeRewardFleet(count=1)
+    for server in fleet.servers.values():
+        server.mode = "dead"
+    watched = model_pipeline(fleet, rule_fn=lambda **_: 1.0, rule_weight=1.0, weight=0.0)
+    item = prompt(0)
+    rules = [asyncio.run(watched.rule_score(item, t)) for t in ("a", "b")]
+    rewards = asyncio.run(watched.score_group(item, ["a", "b"], rules))
+    assert [(r.failed, r.score) for r in rewards] == [(False, 1.0), (False, 1.0)]
+    stats = watched.stats()
+    assert stats["reward/model_failed"] == 2.0 and stats["reward/samples_failed"] == 0.0
+
+
 def test_a_rule_weight_of_zero_needs_a_reward_model():
     with pytest.raises(ValueError, match="rule_weight is 0 and there is no reward model"):
         RewardPipeline(RewardRunner(5, 1), None, rule_weight=0.0)
