@@ -10,8 +10,10 @@ through its ``weight_sync.tensor_push.TensorSender``. Rank 0 also broadcasts the
 stream to engines on their own devices (``device_rank`` -1), if the targets hold any,
 through the ``WeightSender``: the tensor sender taps the stream the broadcast consumes,
 so the weights are gathered once. The stream needs the weights on the device, so the
-rank onloads first (``learner.offload``) and offloads after the push, leaving the device
-to its engine until the next step.
+rank onloads its models first (``learner.offload``; the optimizer state stays on the
+host) and offloads after the push, leaving the device
+to its engine until the next step; the push's two staging buffers are freed at its end
+(``colocate/staging_bytes`` says what they held).
 
 Each rank returns what its own targets got (``SyncOutcome``); the driver merges the
 ranks' results (``launcher.results.merge_publish_results``). Rank 0 then tells the
@@ -75,7 +77,7 @@ def publish_colocated(
     role: Any, colocation: LearnerColocation, version: int, targets: WeightTargets, restored: bool
 ) -> PublishResult:
     """This rank's push of ``version`` (``role``: a set-up ``launcher.roles.LearnerRole``)."""
-    onload_s = colocation.residency.onload()
+    onload_s = colocation.residency.onload(optimizers=False)  # the push reads weights only
     stream = role.worker.named_full_tensors()
     role.worker.policy_version = version
     mine = [t for t in targets.engines if t.device_rank == role.rank]
@@ -112,6 +114,8 @@ def publish_colocated(
             "colocate/push_s": push_s,
             "colocate/push_bytes": float(pushed.bytes if pushed is not None else 0),
             "colocate/push_gbps": pushed.gbps if pushed is not None else 0.0,
+            # the two staging buffers, freed after the push (the engine generates next)
+            "colocate/staging_bytes": float(push.staging_bytes),
             "colocate/onload_s": onload_s,
             "colocate/offload_s": offload_s,
             # both paths together: this rank's targets, and those that missed the version

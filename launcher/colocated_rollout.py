@@ -11,7 +11,8 @@
   the HTTP clients its calls use (one per engine process, by URL).
 
 Targets (``ready_to_receive``): before a publish the released co-located engines get
-their weight memory back; a rejoin (the current version again) leaves out co-located
+their weight memory back, and one that could not is left out of the publish (and of
+routing, until a later publish resumes it); a rejoin (the current version again) leaves out co-located
 engines that serve it already (a push by handle needs no group, so only the engines
 behind get it; remote engines are all in the broadcast group and all get it).
 """
@@ -98,8 +99,8 @@ class RolloutColocation:
             for t in tagged
             if not (rejoin and t.device_rank >= 0 and self.membership.status(t.name) in SERVING)
         ]
-        await self.engines.prepare_push([t.name for t in engines if t.device_rank >= 0])
-        return WeightTargets(engines=tuple(engines))
+        unmapped = await self.engines.prepare_push([t.name for t in engines if t.device_rank >= 0])
+        return WeightTargets(engines=tuple(t for t in engines if t.name not in unmapped))
 
     async def yield_devices(self) -> int:
         return await self.engines.yield_devices()

@@ -126,22 +126,29 @@ def _check_inputs(cfg: RunConfig, model_dirs: Sequence[str | Path]) -> None:
 
 
 @contextlib.contextmanager
-def _engine(cfg: RunConfig, first_model: str, engine_url: str | None) -> Iterator[str]:
-    """The URL of the engine to score on: ``engine_url``, or an embedded engine started here."""
+def _engine(
+    cfg: RunConfig, first_model: str, engine_url: str | None, api_key: str | None
+) -> Iterator[tuple[str, str | None]]:
+    """(URL, key) of the engine to score on: ``engine_url`` with ``api_key``, or an embedded
+    engine started here, which requires a key of its own (loopback is shared by the host)."""
     if engine_url:
-        yield engine_url
+        yield engine_url, api_key
         return
+    import secrets
+
     from rollout_fleet.engine.server import EmbeddedEngine
 
+    own_key = secrets.token_urlsafe(32)
     engine = EmbeddedEngine(
         first_model,
         engine_id=ENGINE_NAME,
         device=resolve_device(cfg),
         max_running_requests=cfg.rollout.max_running_requests,
         dtype=cfg.model.dtype,
+        api_key=own_key,
     )
     try:
-        yield engine.start_server()
+        yield engine.start_server(), own_key
     finally:
         engine.stop()
 
@@ -165,7 +172,7 @@ def evaluate(
     _check_inputs(cfg, model_dirs)
     folders = [str(Path(d).resolve()) for d in model_dirs]
     tokenizer = load_tokenizer(folders[0])
-    with _engine(cfg, folders[0], engine_url) as url:
+    with _engine(cfg, folders[0], engine_url, api_key) as (url, api_key):
         control = EngineClient(
             EngineEndpoint(ENGINE_NAME, url, api_key=api_key), cfg.rollout.request_timeout_s
         )

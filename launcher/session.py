@@ -37,6 +37,7 @@ from launcher.supervision import (
     is_actor_death,
     listening_pid,
     make_run_secrets,
+    write_engine_key,
     write_roster,
 )
 from rollout_fleet.delivery import group_id_for_index
@@ -59,8 +60,10 @@ class StopRequested(Exception):
 class Run:
     """The roles of one run, created by ``start`` and ended by ``close`` (in that order).
 
-    ``secure`` (default: whenever the run is not on a local Ray instance) gives every ZeroMQ
-    socket CURVE keys and the engines a bearer API key, made fresh for this run.
+    Every run makes a bearer API key that its engines and reward servers require
+    (``<run dir>/secrets/engine_api_key`` holds it for the user's own requests); ``secure``
+    (default: whenever the run is not on a local Ray instance) also gives every ZeroMQ
+    socket CURVE keys, made fresh for this run.
     """
 
     def __init__(self, cfg: RunConfig, address: str | None, secure: bool | None = None):
@@ -121,8 +124,10 @@ class Run:
         local = self.started_ray
         self.local = local
         self.secrets = make_run_secrets(not local if self.secure is None else self.secure)
+        key_file = write_engine_key(self.run_dir, self.secrets.engine_api_key or "")
+        log.info("engines require this run's API key (%s)", key_file)
         if self.secrets.secure:
-            log.info("CURVE on every buffer socket and an API key on every engine (this run's)")
+            log.info("CURVE on every buffer socket (this run's keys)")
         self.set_aside_unowned_bank()
         self.phase = "starting the buffer"
         ingest, control = self.start_buffer()

@@ -23,8 +23,8 @@ as soon as any rank fails instead of waiting, in list order, on a rank that is
 blocked in a collective with a dead peer.
 
 Also here: ``BadStepGuard`` (stop after k consecutive non-finite steps),
-``RunSecrets`` (CURVE keys for every ZeroMQ socket and a bearer key for the
-engines' HTTP API, made per run whenever the run leaves loopback), checkpoint
+``RunSecrets`` (a bearer key for the engines' HTTP API, made per run; CURVE keys for
+every ZeroMQ socket whenever the run leaves loopback), checkpoint
 candidates newest first (a checkpoint that fails to load falls back to the
 previous complete one), and process helpers used by the fault tests and the
 soak script (``listening_pid``, ``alive_pids``).
@@ -41,7 +41,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +66,14 @@ class BufferDown(RuntimeError):
 # ---- secrets ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RunSecrets:
-    """Per-run credentials: all None on loopback, all set as soon as the run spans nodes."""
+    """Per-run credentials: the engines' API key always (every engine and reward server
+    the run starts requires it, loopback included); CURVE keys as soon as the run spans
+    nodes (None on loopback)."""
 
     buffer_server: Any = None  # buffer.security.CurveServerKeys
     learner_client: Any = None  # CurveClientKeys of learner rank 0 (control socket)
     rollout_client: Any = None  # CurveClientKeys of the rollout supervisor (ingest + control)
-    engine_api_key: str | None = None
+    engine_api_key: str | None = field(default=None, repr=False)
 
     @property
     def secure(self) -> bool:
@@ -79,13 +81,32 @@ class RunSecrets:
 
 
 def make_run_secrets(secure: bool) -> RunSecrets:
-    """Fresh CURVE keys (one server, two clients) and an engine API key when ``secure``."""
+    """A fresh engine API key, and fresh CURVE keys (one server, two clients) when ``secure``."""
+    key = secrets.token_urlsafe(32)
     if not secure:
-        return RunSecrets()
+        return RunSecrets(engine_api_key=key)
     from buffer.security import make_run_keys
 
     server, (learner, rollout) = make_run_keys(2)
-    return RunSecrets(server, learner, rollout, secrets.token_urlsafe(32))
+    return RunSecrets(server, learner, rollout, key)
+
+
+ENGINE_KEY_FILE = "engine_api_key"  # in <run dir>/secrets/, readable by the user alone
+
+
+def write_engine_key(run_dir: Path, key: str) -> Path:
+    """The run's engine key in ``<run dir>/secrets/engine_api_key`` (0600, folder 0700), for
+    the user's own requests to the run's engines (``curl -H "Authorization: Bearer $(cat
+    ...)"``); never on a command line or in a log. Replaced by each start of the run."""
+    folder = run_dir / "secrets"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    path = folder / ENGINE_KEY_FILE
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(key + "\n")
+    return path
 
 
 # ---- non-finite steps ------------------------------------------------------------------

@@ -39,7 +39,7 @@ def _optimizer_state_to(optimizer: torch.optim.Optimizer, device: torch.device) 
 
 
 class DeviceResidency:
-    """Whether a rank's models and optimizer state are on its device, and moving them."""
+    """Where a rank's models and optimizer state are (its device or the host), and moving them."""
 
     def __init__(
         self,
@@ -53,27 +53,35 @@ class DeviceResidency:
         self.models = list(models)
         self.optimizers = list(optimizers)
         self.enabled = enabled and device.type == "cuda"
-        self.offloaded = False
+        self.models_on_host = False
+        self.optimizers_on_host = False
+
+    @property
+    def offloaded(self) -> bool:
+        return self.models_on_host or self.optimizers_on_host
 
     def offload(self) -> float:
         """Everything to host memory; the seconds it took (0 when there is nothing to move)."""
-        if not self.enabled or self.offloaded:
+        if not self.enabled or (self.models_on_host and self.optimizers_on_host):
             return 0.0
         started = time.perf_counter()
-        self._move(torch.device("cpu"))
+        self._move(torch.device("cpu"), models=True, optimizers=True)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-        self.offloaded = True
+        self.models_on_host = self.optimizers_on_host = True
         return time.perf_counter() - started
 
-    def onload(self) -> float:
-        """Everything back on the device; the seconds it took."""
-        if not self.offloaded:
+    def onload(self, *, optimizers: bool = True) -> float:
+        """The models (and with ``optimizers`` their optimizer state) back on the device; the
+        seconds it took. A push needs the weights only: its optimizers stay on the host."""
+        move_optimizers = optimizers and self.optimizers_on_host
+        if not (self.models_on_host or move_optimizers):
             return 0.0
         started = time.perf_counter()
-        self._move(self.device)
+        self._move(self.device, models=self.models_on_host, optimizers=move_optimizers)
         torch.cuda.synchronize(self.device)
-        self.offloaded = False
+        self.models_on_host = False
+        self.optimizers_on_host = self.optimizers_on_host and not move_optimizers
         return time.perf_counter() - started
 
     @contextmanager
@@ -87,11 +95,11 @@ class DeviceResidency:
             if was_offloaded:
                 self.offload()
 
-    def _move(self, device: torch.device) -> None:
+    def _move(self, device: torch.device, *, models: bool, optimizers: bool) -> None:
         with torch.no_grad():
-            for model in self.models:
+            for model in self.models if models else []:
                 model.to(device)
-            for optimizer in self.optimizers:
+            for optimizer in self.optimizers if optimizers else []:
                 _optimizer_state_to(optimizer, device)
 
 

@@ -9,7 +9,10 @@ its node and returns the engine's URL; the rollout worker then talks to the
 engine over HTTP directly (no Ray on the request path).
 
 Binding: engines bind 127.0.0.1 unless the fleet spans nodes; then they bind
-the node's IP and require a bearer API key (DESIGN section 4).
+the node's IP. Either way an engine started with the run's API key (every run makes one)
+requires it on every route but ``/health*``: loopback is no boundary between the users of
+a host. The key reaches the engine through Ray (the embedded engine runs in the actor's
+process) or a 0600 file (SGLang's ``--config``), never a command line.
 
 Placement: on rollout nodes by a node-kind marker resource, or (co-located) in a
 bundle of the learner's placement group beside a learner rank.
@@ -45,7 +48,7 @@ class EngineSpec:
     dtype: str = "float32"
     max_running_requests: int | None = 64  # None: SGLang sizes it from memory
     expose_on_node_ip: bool = False
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # the run's: never logged
     port: int = 0
     torch_threads: int = 1
     # sglang only

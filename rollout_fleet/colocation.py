@@ -14,7 +14,9 @@ each engine has released (by incarnation: a replacement starts with all of its o
                              /release_memory_occupation(tags)
         ... learner rank i onloads, steps ...
     prepare_push()         /resume_memory_occupation(cuda_graph, weights) where released,
-                           in SGLang's order, so the push lands in allocated memory
+                           in SGLang's order, so the push lands in allocated memory; an
+                           engine whose resume fails is left out of the push (its
+                           weights are not mapped) and out of routing
         ... learner rank i pushes /update_weights_from_tensor in a begin/end session ...
     take_back(outcome)     for each engine that holds the version:
                              /resume_memory_occupation(kv_cache), /continue_generation;
@@ -22,7 +24,8 @@ each engine has released (by incarnation: a replacement starts with all of its o
                            those READY, the others NEEDS_WEIGHTS
 
 An engine whose push failed stays paused and out of routing, its KV cache still
-released: it never serves the garbage its resumed weights hold. The next publish that
+released: it never serves the garbage its resumed weights hold. One whose weight resume
+failed is not pushed to at all (it needs its weights: ``require_weights``). The next publish that
 reaches it (the driver's rejoin) is followed by ``take_back`` again, which resumes and
 continues it. An engine that fails a call here is taken out the same way
 (``require_weights``), and one that dies while released is replaced by the fleet;
@@ -152,24 +155,29 @@ class ColocatedEngines:
 
     # ---- around the push ----------------------------------------------------------------
 
-    async def prepare_push(self, names: list[str]) -> None:
-        """Resume the weight memory (cuda_graph, weights) of the released engines among ``names``."""
+    async def prepare_push(self, names: list[str]) -> list[str]:
+        """Resume the weight memory (cuda_graph, weights) of the released engines among
+        ``names``; the engines that could not resume, taken out of routing: the push must
+        leave them out (SGLang would write the weights into unmapped memory)."""
         started = time.perf_counter()
-        await asyncio.gather(*(self._resume_weights(n) for n in names if self._colocated(n)))
+        mine = [n for n in names if self._colocated(n)]
+        resumed = await asyncio.gather(*(self._resume_weights(n) for n in mine))
         self._metrics["colocate/resume_weights_s"] = time.perf_counter() - started
+        return [n for n, ok in zip(mine, resumed, strict=True) if not ok]
 
-    async def _resume_weights(self, name: str) -> None:
+    async def _resume_weights(self, name: str) -> bool:
+        """Whether ``name``'s weight memory is mapped (resumed now, or never released)."""
         record = self._record(name)
         tags = [t for t in WEIGHT_TAGS if t in record.released]
         if not tags:
-            return
+            return True
         try:
             await self._client_for(name).resume_memory_occupation(tags)
         except EngineError as err:
-            # the push that follows fails on it too, and the outcome keeps it out of routing
-            log.error("engine %s: resuming %s failed: %s", name, tags, err)
-            return
+            self._take_out(name, record, f"could not resume {tags} before the push: {err}")
+            return False
         record.released.difference_update(tags)
+        return True
 
     async def take_back(self, outcome: SyncOutcome) -> SyncOutcome:
         """Resume the KV cache and continue every co-located engine that holds the version;

@@ -1,10 +1,18 @@
 """Launch, watch and stop one SGLang server process (the GPU rollout engine).
 
-``build_command(spec)`` turns an ``SGLangServerSpec`` into the
+``build_command(spec, key_config)`` turns an ``SGLangServerSpec`` into the
 ``python -m sglang.launch_server ...`` argument list (argument names as in
 SGLang's ``server_args.py``: ``--model-path``, ``--tp-size``,
-``--mem-fraction-static``, ``--load-format``, ``--api-key``,
-``--weight-version``, ...). ``SGLangServer`` starts it in its own process group
+``--mem-fraction-static``, ``--load-format``, ``--weight-version``, ...).
+
+The API key never goes on the command line, where ``/proc/<pid>/cmdline`` shows it to
+every user of the host: SGLang 0.5.23 reads ``--api-key`` from the argv or from a YAML
+file named by ``--config`` (``prepare_server_args`` merges the file's keys into the
+arguments in memory; no environment variable carries it). ``write_key_config`` writes
+``api-key: <key>`` to a file only the user can read (0600, in a 0700 folder of its own),
+the command names the file, and the server removes it once SGLang has read it (healthy).
+SGLang logs its resolved arguments, the key among them, at ``--log-level info``; the
+launcher starts it at ``warning``. ``SGLangServer`` starts it in its own process group
 (its pid recorded), waits for ``GET /health`` with a deadline while watching
 that the process has not exited, restarts it a bounded number of times, and
 ends it by its process group id (SIGTERM, then SIGKILL).
@@ -40,11 +48,13 @@ engines instead).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -82,7 +92,7 @@ class SGLangServerSpec:
     port: int = 0  # 0 = pick a free port at launch
     tp_size: int = 1
     mem_fraction_static: float = 0.85
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # by --config file, never argv
     load_format: Literal["dummy", "auto"] = "dummy"
     dtype: str = "auto"
     max_running_requests: int | None = None
@@ -161,11 +171,33 @@ def lora_args(rank: int, target_modules: list[str]) -> list[str]:
     ]
 
 
-def build_command(spec: SGLangServerSpec) -> list[str]:
-    """The argument list that launches ``spec`` (port must already be chosen)."""
+def write_key_config(api_key: str) -> Path:
+    """A YAML file holding ``api_key`` for SGLang's ``--config``, readable by this user alone
+    (0600, in a fresh 0700 folder); ``remove_key_config`` deletes both."""
+    folder = Path(tempfile.mkdtemp(prefix="fleetrl-sglang-key-"))
+    path = folder / "api_key.yaml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(f"api-key: {json.dumps(api_key)}\n")  # SGLang makes it --api-key; JSON is YAML
+    return path
+
+
+def remove_key_config(path: Path | None) -> None:
+    if path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
+
+
+def build_command(spec: SGLangServerSpec, key_config: Path | None = None) -> list[str]:
+    """The argument list that launches ``spec`` (port must already be chosen); a spec with an
+    API key names the file ``write_key_config`` wrote for it (``key_config``)."""
     spec.validate()
     if spec.port == 0:
         raise ValueError("build_command: choose a port first (SGLang does not accept port 0)")
+    if spec.api_key and key_config is None:
+        raise ValueError("build_command: the API key goes in a file (write_key_config), never argv")  # fmt: skip
     cmd = [
         spec.python,
         "-m",
@@ -188,7 +220,7 @@ def build_command(spec: SGLangServerSpec) -> list[str]:
         spec.log_level,
     ]
     if spec.api_key:
-        cmd += ["--api-key", spec.api_key]
+        cmd += ["--config", str(key_config)]
     if spec.weight_version is not None:
         cmd += ["--weight-version", spec.weight_version]
     if spec.disable_radix_cache:
@@ -207,15 +239,6 @@ def build_command(spec: SGLangServerSpec) -> list[str]:
         cmd += ["--enable-memory-saver"]
     cmd += list(spec.extra_args)
     return cmd
-
-
-def redact(cmd: list[str]) -> list[str]:
-    """The command with the API key hidden (for logs)."""
-    out = list(cmd)
-    for i, arg in enumerate(out[:-1]):
-        if arg == "--api-key":
-            out[i + 1] = "***"
-    return out
 
 
 def check_available(lookup: Callable[[], str | None] | None = None) -> None:
@@ -268,6 +291,7 @@ class SGLangServer:
         self.restarts = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
+        self._key_config: Path | None = None  # the key's file, until SGLang has read it
 
     @property
     def pid(self) -> int | None:
@@ -334,6 +358,8 @@ class SGLangServer:
                 )
             if self.health(timeout_s=min(5.0, max(0.1, deadline - time.monotonic()))):
                 log.info("SGLang server healthy at %s (pid %s)", self.url, self.pid)
+                remove_key_config(self._key_config)  # read at start: nothing reads it again
+                self._key_config = None
                 return
             if time.monotonic() >= deadline:
                 raise SGLangStartError(
@@ -354,6 +380,8 @@ class SGLangServer:
     def stop(self, timeout_s: float = 30.0) -> None:
         """End the server's process group (SIGTERM, then SIGKILL after ``timeout_s``)."""
         proc, self._proc = self._proc, None
+        remove_key_config(self._key_config)
+        self._key_config = None
         if proc is not None and proc.poll() is None:
             pgid = proc.pid  # started with start_new_session: its pid is its group id
             with contextlib.suppress(ProcessLookupError):
@@ -373,11 +401,13 @@ class SGLangServer:
         if self.spec.port == 0 or self.restarts:
             # a fresh port per launch: the old one may linger in TIME_WAIT
             self.spec.port = free_port(self.spec.host)
-        cmd = build_command(self.spec)
+        remove_key_config(self._key_config)
+        self._key_config = write_key_config(self.spec.api_key) if self.spec.api_key else None
+        cmd = build_command(self.spec, self._key_config)
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        log.info("launching SGLang: %s", " ".join(redact(cmd)))
+        log.info("launching SGLang: %s", " ".join(cmd))
         # without a log file the server's output goes where ours goes (Ray's worker logs)
         self._proc = subprocess.Popen(
             cmd,

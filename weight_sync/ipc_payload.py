@@ -29,7 +29,9 @@ Consumer (``decode_payload``, the embedded engine): the payload is a pickle, so 
 decoded only where SGLang's trust model holds (the engine's route checks the caller:
 this host, with the run's key) and only by ``RestrictedUnpickler``, which admits the
 globals in ``ALLOWED_GLOBALS`` and torch dtypes, nothing else: torch's rebuild
-functions for shared-memory and CUDA tensors, ``torch.Tensor``, ``torch.Size``,
+functions for shared-memory and CUDA tensors (a shared-memory segment must hold the
+bytes its storage claims, and a tensor must lie inside its storage, both checked before
+anything is mapped or viewed), ``torch.Tensor``, ``torch.Size``,
 ``UntypedStorage`` / ``TypedStorage`` and SGLang's metadata class (read as ``BucketEntry``). Any other
 global (``os.system``, ``builtins.eval``, a file-descriptor handle) raises
 ``PayloadError`` naming it before anything is called.
@@ -50,6 +52,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -182,11 +185,58 @@ def _rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
     return reductions.rebuild_cuda_tensor(*args)
 
 
+SHM_DIR = Path("/dev/shm")
+# torch's shared-memory segments hold a reference count block of this many bytes beside
+# the data (RefcountedMapAllocator's map_alloc_alignment)
+SHM_HEADER_BYTES = 64
+
+
+def _extent_bytes(size: Any, stride: Any, offset: int, itemsize: int) -> int:
+    """Bytes from the storage's start to the end of a tensor's last element."""
+    size, stride = tuple(size), tuple(stride)
+    if offset < 0 or len(size) != len(stride) or any(n < 0 for n in size) or any(st < 0 for st in stride):  # fmt: skip
+        raise PayloadError(f"payload tensor layout is refused: size {size}, stride {stride}, offset {offset}")  # fmt: skip
+    if 0 in size:
+        return 0
+    last = offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
+    return (last + 1) * itemsize
+
+
+def _rebuild_storage_filename_checked(cls: Any, manager: Any, handle: bytes, size: int, dtype: Any = None):  # fmt: skip
+    """torch's ``rebuild_storage_filename``, after checking the named ``/dev/shm`` segment
+    holds the bytes claimed: torch would otherwise grow another process's segment to the
+    claimed size (any size) and read zeros as weights."""
+    name = handle.decode("utf-8", "replace").lstrip("/") if isinstance(handle, bytes) else ""
+    if not name or "/" in name or name in (".", ".."):
+        raise PayloadError(f"payload names shared memory {handle!r}, not a segment of /dev/shm")
+    nbytes = size * (torch._utils._element_size(dtype) if dtype is not None else 1)
+    try:
+        held = (SHM_DIR / name).stat().st_size - SHM_HEADER_BYTES
+    except OSError as err:
+        raise PayloadError(f"payload's shared memory {name} cannot be read: {err}") from None
+    if nbytes < 0 or held < nbytes:
+        raise PayloadError(f"payload claims {nbytes} bytes of shared memory {name}, which holds {max(held, 0)}")  # fmt: skip
+    return reductions.rebuild_storage_filename(cls, manager, handle, size, dtype)
+
+
+def _rebuild_tensor_checked(cls: Any, storage: Any, metadata: Any) -> torch.Tensor:
+    """torch's ``rebuild_tensor``, after checking the tensor lies inside its storage (torch
+    would crash the process setting a larger one on shared memory)."""
+    offset, size, stride, _ = metadata
+    if type(storage) is torch.storage.TypedStorage:  # read without its deprecation warning
+        itemsize, nbytes = storage.dtype.itemsize, storage._untyped_storage.nbytes()
+    else:  # torch's rebuild reads bytes then (an UntypedStorage)
+        itemsize, nbytes = 1, storage.nbytes()
+    if _extent_bytes(size, stride, offset, itemsize) > nbytes:
+        raise PayloadError(f"payload tensor {tuple(size)} reaches past its {nbytes}-byte storage")  # fmt: skip
+    return reductions.rebuild_tensor(cls, storage, metadata)
+
+
 ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
-    ("torch.multiprocessing.reductions", "rebuild_tensor"): reductions.rebuild_tensor,
+    ("torch.multiprocessing.reductions", "rebuild_tensor"): _rebuild_tensor_checked,
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"): reductions.rebuild_typed_storage,
     ("torch.multiprocessing.reductions", "rebuild_storage_filename"): (
-        reductions.rebuild_storage_filename
+        _rebuild_storage_filename_checked
     ),
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor_by_uuid,
     ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): _rebuild_cuda_tensor_by_uuid,

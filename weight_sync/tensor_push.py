@@ -19,9 +19,12 @@ engine's ``/begin_weight_update`` ... ``/end_weight_update`` session like every 
 full tensors feed both paths in a mixed run: the broadcast sender of the remote
 engines consumes it while this sender copies each tensor into its bucket.
 
-Buffers: two staging buffers of ``bucket_mb`` (grown for a tensor larger than that),
-kept across versions. While the engines load one bucket the next is packed into the
-other; a buffer is written again only after every engine answered for the bucket it
+Buffers: two staging buffers of ``bucket_mb`` (grown for a tensor larger than that: a 7B
+model's embedding makes each ~1.1 GB), made for a push and freed at its end, once every
+engine has answered for the bucket it read: on a co-located device the engine generates
+next and needs the memory (the memory plan counts them in the push phase only,
+``launcher.plan_colocated``). While the engines load one bucket the next is packed into
+the other; a buffer is written again only after every engine answered for the bucket it
 held, so an engine never reads memory the learner has changed (slime saw corrupted
 weights when producer buffers were reused or freed early). On CUDA the device is
 synchronized before a handle is sent, so the engine reads finished copies.
@@ -115,6 +118,7 @@ class TensorPush:
         self._began = {c.name for c in self._live()}  # their sessions are ended in finish
         self._current = 0
         self._tapped = False
+        self.staging_bytes = 0  # what the staging buffers held, freed at the end
 
     # ---- the stream ----------------------------------------------------------------------
 
@@ -187,6 +191,7 @@ class TensorPush:
             self._send(last)
         for stage in self.sender.stages:
             self._wait(stage)
+        self.staging_bytes = self.sender.free_buffers()  # every engine has answered
         self.metrics.engine_load_s = max(
             (s.load_s for s in self.metrics.engines.values()), default=0.0
         )
@@ -295,11 +300,22 @@ class TensorSender(Publisher):
 
     @property
     def stages(self) -> list[_Stage]:
-        """The two staging buffers, made on first use (a rank with no co-located engine
-        never allocates them)."""
+        """The two staging buffers, made on first use in a push (a rank with no co-located
+        engine never allocates them) and freed at its end (``free_buffers``)."""
         if self._stages is None:
             self._stages = [_Stage(self.bucket_bytes, self.device) for _ in range(2)]
         return self._stages
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes the staging buffers hold now (0 between pushes)."""
+        return sum(stage.buffer.numel() for stage in self._stages or [])
+
+    def free_buffers(self) -> int:
+        """Drop the staging buffers (no engine reads them any more); the bytes they held."""
+        held = self.buffer_bytes
+        self._stages = None
+        return held
 
     def _member_removed(self, client: EngineClient) -> None:
         client.close()

@@ -14,8 +14,9 @@ called, always with keywords, as verl calls it:
   the timeout); a plain function runs in a worker thread.
 
 Judge access: a function that declares any of ``JUDGE_KEYWORDS`` (or takes
-``**kwargs``) is also handed the addresses and keys of the run's reward servers
-and rollout engines (rollout_fleet/rewards/judge.py).
+``**kwargs``) is also handed the addresses of the run's reward servers and rollout
+engines (rollout_fleet/rewards/judge.py); their keys (``SECRET_KEYWORDS``) only when it
+names them: a function that takes ``**kwargs`` and logs them does not leak the run's key.
 
 Everything is checked here, before any rollout: the file exists and imports,
 the name is a callable, and the call the pipeline will make binds to the
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_fleet.rewards.judge import JUDGE_KEYWORDS
+from rollout_fleet.rewards.judge import JUDGE_KEYWORDS, SECRET_KEYWORDS
 
 REWARD_PARAMETERS = ("data_source", "solution_str", "ground_truth", "extra_info")
 BATCH_REWARD_PARAMETERS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
@@ -82,7 +83,10 @@ def describe(fn: Callable[..., Any], where: str, reward_kwargs: Mapping[str, Any
         takes_any = any(
             p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
         )
-        judge = frozenset(JUDGE_KEYWORDS) if takes_any else frozenset(names & set(JUDGE_KEYWORDS))
+        # **kwargs gets the addresses; a key goes only to a function that names it
+        judge = frozenset(names & set(JUDGE_KEYWORDS))
+        if takes_any:
+            judge |= frozenset(JUDGE_KEYWORDS) - SECRET_KEYWORDS
         clash = sorted(set(reward_kwargs) & (set(keywords) | set(JUDGE_KEYWORDS)))
         if clash:
             raise RewardLoadError(

@@ -2,8 +2,9 @@
 
 An LLM judge or a generative reward model (verl's GenRM, slime's and AReaL's judges
 through the rollout engines) needs the addresses of servers that can run it. A
-custom reward function that declares any of these keywords (or takes ``**kwargs``)
-gets them on every call, current at the call (the fleet may have replaced a server):
+custom reward function that declares any of these keywords gets them on every call,
+current at the call (the fleet may have replaced a server); one that takes
+``**kwargs`` gets them all but the keys, which go only to a function naming them:
 
 ==========================  ============================================================
 ``reward_router_address``   verl's name: ``host:port`` of one of the run's reward servers
@@ -11,11 +12,11 @@ gets them on every call, current at the call (the fleet may have replaced a serv
                             spreads requests); None when the run has none
 ``reward_model_tokenizer``  verl's name: the reward model's tokenizer (None without one)
 ``reward_servers``          every reward server, ``{name: base URL}``
-``reward_api_key``          their bearer key (None: no key)
+``reward_api_key``          their bearer key (None: no key); only when named
 ``engine_urls``             the run's rollout engines, ``{name: base URL}`` (SGLang's or
                             the embedded engine's HTTP API: ``/generate``; they serve the
                             policy being trained, at the version they hold)
-``engine_api_key``          their bearer key (None: no key)
+``engine_api_key``          their bearer key (the run's own); only when named
 ==========================  ============================================================
 
 Left out: a router process of our own (the function picks a server from the
@@ -39,6 +40,7 @@ JUDGE_KEYWORDS = (
     "engine_urls",
     "engine_api_key",
 )
+SECRET_KEYWORDS = frozenset({"reward_api_key", "engine_api_key"})  # only when named
 
 
 def _nothing() -> Mapping[str, str]:

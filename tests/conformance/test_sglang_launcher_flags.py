@@ -11,6 +11,9 @@ value makes argparse exit). A second test runs SGLang's resolution
 every argv with ``--device cpu`` and a tiny model folder, in a subprocess
 because resolution writes environment variables.
 
+The API key is never on the command line: the launcher writes it to a 0600 YAML file that
+the argv names with ``--config``, and SGLang's own ``prepare_server_args`` reads it there.
+
 Specs: defaults, tensor parallel 2, an API key on a node IP, real weights,
 extra arguments, in_place vs abort pause, the memory saver of co-located engines
 (``--enable-memory-saver``; a shipped GPU config made co-located), LoRA serving (SGLang's
@@ -37,7 +40,13 @@ import pytest
 from launcher.config import load_run_config
 from rollout_fleet.actors import engine_spec, sglang_server_spec
 from rollout_fleet.rewards.fleet import reward_server_specs
-from rollout_fleet.sglang_launcher import LORA_SLOTS, SGLangServerSpec, build_command
+from rollout_fleet.sglang_launcher import (
+    LORA_SLOTS,
+    SGLangServerSpec,
+    build_command,
+    remove_key_config,
+    write_key_config,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PORT = 31000
@@ -145,6 +154,24 @@ def _root_logging_kept():
         root.setLevel(level)
 
 
+_KEY_FILES: list[Path] = []
+
+
+def _command(spec: SGLangServerSpec) -> list[str]:
+    """The launcher's argv for ``spec``; its key (if any) in a file, as the launcher writes it."""
+    key_file = write_key_config(spec.api_key) if spec.api_key else None
+    if key_file is not None:
+        _KEY_FILES.append(key_file)
+    return build_command(spec, key_file)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _remove_key_files():
+    yield
+    for path in _KEY_FILES:
+        remove_key_config(path)
+
+
 def _parse(argv: list[str]):
     from sglang.srt.server_args import prepare_server_args
 
@@ -175,14 +202,16 @@ def _expected(spec: SGLangServerSpec) -> dict[str, object]:
 
 def test_the_command_runs_sglangs_launch_server_module():
     for spec in CASES.values():
-        assert build_command(spec)[:3] == [sys.executable, "-m", "sglang.launch_server"]
+        assert _command(spec)[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert importlib.util.find_spec("sglang.launch_server") is not None
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_sglang_parses_the_argv_into_the_specs_values(case):
     spec = CASES[case]
-    args = _parse(build_command(spec)[3:])
+    argv = _command(spec)[3:]
+    assert not spec.api_key or spec.api_key not in " ".join(argv)  # SGLang reads it from --config
+    args = _parse(argv)
     parsed = {name: getattr(args, name) for name in _expected(spec)}
     assert parsed == _expected(spec)
 
@@ -192,32 +221,32 @@ def test_lora_specs_enable_sglangs_lora_serving():
         ("lora_all_linear", 8, {"all"}),
         ("lora_named_modules", 64, {"q_proj", "v_proj"}),
     ):
-        args = _parse(build_command(CASES[case])[3:])
+        args = _parse(_command(CASES[case])[3:])
         assert args.enable_lora is True
         assert args.max_lora_rank == rank
         assert set(args.lora_target_modules) == modules
         assert args.max_loras_per_batch == args.max_loaded_loras == LORA_SLOTS
-    assert not _parse(build_command(CASES["defaults"])[3:]).enable_lora
+    assert not _parse(_command(CASES["defaults"])[3:]).enable_lora
 
 
 def test_extra_args_reach_sglang_verbatim():
-    args = _parse(build_command(CASES["extra_args"])[3:])
+    args = _parse(_command(CASES["extra_args"])[3:])
     assert args.attention_backend == "fa3"
     assert args.chunked_prefill_size == 4096
 
 
 def test_the_shipped_gpu_configs_launch_what_they_say():
     for case in ("grpo_7b_config", "ppo_7b_config"):
-        args = _parse(build_command(CASES[case])[3:])
+        args = _parse(_command(CASES[case])[3:])
         assert args.model_path == "/models/Qwen2.5-7B-Instruct"
         assert args.tp_size == 2  # rollout.gpus_per_engine
         assert args.dtype == "bfloat16"
         assert args.load_format == "dummy"  # first weights come from the learner
         assert args.api_key == "run-key" and args.host == NODE_IP
         assert args.disable_radix_cache is True  # weight_sync.pause_mode: in_place
-    abort = _parse(build_command(CASES["grpo_7b_config_abort"])[3:])
+    abort = _parse(_command(CASES["grpo_7b_config_abort"])[3:])
     assert abort.disable_radix_cache is False  # abort flushes the cache per update
-    colocated = _parse(build_command(CASES["grpo_7b_config_colocated"])[3:])
+    colocated = _parse(_command(CASES["grpo_7b_config_colocated"])[3:])
     assert colocated.enable_memory_saver is True  # release frees memory (torch_memory_saver)
     assert colocated.tp_size == 1 and colocated.disable_radix_cache is False  # abort pause
     assert colocated.enable_weights_cpu_backup is False  # every resume is followed by a push
@@ -225,15 +254,15 @@ def test_the_shipped_gpu_configs_launch_what_they_say():
 
 def test_reward_servers_serve_their_own_weights_as_an_embedding_model():
     for case, tp in (("reward_server", 1), ("reward_server_tp2", 2)):
-        args = _parse(build_command(CASES[case])[3:])
+        args = _parse(_command(CASES[case])[3:])
         assert args.is_embedding is True and args.load_format == "auto"  # never pushed
         assert args.model_path == "/models/rm" and args.tp_size == tp
         assert args.api_key == "run-key" and args.host == NODE_IP
         assert args.max_running_requests is None  # SGLang sizes it from memory
-    tp2 = _parse(build_command(CASES["reward_server_tp2"])[3:])
+    tp2 = _parse(_command(CASES["reward_server_tp2"])[3:])
     assert tp2.mem_fraction_static == 0.6 and tp2.dtype == "bfloat16"
     assert tp2.chunked_prefill_size == 2048
-    assert not _parse(build_command(CASES["defaults"])[3:]).is_embedding
+    assert not _parse(_command(CASES["defaults"])[3:]).is_embedding
 
 
 RESOLVE = """
@@ -262,7 +291,7 @@ def _with_model(argv: list[str], model_path: str) -> list[str]:
 def test_sglang_resolves_every_argv_on_cpu(tiny_model_dir, tiny_reward_dir):
     argvs = [
         _with_model(
-            build_command(spec)[3:], str(tiny_reward_dir if spec.is_embedding else tiny_model_dir)
+            _command(spec)[3:], str(tiny_reward_dir if spec.is_embedding else tiny_model_dir)
         )
         for spec in CASES.values()
     ]

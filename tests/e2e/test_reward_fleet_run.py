@@ -7,6 +7,10 @@ resource) beside the rollout engine, lists its pid in roles.json, and reports
 mid-run (its pid from roles.json, never by name): training goes on, the fleet replaces it
 and the client's pool holds the replacement again (`reward_model/servers` back to 1); a
 SIGINT then stops the run gracefully, exit status 0.
+
+Before the kill, the run's servers are probed as another user of the host would: the
+rollout engine and the reward server answer 401 without the run's key (loopback
+included) and serve with it, and the key is on no process's command line and in no log.
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ import os
 import signal
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from fleetrl.models.tiny import make_tiny_model
@@ -48,6 +55,48 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _status(url: str, key: str | None) -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except OSError:
+        return 0
+
+
+def _server_url(pid: int) -> str:
+    """The HTTP server among a process's listening ports (a Ray worker has others)."""
+    for conn in psutil.Process(pid).net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN:
+            url = f"http://127.0.0.1:{conn.laddr.port}"
+            if _status(f"{url}/health", None) == 200:  # /health is open, as SGLang's
+                return url
+    raise AssertionError(f"pid {pid} serves no HTTP /health")
+
+
+def check_the_servers_require_the_runs_key(run_dir: Path, roster: dict, log_path: Path) -> None:
+    key_file = run_dir / "secrets" / "engine_api_key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    key = key_file.read_text().strip()
+    servers = [name for name in roster if name.startswith(("engine", "reward"))]
+    assert len(servers) == 2, roster  # the rollout engine and the reward server
+    for name in servers:
+        url = _server_url(roster[name])
+        assert _status(f"{url}/model_info", None) == 401, name
+        assert _status(f"{url}/model_info", "wrong") == 401, name
+        assert _status(f"{url}/model_info", key) == 200, name
+    for proc in psutil.process_iter():
+        try:
+            assert key not in " ".join(proc.cmdline()), f"the key is on pid {proc.pid}'s command line"  # fmt: skip
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    logs = [log_path, *(p for p in run_dir.rglob("*") if p.is_file() and p != key_file)]
+    leaked = [str(p) for p in logs if key.encode() in p.read_bytes()]
+    assert not leaked, f"the key is written in {leaked}"
+
+
 @pytest.mark.timeout(900)
 def test_run_places_the_reward_fleet_and_replaces_a_killed_reward_server(tmp_path: Path):
     rm = make_tiny_model(tmp_path / "rm", layers=1, hidden=32, heads=4, max_positions=64, seed=3, reward_model=True)  # fmt: skip
@@ -70,6 +119,7 @@ def test_run_places_the_reward_fleet_and_replaces_a_killed_reward_server(tmp_pat
             time.sleep(0.5)
         roster = json.loads((run_dir / "roles.json").read_text())
         assert "reward-0" in roster, roster  # the placed reward server, by its pid
+        check_the_servers_require_the_runs_key(run_dir, roster, log_path)
         first = roster["reward-0"]
         os.kill(first, signal.SIGKILL)
         killed_at = max(r["step"] for r in _records(run_dir))

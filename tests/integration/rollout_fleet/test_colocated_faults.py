@@ -26,7 +26,7 @@ from rollout_fleet.colocation import ColocatedEngines
 from rollout_fleet.config import ColocateConfig, RolloutConfig
 from rollout_fleet.engine.server import EmbeddedEngine
 from rollout_fleet.fleet import EngineFleet
-from rollout_fleet.membership import EngineStatus, Membership, SyncOutcome
+from rollout_fleet.membership import EngineStatus, Membership, SyncOutcome, WeightTargets
 from weight_sync.config import WeightSyncConfig
 from weight_sync.engine_client import EngineEndpoint
 from weight_sync.errors import WeightSyncError
@@ -123,7 +123,8 @@ class Cycle:
     async def publish(self, version: int, sent) -> SyncOutcome:
         """weight_targets (with prepare_push), the push, weights_published (take_back)."""
         targets = self.membership.weight_targets()
-        await self.owner.prepare_push([t.name for t in targets.engines])
+        unmapped = await self.owner.prepare_push([t.name for t in targets.engines])
+        targets = WeightTargets(engines=tuple(t for t in targets.engines if t.name not in unmapped))
         self.sender.set_members(EngineEndpoint(t.name, t.url) for t in targets.engines)
         failed = {}
         try:

@@ -24,7 +24,7 @@ from rollout_fleet.engine.colocated_routes import OUTSIDE_SESSION, same_host
 from rollout_fleet.engine.server import EmbeddedEngine
 from weight_sync.config import WeightSyncConfig
 from weight_sync.engine_client import EngineEndpoint
-from weight_sync.errors import WeightSyncError
+from weight_sync.errors import WeightSyncError, drain_stream
 from weight_sync.tensor_push import TensorSender
 
 pytestmark = pytest.mark.timeout(300)
@@ -75,7 +75,12 @@ def test_the_cycle_frees_memory_and_serves_the_pushed_version(served):
     config = WeightSyncConfig(bucket_mb=0.05, verify_tensors=100, verify_rows=100)
     with TensorSender(config) as sender:
         sender.set_members([EngineEndpoint("coloc", url)])
-        metrics = sender.publish(iter(sent), version=4)
+        push = sender.start(4)
+        drain_stream(push.tap(iter(sent)))
+        metrics = push.finish()
+        # the staging buffers (the largest tensor each) are freed once the engine answered
+        largest = max(t.numel() * t.element_size() for _, t in sent)
+        assert push.staging_bytes >= 2 * largest and sender.buffer_bytes == 0
     assert metrics.num_buckets > 1 and all(s.ok and s.verified for s in metrics.engines.values())
     assert _post(url, "/resume_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
     assert _post(url, "/continue_generation", {}).status_code == 200

@@ -129,3 +129,31 @@ def test_a_colocated_device_must_hold_the_larger_of_its_two_phases():
     both = colocated_phases(msgspec.structs.replace(cfg, rollout=kept), shape, 80.0, on_gpu=True)
     assert both.generating_gb == pytest.approx(phases.generating_gb + learner)
     assert both.training_gb > phases.training_gb and not both.fits
+
+
+def test_a_colocated_push_holds_the_learner_the_engines_weights_and_two_staging_buffers():
+    """The push phase: the learner's weights back on the device (the optimizer state stays
+    on the host with offload_learner), one fp32 tensor gathered in full, the engine's
+    weights resumed, and two staging buffers as large as the largest fp32 tensor (Qwen2.5
+    7B's embedding: 152064 x 3584 x 4 bytes, 2.03 GiB each)."""
+    from launcher.plan_colocated import colocated_phases, staging_buffer_bytes
+
+    cfg = load_run_config(
+        GRPO_7B,
+        ["rollout.placement=colocated", "rollout.gpus_per_engine=1", "rollout.num_engines=8",
+         "learner.num_ranks=8", "rollout.mem_fraction_static=0.25",
+         "learner.max_tokens_per_micro_batch=2048", "learner.grad_checkpointing=true"],
+    )  # fmt: skip
+    shape = model_shape(cfg, str(QWEN_7B_JSON))
+    embedding = 152064 * 3584 * 4
+    assert staging_buffer_bytes(cfg, shape, on_gpu=True) == embedding
+    roles = learner_roles(cfg, shape)
+    weights = sum(r.weights for r in roles)
+    engine_weights = shape.params() * 2 / GB  # bf16 over TP 1
+    phases = colocated_phases(cfg, shape, 80.0, on_gpu=True)
+    expected = (weights + embedding + 2 * embedding) / GB + engine_weights
+    assert phases.pushing_gb == pytest.approx(expected)
+    assert phases.larger == "pushing" and phases.generating_gb == pytest.approx(20.0)
+    assert not colocated_phases(cfg, shape, phases.pushing_gb + 3.0, on_gpu=True).fits
+    text, _ = render(cfg, 80.0, str(QWEN_7B_JSON))
+    assert f"pushing {phases.pushing_gb:.3f} GiB" in text and "the largest (pushing)" in text

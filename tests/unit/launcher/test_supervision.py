@@ -15,6 +15,7 @@ from launcher.supervision import (
     TrainingStopped,
     checkpoint_candidates,
     make_run_secrets,
+    write_engine_key,
 )
 
 
@@ -32,9 +33,13 @@ def test_bad_step_guard_refuses_a_limit_below_one():
         BadStepGuard(0)
 
 
-def test_secrets_are_made_only_off_loopback_and_fresh_per_run():
-    assert not make_run_secrets(False).secure
-    assert make_run_secrets(False).engine_api_key is None
+def test_every_run_makes_an_engine_key_and_curve_keys_off_loopback_fresh_per_run(tmp_path):
+    local = make_run_secrets(False)
+    assert not local.secure and len(local.engine_api_key) >= 32  # loopback is no boundary
+    assert local.engine_api_key not in repr(local)
+    path = write_engine_key(tmp_path / "run", local.engine_api_key)
+    assert path.read_text().strip() == local.engine_api_key
+    assert (path.stat().st_mode & 0o777, path.parent.stat().st_mode & 0o777) == (0o600, 0o700)
     first, second = make_run_secrets(True), make_run_secrets(True)
     assert first.secure and len(first.engine_api_key) >= 32
     assert first.engine_api_key != second.engine_api_key

@@ -144,15 +144,17 @@ def test_a_failed_release_takes_the_engine_out_and_the_next_push_brings_it_back(
     assert membership.status("e0") is EngineStatus.READY
 
 
-def test_a_failed_weight_resume_keeps_the_engine_out_even_if_the_push_reached_it():
-    owner, membership, engines = _owner("e0")
+def test_a_failed_weight_resume_takes_the_engine_out_of_the_push_and_of_routing():
+    owner, membership, engines = _owner("e0", "e1")
     asyncio.run(owner.yield_devices())
     engines["e0"].fail["resume_memory_occupation"] = "engine hung"
-    asyncio.run(owner.prepare_push(["e0"]))
-    outcome = _push_done(owner, membership)
-    assert "still released" in outcome.failed["e0"]
+    assert asyncio.run(owner.prepare_push(["e0", "e1"])) == ["e0"]  # not pushed to
+    assert membership.status("e0") is EngineStatus.NEEDS_WEIGHTS  # routed to by nobody
+    assert [t.name for t in membership.weight_targets().engines] == ["e0", "e1"]
+    _push_done(owner, membership, failed={"e0": "left out: weights not resumed"})
+    assert membership.status("e1") is EngineStatus.READY
     assert membership.status("e0") is EngineStatus.NEEDS_WEIGHTS
-    asyncio.run(owner.prepare_push(["e0"]))  # resumed now, then pushed, then taken back
+    assert asyncio.run(owner.prepare_push(["e0"])) == []  # the rejoin: resumed now, pushed
     _push_done(owner, membership)
     assert membership.status("e0") is EngineStatus.READY
 

@@ -149,7 +149,7 @@ def test_the_function_scores_the_sources_it_claims_and_builtins_keep_the_rest(tm
     assert unknown.failed and "no reward function for data_source 'nobody/claims'" in unknown.error
 
 
-def test_judge_keywords_reach_the_functions_that_declare_them(tmp_path):
+def test_judge_keywords_reach_the_functions_that_declare_them_keys_only_by_name(tmp_path):
     path = write(tmp_path, JUDGE, "judges.py")
     tokenizer = object()
     judge = JudgeAccess(
@@ -159,10 +159,9 @@ def test_judge_keywords_reach_the_functions_that_declare_them(tmp_path):
         engine_api_key="ek",
         reward_model_tokenizer=tokenizer,
     )
-    everything = load_custom_reward(path)
+    everything = load_custom_reward(path)  # **kwargs: the addresses, never the keys
     assert everything.judge_keywords == {
-        "reward_router_address", "reward_model_tokenizer", "reward_servers", "reward_api_key",
-        "engine_urls", "engine_api_key",
+        "reward_router_address", "reward_model_tokenizer", "reward_servers", "engine_urls",
     }  # fmt: skip
     verl = load_custom_reward(path, "verl_judge")
     engines = load_custom_reward(path, "engines_judge")

@@ -15,6 +15,7 @@ import signal
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -26,23 +27,29 @@ from rollout_fleet.sglang_launcher import (
     build_command,
     check_available,
     radix_cache_disabled_for,
-    redact,
+    write_key_config,
 )
 
 FAKE_SERVER = textwrap.dedent(
     """
-    import argparse, http.server, os, sys
+    import argparse, http.server, json, os, sys
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int)
     parser.add_argument("--host")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--config", default=None)  # SGLang's: YAML, api_key among its keys
     args, _ = parser.parse_known_args()
+    args.api_key = None
+    if args.config:
+        line = open(args.config).read().strip()
+        assert line.startswith("api-key: ")
+        args.api_key = json.loads(line.removeprefix("api-key: "))
     if os.environ.get("FAKE_SGLANG_EXIT"):
         sys.exit(3)
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            if args.api_key and self.headers.get("Authorization") != "Bearer " + args.api_key:
+        def do_GET(self):  # /health is open, as SGLang's
+            authorized = self.headers.get("Authorization") == "Bearer " + str(args.api_key)
+            if args.api_key and self.path != "/health" and not authorized:
                 self.send_response(401); self.end_headers(); return
             self.send_response(200 if self.path == "/health" else 404)
             self.end_headers()
@@ -87,7 +94,7 @@ def test_in_place_pause_disables_the_radix_cache_and_the_others_keep_it():
     assert "--disable-radix-cache" in build_command(spec)
 
 
-def test_command_with_real_weights_key_and_extra_args():
+def test_command_with_real_weights_key_and_extra_args(tmp_path):
     spec = SGLangServerSpec(
         model_path="/m",
         host="10.0.0.5",
@@ -99,15 +106,19 @@ def test_command_with_real_weights_key_and_extra_args():
         base_gpu_id=1,
         extra_args=["--attention-backend", "fa3"],
     )
-    cmd = build_command(spec)
+    with pytest.raises(ValueError, match="never argv"):
+        build_command(spec)
+    key_file = write_key_config("secret")
+    cmd = build_command(spec, key_file)
     pairs = dict(zip(cmd[3::2], cmd[4::2], strict=False))
     assert pairs["--load-format"] == "auto"
-    assert pairs["--api-key"] == "secret"
+    assert pairs["--config"] == str(key_file) and "--api-key" not in cmd
+    assert "secret" not in " ".join(cmd) and "secret" not in repr(spec)
+    assert (key_file.stat().st_mode & 0o777, key_file.parent.stat().st_mode & 0o777) == (0o600, 0o700)  # fmt: skip
     assert pairs["--max-running-requests"] == "32"
     assert pairs["--random-seed"] == "7"
     assert pairs["--base-gpu-id"] == "1"
     assert cmd[-2:] == ["--attention-backend", "fa3"]
-    assert "secret" not in redact(cmd)
 
 
 def test_non_loopback_host_without_api_key_is_refused():
@@ -154,7 +165,11 @@ def test_an_untested_sglang_release_is_refused_at_start_in_one_line():
 
 
 def test_server_starts_waits_for_health_and_stops_by_process_group(fake_sglang):
-    spec = SGLangServerSpec(model_path="/m", api_key="k")
+    import urllib.error
+    import urllib.request
+
+    key = "run-key-0123456789"
+    spec = SGLangServerSpec(model_path="/m", api_key=key)
     server = SGLangServer(spec, require_available=False, env=fake_sglang, startup_timeout_s=60)
     url = server.start()
     try:
@@ -162,6 +177,11 @@ def test_server_starts_waits_for_health_and_stops_by_process_group(fake_sglang):
         assert server.alive() and server.health()
         pid = server.pid
         assert os.getpgid(pid) == pid  # its own process group
+        # the key reached the server by its file, which is gone once the server read it
+        assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert server._key_config is None
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(f"{url}/model_info", timeout=10)
     finally:
         server.stop(timeout_s=10)
     assert not server.alive()

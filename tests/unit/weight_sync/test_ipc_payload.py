@@ -173,3 +173,52 @@ def test_a_cuda_device_named_by_a_uuid_this_process_lacks_is_refused():
     args[6] = "GPU-00000000-0000-0000-0000-000000000000"
     with pytest.raises(PayloadError, match="which this process does not see"):
         _rebuild_cuda_tensor_by_uuid(*args)
+
+
+def _shared_segment(nbytes: int):
+    """(storage, manager, handle) of a fresh shared-memory segment, as a producer shares it."""
+    with file_system_sharing():
+        storage = torch.empty(nbytes, dtype=torch.uint8).share_memory_().untyped_storage()
+        manager, handle, size = storage._share_filename_cpu_()
+    assert size == nbytes
+    return storage, manager, handle
+
+
+def test_a_segment_smaller_than_its_claimed_storage_is_refused_before_mapping():
+    """A payload claiming more bytes than the /dev/shm segment holds: torch would grow the
+    segment (another process's memory) to the claim and read zeros as weights."""
+    from torch.multiprocessing import reductions
+
+    keep, manager, handle = _shared_segment(64)
+    segment = "/dev/shm/" + handle.decode().lstrip("/")
+    before = os.stat(segment).st_size
+    lying = _Reduce(reductions.rebuild_storage_filename, (torch.UntypedStorage, manager, handle, 1 << 30))  # fmt: skip
+    with pytest.raises(PayloadError, match=r"claims 1073741824 bytes of shared memory .* holds 64"):
+        decode_payload(_payload([("w", _Reduce(reductions.rebuild_tensor, (torch.Tensor, lying, (0, (4,), (1,), False))))]), None)  # fmt: skip
+    assert os.stat(segment).st_size == before  # never grown
+    for bad in (b"/../../etc/passwd", b"/nothing_here_at_all"):
+        args = (torch.UntypedStorage, manager, bad, 8)
+        with pytest.raises(PayloadError, match="shared memory"):
+            decode_payload(_payload([("w", _Reduce(reductions.rebuild_tensor, (torch.Tensor, _Reduce(reductions.rebuild_storage_filename, args), (0, (4,), (1,), False))))]), None)  # fmt: skip
+    del keep
+
+
+def test_a_tensor_reaching_past_its_shared_storage_is_refused():
+    """torch would crash the engine (SIGSEGV) setting such a tensor on mapped memory."""
+    from torch.multiprocessing import reductions
+
+    def tensor(layout):  # a segment of 16 bytes each time: a decode drops its reference
+        keep, manager, handle = _shared_segment(16)
+        storage = _Reduce(reductions.rebuild_storage_filename, (torch.UntypedStorage, manager, handle, 16))  # fmt: skip
+        typed = _Reduce(
+            reductions.rebuild_typed_storage, (storage, torch.uint8)
+        )  # as torch writes it
+        return keep, _Reduce(reductions.rebuild_tensor, (torch.Tensor, typed, layout))
+
+    for layout in ((0, (64,), (1,), False), (8, (9,), (1,), False), (0, (2, 3), (16, 1), False)):
+        _keep, payload = tensor(layout)
+        with pytest.raises(PayloadError, match="reaches past its 16-byte storage"):
+            decode_payload(_payload([("w", payload)]), None)
+    _keep, fits = tensor((8, (8,), (1,), False))
+    ((_, decoded),) = decode_payload(_payload([("w", fits)]), None)
+    assert decoded.numel() == 8
