@@ -195,6 +195,8 @@ def what_ifs(cfg: RunConfig, shape: ModelShape) -> list[tuple[str, float]]:
     options: list[tuple[str, LearnerConfig, None]] = []
     if learner_on_gpu(cfg) and not lc.param_offload:
         options.append(("learner.param_offload=true", _with(cfg, param_offload=True), None))
+        if not lc.optimizer_offload:
+            options.append(("learner.optimizer_offload=true", _with(cfg, optimizer_offload=True), None))  # fmt: skip
     options.append((f"learner.num_ranks={2 * lc.num_ranks}", _with(cfg, num_ranks=2 * lc.num_ranks), None))  # fmt: skip
     if not (lc.grad_checkpointing or cfg.model.gradient_checkpointing):
         options.append(("learner.grad_checkpointing=true", _with(cfg, grad_checkpointing=True), None))  # fmt: skip

@@ -305,9 +305,16 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     optimizer_offload: Annotated[
         bool,
         Meta(
-            description="Keep optimizer state on CPU (implied by param_offload with FSDP2; GPU runs)."
+            description="Keep the optimizer state in host memory between steps and stream it through the device chunk by chunk for each update, the copies overlapping the update (learner.optimizer_offload; implied by param_offload on GPU, where FSDP steps on the host)."
         ),
     ] = False
+    optimizer_offload_chunk_mb: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="With optimizer_offload: MiB of optimizer state moved and updated at a time; the device holds about three chunks (or three of the largest parameter's state) during the update.",
+        ),
+    ] = 256
     mixed_precision: Annotated[
         Literal["auto", "fp32", "bf16"],
         Meta(description="auto: bf16 parameters with fp32 gradient reduction on GPU, fp32 on CPU."),

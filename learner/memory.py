@@ -4,7 +4,8 @@
 and counts parameters without loading any weight. ``learner_estimate`` splits
 one rank's device memory into what FSDP2 keeps sharded (fp32 master weights,
 fp32 gradients, AdamW's two fp32 moments, all ÷ ranks, on the host under
-offload), what it gathers (the root group — embeddings, final norm, LM head —
+offload; with ``optimizer_offload`` alone the moments live on the host and the device
+holds the few chunks of them an update streams through, ``learner.optimizer_offload``), what it gathers (the root group — embeddings, final norm, LM head —
 for a whole forward, plus the current and the prefetched block, in the compute
 dtype), activations of one micro-batch at the per-rank token budget (every
 block's input only under gradient checkpointing, plus one block recomputed),
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from fleetrl.models.config import ModelConfig
 from learner.config import LearnerConfig
+from learner.optimizer_offload import STAGED_CHUNKS
 
 GB = 1024**3
 
@@ -201,6 +203,10 @@ def learner_estimate(
     cb = 2 if bf16 else 4
     offload = cfg.param_offload and on_gpu
     opt_offload = (cfg.optimizer_offload or cfg.param_offload) and on_gpu
+    # optimizer_offload alone: the state streams through the device a few chunks at a time
+    # (learner.optimizer_offload), the largest parameter's shard whole
+    largest_state = 8 * max(shape.embed_params, shape.hidden * shape.intermediate) / n
+    staged = STAGED_CHUNKS * max(cfg.optimizer_offload_chunk_mb * 2**20, largest_state)
     tokens = tokens_per_rank(cfg, max_seq_len, mini_batch_seqs)
     response_tokens = tokens * max_response_len / max(max_seq_len, 1)
     per_token_block = cb * (8 * shape.hidden + 4 * shape.kv_dim + 4 * shape.intermediate)
@@ -219,7 +225,7 @@ def learner_estimate(
         sharded_g, adam = 4 * trainable / n, 8 * trainable / n
         m.weights = 0.0 if offload else sharded_w
         m.grads = 0.0 if offload else sharded_g
-        m.optimizer = 0.0 if opt_offload else adam
+        m.optimizer = 0.0 if offload else min(staged, adam) if opt_offload else adam
         m.host = (sharded_w + sharded_g if offload else 0.0) + (adam if opt_offload else 0.0)
         if n > 1 or bf16:
             m.gathered = shape.root_params(lm_head=lm_head) * cb + gathered_blocks

@@ -105,8 +105,8 @@ class DeviceResidency:
 
 def residency_for(worker, *, enabled: bool) -> DeviceResidency:
     """The residency of a set-up ``learner.worker.LearnerWorker``: its models and optimizers,
-    but those FSDP already keeps on the host (``learner.param_offload``,
-    ``learner.reference.param_offload``)."""
+    but those already kept on the host (FSDP's ``learner.param_offload``,
+    ``learner.reference.param_offload``; ``learner.optimizer_offload``)."""
     cfg = worker.cfg
     models, optimizers = [], []
     if not cfg.param_offload:
@@ -115,6 +115,8 @@ def residency_for(worker, *, enabled: bool) -> DeviceResidency:
         if worker.critic is not None:
             models.append(worker.critic)
             optimizers.append(worker.critic_optimizer)
+    # learner.optimizer_offload keeps those on the host between steps already
+    optimizers = [o for o in optimizers if id(o) not in worker.offloaded]
     if worker.reference is not None and not cfg.reference.param_offload:
         models.append(worker.reference)
     return DeviceResidency(worker.device, models, optimizers, enabled=enabled)

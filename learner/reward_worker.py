@@ -53,6 +53,7 @@ from learner.config import LearnerConfig
 from learner.fsdp import build_optimizer, build_scheduler, guarded_step
 from learner.memory import peak_memory_gb, rss_kb
 from learner.model_build import build_model, init_value_head, stored_head
+from learner.optimizer_offload import offload_for, states_on_device
 from learner.packing import MicroBatchInputs, packed_row_budget, value_forward
 from learner.pair_batch import PairBatch, build_pair_inputs, plan_pairs, split_scores
 from learner.worker_checkpoint import frozen_base_options, scheduler_state
@@ -128,6 +129,10 @@ class RewardModelWorker:
         self.attn_implementation = getattr(self.model.config, "_attn_implementation", None)
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.total_steps)
+        self.offloaded = offload_for(  # learner.optimizer_offload: its state on the host
+            self.optimizer, self.device, enabled=self.cfg.optimizer_offload,
+            param_offload=self.cfg.param_offload, chunk_mb=self.cfg.optimizer_offload_chunk_mb,
+        )  # fmt: skip
 
     def close(self) -> None:
         ldist.close_group()
@@ -181,7 +186,8 @@ class RewardModelWorker:
             loss_local += loss.detach()
             for key, values in pair_metrics(chosen, rejected, margin).items():
                 sums.add(f"train/{key}", float(values.mean()) if len(indices) else 0.0, len(indices))  # fmt: skip
-        update = guarded_step(self.model, self.optimizer, self.cfg.optim.grad_clip, loss_local)
+        stepper = self.offloaded or self.optimizer
+        update = guarded_step(self.model, stepper, self.cfg.optim.grad_clip, loss_local)
         if not update.stepped:
             log.warning(
                 "reward-model update skipped at step %d: loss %s, grad norm %s",
@@ -243,9 +249,10 @@ class RewardModelWorker:
             "extra_state": extra_state,
             "adapter_config": lora.adapter_config(self.model) if self.uses_lora else None,
         }
-        return ckpt.write_checkpoint(
-            root, self.global_step, self._dcp_state(), meta, self.model_cfg.path
-        )
+        with states_on_device([self.offloaded]):
+            return ckpt.write_checkpoint(
+                root, self.global_step, self._dcp_state(), meta, self.model_cfg.path
+            )
 
     def load_checkpoint(self, step_dir: str | Path) -> dict[str, Any]:
         """Collective: restore model, optimizer, schedule, RNG and step; returns extra_state."""
@@ -255,13 +262,14 @@ class RewardModelWorker:
             raise ckpt.CheckpointError(
                 f"checkpoint {step_dir} is not a reward-model checkpoint (an RL run's?)"
             )
-        state = self._dcp_state()
-        meta = ckpt.read_checkpoint(step_dir, state)
-        set_state_dict(
-            self.model, self.optimizer,
-            model_state_dict=state["reward_model"], optim_state_dict=state["reward_model_optim"],
-            options=frozen_base_options(self.uses_lora),
-        )  # fmt: skip
+        with states_on_device([self.offloaded]):  # loaded, then back on the host
+            state = self._dcp_state()
+            meta = ckpt.read_checkpoint(step_dir, state)
+            set_state_dict(
+                self.model, self.optimizer,
+                model_state_dict=state["reward_model"], optim_state_dict=state["reward_model_optim"],
+                options=frozen_base_options(self.uses_lora),
+            )  # fmt: skip
         self.scheduler.load_state_dict(meta["scheduler"])
         self.global_step = int(meta["step"])
         log.info("rank %d resumed from %s (step %d)", self.rank, step_dir, self.global_step)

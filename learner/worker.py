@@ -72,6 +72,7 @@ from learner.config import LearnerConfig
 from learner.fsdp import build_optimizer, build_scheduler, guarded_step
 from learner.memory import peak_memory_gb, rss_kb
 from learner.model_build import build_model, init_value_head, stored_head
+from learner.optimizer_offload import OffloadedOptimizer, offload_optimizers
 from learner.packing import (
     MicroBatchInputs,
     build_inputs,
@@ -141,6 +142,8 @@ class LearnerWorker:
         self.policy: nn.Module | None = None
         self.reference: nn.Module | None = None
         self.critic: nn.Module | None = None
+        # learner.optimizer_offload: optimizer state on the host between steps, by optimizer
+        self.offloaded: dict[int, OffloadedOptimizer] = {}
         self.kl_ctrl = make_kl_controller(learner_cfg)
         # Ulysses: ranks [g·k, (g+1)·k) form SP group g and share its micro-batches
         self.sp: SPGroup | None = None
@@ -224,6 +227,8 @@ class LearnerWorker:
             self.critic_scheduler = build_scheduler(
                 self.critic_optimizer, self.cfg.critic.optim, self.total_steps
             )
+        optimizers = [self.optimizer, getattr(self, "critic_optimizer", None)]
+        self.offloaded = offload_optimizers(optimizers, self.device, self.cfg)
 
     def _critic_path(self, policy_path: Path) -> Path:
         """The folder the critic is built from: ``critic.model_path`` (its vocabulary checked
@@ -507,7 +512,8 @@ class LearnerWorker:
         The global loss and the gradient norm are the same on every rank, so every
         rank takes the same decision.
         """
-        update = guarded_step(model, optimizer, max_norm, local_loss)
+        stepper = self.offloaded.get(id(optimizer), optimizer)  # its state streamed, if offloaded
+        update = guarded_step(model, stepper, max_norm, local_loss)
         if update.stepped:
             self._update_stats[f"{role}/grad_norm"].append(update.grad_norm)
         else:

@@ -25,6 +25,7 @@ import torch
 
 from fleetrl.log import get_logger
 from learner import checkpoint as ckpt
+from learner.optimizer_offload import states_on_device
 
 if TYPE_CHECKING:
     from learner.worker import LearnerWorker
@@ -43,27 +44,30 @@ def save(worker: LearnerWorker, root: str | Path, extra_state: dict[str, Any]) -
         # LoRA: the policy in the checkpoint is a peft model; export rebuilds it from this
         "adapter_config": worker.adapter_config() if worker.uses_lora else None,
     }
-    return ckpt.write_checkpoint(
-        root, worker.global_step, _dcp_state(worker), meta, worker.model_cfg.path
-    )
+    with states_on_device(list(worker.offloaded.values())):  # saved as without offload
+        return ckpt.write_checkpoint(
+            root, worker.global_step, _dcp_state(worker), meta, worker.model_cfg.path
+        )
 
 
 def load(worker: LearnerWorker, step_dir: str | Path) -> dict[str, Any]:
     """Restore models, optimizers, schedulers, RNG, step and version; returns extra_state."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = _dcp_state(worker)
-    meta = ckpt.read_checkpoint(step_dir, state)
-    set_state_dict(
-        worker.policy, worker.optimizer,
-        model_state_dict=state["policy"], optim_state_dict=state["policy_optim"],
-        options=frozen_base_options(worker.uses_lora),
-    )  # fmt: skip
-    if worker.critic is not None:
+    with states_on_device(list(worker.offloaded.values())):  # loaded, then back on the host
+        state = _dcp_state(worker)
+        meta = ckpt.read_checkpoint(step_dir, state)
         set_state_dict(
-            worker.critic, worker.critic_optimizer,
-            model_state_dict=state["critic"], optim_state_dict=state["critic_optim"],
+            worker.policy, worker.optimizer,
+            model_state_dict=state["policy"], optim_state_dict=state["policy_optim"],
+            options=frozen_base_options(worker.uses_lora),
         )  # fmt: skip
+        if worker.critic is not None:
+            set_state_dict(
+                worker.critic, worker.critic_optimizer,
+                model_state_dict=state["critic"], optim_state_dict=state["critic_optim"],
+            )  # fmt: skip
+    if worker.critic is not None:
         worker.critic_scheduler.load_state_dict(meta["critic_scheduler"])
     worker.scheduler.load_state_dict(meta["scheduler"])
     worker.kl_ctrl.load_state_dict(meta["kl_ctrl"])

@@ -31,6 +31,10 @@ whitespace and any end-of-sequence text the policy's decoding left at its end; t
 and the EOS id is appended unless the ids already end with it (OpenRLHF's reward
 dataset does the same), so the score is always read at an EOS.
 
+Public API (the gateway renders chat requests with it): ``render_prompt(tokenizer, prompt,
+chat_template)`` -> ids; ``prompt_text`` -> (text, templated); ``render_reward_input``;
+``encode_text``; ``prompt_messages``. ``fleetrl.data.reader.render_prompt`` is this one.
+
 Left out: truncation (each caller has its rule: the prompt reader filters or cuts,
 ``rm train`` drops over-long pairs, scoring keeps the last tokens), multimodal
 content, responses of several turns.
@@ -40,6 +44,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
+
+__all__ = [
+    "ChatTemplateMissing", "ChatTemplateMode", "Prompt", "encode_text", "prompt_messages",
+    "prompt_text", "render_prompt", "render_reward_input", "reward_text", "templated",
+]  # fmt: skip
 
 Prompt = str | Sequence[Mapping[str, Any]]
 ChatTemplateMode = Literal["auto", "on", "off"]

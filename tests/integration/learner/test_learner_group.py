@@ -284,3 +284,30 @@ def test_critic_starts_from_its_own_folder_whose_vocabulary_covers_the_policys(
     small = make_tiny_model(tmp_path / "small_vocab", alphabet="0123456789")
     with pytest.raises(ValueError, match=r"learner\.critic\.model_path.*fewer than the policy"):
         one_rank_steps(tiny_model_dir, 1, {"critic": {"model_path": str(small)}})
+
+
+def test_optimizer_offload_keeps_the_state_on_the_host_between_steps_and_trains_alike(
+    tiny_model_dir, tmp_path
+):
+    """learner.optimizer_offload: both optimizers (policy, critic) stream their state chunk
+    by chunk through the update (the GPU's path; on the CPU the moves are no-ops), the
+    trained weights equal those of a run without it, and a checkpoint holds the same state."""
+    _, plain = one_rank_steps(tiny_model_dir, 2)
+    torch.set_num_threads(1)
+    offload = {"optimizer_offload": True, "optimizer_offload_chunk_mb": 1}
+    worker = procs.make_worker(str(tiny_model_dir), 0, 1, procs.free_port(), offload)
+    try:
+        assert set(worker.offloaded) == {id(worker.optimizer), id(worker.critic_optimizer)}
+        for step in range(2):
+            worker.step(procs.make_batch(step), policy_version=step)
+            for offloaded in worker.offloaded.values():
+                assert offloaded.state_devices() == {torch.device("cpu")}
+        assert_weights_close(procs.full_weights(worker), plain[-1], atol=0.0)
+        assert all(o.chunks_stepped > 2 for o in worker.offloaded.values())  # in chunks
+        moments = {k: v.clone() for k, v in worker.optimizer.state[next(worker.policy.parameters())].items()}  # fmt: skip
+        worker.load_checkpoint(worker.save_checkpoint(tmp_path, {"next_step": 2}))
+        restored = worker.optimizer.state[next(worker.policy.parameters())]
+        assert all(torch.equal(restored[k], v) for k, v in moments.items())
+        assert all(o.state_devices() == {torch.device("cpu")} for o in worker.offloaded.values())
+    finally:
+        worker.close()

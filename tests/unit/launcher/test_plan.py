@@ -59,6 +59,26 @@ def test_each_memory_saving_change_lowers_the_learner_plan():
     assert sum(r.total for r in learner_roles(cfg_no_gc, shape)) / GB > base
 
 
+def test_optimizer_offload_moves_the_optimizer_state_to_the_host_but_the_chunks_of_a_step():
+    """What the trainer does (learner.optimizer_offload): AdamW's moments on the host, the
+    device holding three chunks of them (the largest parameter's shard whole) per update."""
+    import msgspec
+
+    cfg = load_run_config(GRPO_7B)
+    shape = model_shape(cfg, str(QWEN_7B_JSON))
+    (kept, _), (offloaded, _) = (
+        learner_roles(cfg, shape, msgspec.structs.replace(cfg.learner, optimizer_offload=on))
+        for on in (False, True)
+    )
+    adam = 8 * shape.params() / cfg.learner.num_ranks
+    staged = 3 * 8 * shape.embed_params / cfg.learner.num_ranks  # the embedding's shard
+    assert kept.optimizer == pytest.approx(adam) and kept.host == 0
+    assert offloaded.optimizer == pytest.approx(staged) and offloaded.host == pytest.approx(adam)
+    assert kept.total - offloaded.total == pytest.approx(adam - staged)
+    text, _ = render(cfg, 80.0, str(QWEN_7B_JSON))
+    assert f"| learner.optimizer_offload=true | {(sum(r.total for r in learner_roles(cfg, shape)) - adam + staged) / GB:.3f} |" in text  # fmt: skip
+
+
 def test_lora_plan_keeps_the_base_weights_trains_adapters_only_and_drops_the_reference():
     import msgspec
 
