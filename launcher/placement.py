@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetrl.log import get_logger, role_env
+from fleetrl.machine import usable_cpus
 from launcher.config import RunConfig
 from launcher.supervision import TrainingStopped
 
@@ -60,6 +61,9 @@ def requested_cpus(cfg: RunConfig) -> float:
     )
 
 
+RAY_AUTH_MODE = "RAY_AUTH_MODE"  # Ray's variable: token | disabled
+
+
 def init_ray(cfg: RunConfig, address: str | None) -> bool:
     """Start or join Ray; returns True when this process started a local instance."""
     import ray
@@ -77,7 +81,7 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         log.info("joined Ray cluster at %s: %s", address, ray.cluster_resources())
         return False
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()  # the affinity mask and cgroup quota, not the host's count
     num_cpus = cfg.ray.num_cpus or max(cores, int(requested_cpus(cfg) + 0.999))
     if num_cpus > cores:
         log.warning(
@@ -85,6 +89,10 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
             requested_cpus(cfg),
             cores,
         )
+    # Ray turns token authentication on for a new local instance by default and warns that
+    # it did so on every start; asking for it explicitly is the same instance, unwarned (a
+    # token is made once in ~/.ray/auth_token). A user's own RAY_AUTH_MODE is kept.
+    os.environ.setdefault(RAY_AUTH_MODE, "token")
     ray.init(
         # "local": a new instance even where `ray start` left a cluster address in
         # /tmp/ray (ray.init() would join that one instead, with other resources)
