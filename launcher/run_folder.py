@@ -24,11 +24,13 @@ where a run wrote its config and failed before its first step is taken over as i
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import yaml
 
 from fleetrl.config import to_dict
@@ -107,6 +109,11 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _plain(cfg: RunConfig) -> dict[str, Any]:
+    """``cfg`` as its config.yaml reads back (tuples as lists)."""
+    return json.loads(msgspec.json.encode(cfg))
+
+
 def _counts(key: str) -> bool:
     return not any(key.startswith(u) if u.endswith(".") else key == u for u in UNCOUNTED)
 
@@ -114,7 +121,7 @@ def _counts(key: str) -> bool:
 def differing_keys(old: dict[str, Any], cfg: RunConfig) -> list[str]:
     """Keys that change the run whose value in ``old`` differs from ``cfg``'s. A key the old
     config lacks (written by an earlier fleetrl) counts only when set away from its default."""
-    new, default = _flat(to_dict(cfg)), _flat(to_dict(RunConfig()))
+    new, default = _flat(_plain(cfg)), _flat(_plain(RunConfig()))
     before = _flat(old)
     out = []
     for key, value in new.items():
@@ -127,7 +134,7 @@ def differing_keys(old: dict[str, Any], cfg: RunConfig) -> list[str]:
 
 
 def _described(keys: list[str], old: dict[str, Any], cfg: RunConfig) -> str:
-    before, new = _flat(old), _flat(to_dict(cfg))
+    before, new = _flat(old), _flat(_plain(cfg))
     shown_keys = [f"{k} ({before.get(k)!r:.40} -> {new.get(k)!r:.40})" for k in keys[:SHOWN_KEYS]]
     more = f" and {len(keys) - SHOWN_KEYS} more" if len(keys) > SHOWN_KEYS else ""
     return ", ".join(shown_keys) + more
