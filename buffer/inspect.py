@@ -40,7 +40,6 @@ from buffer.bank import (
     read_segment,
 )
 
-
 RUN_BANK = "rollout_bank"  # a run folder's bank, unless buffer.bank_dir puts it elsewhere
 
 
@@ -67,9 +66,9 @@ def summarize(bank_dir: str | Path) -> dict[str, Any]:
     """Every statistic ``inspect rollouts`` prints, as plain data (``bank_dir``: a bank, or a
     run folder holding one)."""
     given = Path(bank_dir)
-    root = bank_folder(given)
-    if not root.is_dir():
+    if not given.is_dir():
         raise BankNotFoundError(f"{given.absolute()} is not a folder")
+    root = bank_folder(given)
     segments = list_segments(root)
     if not segments and not (root / LEDGER_NAME).exists():
         raise BankNotFoundError(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,11 +65,27 @@ def requested_cpus(cfg: RunConfig) -> float:
 RAY_AUTH_MODE = "RAY_AUTH_MODE"  # Ray's variable: token | disabled
 
 
+def ask_for_token_auth(address: str | None) -> None:
+    """Token authentication for a new local instance (no ``address``), asked for explicitly.
+
+    Ray turns it on for a new local instance by default and warns that it did so on every
+    start; asking for it (``RAY_AUTH_MODE=token``, a token made once in ~/.ray/auth_token) is
+    the same instance, unwarned. Ray reads the variable when it is imported, so this is
+    done before: once Ray is imported (a caller's own), or with the user's own setting, Ray
+    is left to its default.
+    """
+    local = not (address or os.environ.get("RAY_ADDRESS"))
+    if local and RAY_AUTH_MODE not in os.environ and "ray" not in sys.modules:
+        os.environ[RAY_AUTH_MODE] = "token"
+
+
 def init_ray(cfg: RunConfig, address: str | None) -> bool:
     """Start or join Ray; returns True when this process started a local instance."""
+    ask_for_token_auth(address or cfg.ray.address)
     import ray
 
     address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
+
     logs = Path(cfg.trainer.output_dir).resolve() / "logs"
     env = {
         "env_vars": {
@@ -89,10 +106,6 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
             requested_cpus(cfg),
             cores,
         )
-    # Ray turns token authentication on for a new local instance by default and warns that
-    # it did so on every start; asking for it explicitly is the same instance, unwarned (a
-    # token is made once in ~/.ray/auth_token). A user's own RAY_AUTH_MODE is kept.
-    os.environ.setdefault(RAY_AUTH_MODE, "token")
     ray.init(
         # "local": a new instance even where `ray start` left a cluster address in
         # /tmp/ray (ray.init() would join that one instead, with other resources)

@@ -50,6 +50,7 @@ from urllib.parse import urlparse
 from fleetrl.config import ConfigErrors
 from fleetrl.log import get_logger
 from launcher.config import RunConfig, load_run_config_named
+from launcher.preflight_data import check_data
 from launcher.preflight_findings import (
     Finding,
     Node,
@@ -60,7 +61,6 @@ from launcher.preflight_findings import (
     _gib,
     shown,
 )
-from launcher.preflight_data import check_data
 from launcher.preflight_resources import check_resources, local_node, needs_gpus
 from launcher.preflight_rewards import check_rewards
 from learner.memory import ModelShape

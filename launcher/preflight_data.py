@@ -109,4 +109,3 @@ def check_data(cfg: RunConfig) -> tuple[list[Finding], DataRows]:
     """Every problem of the prompt files and of rendering them; the rows read."""
     rows = data_rows(cfg)
     return rows.findings + check_rendering(cfg, rows.samples), rows
-

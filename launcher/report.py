@@ -76,9 +76,16 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     """The end-of-run lines ``fleetrl train`` prints: only scores it measured."""
     step = summary.get("final_val_step", "?")
     scores = [
-        _score_line("held-out score", summary.get("initial_val_score"), summary.get("final_val_score"), step),  # fmt: skip
+        _score_line(
+            "held-out score", summary.get("initial_val_score"), summary.get("final_val_score"), step
+        ),  # fmt: skip
         # a reward model scored: the rule apart
-        _score_line("held-out rule score", summary.get("initial_val_rule_score"), summary.get("final_val_rule_score"), step),  # fmt: skip
+        _score_line(
+            "held-out rule score",
+            summary.get("initial_val_rule_score"),
+            summary.get("final_val_rule_score"),
+            step,
+        ),  # fmt: skip
     ]
     lines = [line for line in scores if line is not None]
     if "samples" in summary and summary.get("train_wall_s"):

@@ -120,6 +120,9 @@ class RewardGroup:
 
     def start(self, after_ray_init: Any = None) -> tuple[int, str | None, DataSummary]:
         """Place and set up every rank, resume when asked; (step, resumed_from, data)."""
+        from launcher.placement import ask_for_token_auth
+
+        ask_for_token_auth(self.address or self.cfg.ray.address)  # before Ray is imported
         import ray
 
         from launcher.config import resolve_device

@@ -166,7 +166,7 @@ def target_steps(cfg: RunConfig, folder: RunFolder) -> int:
 
 
 def finished_line(cfg: RunConfig, folder: RunFolder) -> str | None:
-    """"already at step N of N" when the folder's run (this config's) has nothing left to do."""
+    """ "already at step N of N" when the folder's run (this config's) has nothing left to do."""
     if folder.step is None or cfg.trainer.resume != "auto" or cfg.trainer.resume_from_path:
         return None
     if folder.config is None or differing_keys(folder.config, cfg):

@@ -50,7 +50,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig
