@@ -92,7 +92,9 @@ def check_model(cfg: RunConfig) -> list[Finding]:
             Finding(
                 key="model.path",
                 problem=f"{shown(cfg.model.path)} is not a Hugging Face model folder",
-                fix="point it at a local model folder, or set model.create_tiny=true for a tiny one",
+                fix="point it at a local model folder (nothing is downloaded: fetch a hub model "
+                "first, e.g. `huggingface-cli download NAME --local-dir DIR`), or set "
+                "model.create_tiny=true for a tiny one",
             )
         )
     critic_path = cfg.learner.critic.model_path
