@@ -102,9 +102,6 @@ class Run:
         ``StopRequested`` raised at any point leaves the roles started so far for
         ``close`` to end.
         """
-        from launcher.placement import ask_for_token_auth
-
-        ask_for_token_auth(self.address or self.cfg.ray.address)  # before Ray is imported
         import ray
 
         from launcher.placement import (

@@ -53,6 +53,7 @@ from typing import Any
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig
+from launcher.placement import ask_for_token_auth
 from launcher.preflight import ensure_ready, load_for_run
 from launcher.preflight_findings import PreflightFailed
 from launcher.prepare import prepare
@@ -347,6 +348,7 @@ def run(
     ``config_errors`` (the config's rule errors). ``resume_with_changes``: continue the run
     in ``trainer.output_dir`` although its config differs (``launcher.run_folder``).
     """
+    ask_for_token_auth(address or cfg.ray.address)  # before anything imports Ray
     stop = StopSignal()
     stop.install()  # from here on a stop is clean: see StopSignal
     try:
