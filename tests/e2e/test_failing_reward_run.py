@@ -29,6 +29,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 LIMIT = 24
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(600)
 def test_a_run_whose_reward_always_fails_stops_by_itself_with_the_error(tmp_path: Path):
