@@ -93,7 +93,7 @@ def ensure_model(cfg: RunConfig) -> None:
 def _warmstart_examples(cfg: RunConfig) -> list[tuple[list[dict[str, str]], str]]:
     import pyarrow.parquet as pq
 
-    from fleetrl.data.render import prompt_messages
+    from fleetrl.data.render import prompt_messages  # a plain string: one user turn
 
     examples = []
     for path in cfg.data.train_files:

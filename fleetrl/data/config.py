@@ -15,7 +15,7 @@ class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     train_files: Annotated[
         list[str] | str,
         Meta(
-            description="Parquet files of training prompts (verl schema): a list, or one path as a string (as verl accepts); a leading ~ is expanded."
+            description="Parquet files of training prompts (verl's schema, docs/data.md; checked before the run starts): a list, or one path as a string (as verl accepts); a leading ~ is expanded."
         ),
     ] = []
     val_files: Annotated[
@@ -54,7 +54,7 @@ class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     apply_chat_template: Annotated[
         bool,
         Meta(
-            description="Render chat-message prompts with the tokenizer's chat template (it must have one); off, or a plain-string prompt: the text as the tokenizer encodes it, its BOS included (fleetrl.data.render)."
+            description="Render chat-message prompts with the tokenizer's chat template (a tokenizer without one is refused before the run starts); false, or a plain-string prompt: the text (a prompt's message contents joined by newlines) as the tokenizer encodes it, its BOS included (fleetrl.data.render)."
         ),
     ] = True
     shuffle: Annotated[
