@@ -56,7 +56,7 @@ from learner.model_build import build_model, init_value_head, stored_head
 from learner.optimizer_offload import offload_for, states_on_device
 from learner.packing import MicroBatchInputs, packed_row_budget, value_forward
 from learner.pair_batch import PairBatch, build_pair_inputs, plan_pairs, split_scores
-from learner.worker_checkpoint import frozen_base_options, scheduler_state
+from learner.worker_checkpoint import frozen_base_options, restore, scheduler_state
 
 log = get_logger(__name__)
 
@@ -256,20 +256,12 @@ class RewardModelWorker:
 
     def load_checkpoint(self, step_dir: str | Path) -> dict[str, Any]:
         """Collective: restore model, optimizer, schedule, RNG and step; returns extra_state."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
         if ckpt.read_meta(step_dir).get("kind") != "reward_model":
             raise ckpt.CheckpointError(
                 f"checkpoint {step_dir} is not a reward-model checkpoint (an RL run's?)"
             )
-        with states_on_device([self.offloaded]):  # loaded, then back on the host
-            state = self._dcp_state()
-            meta = ckpt.read_checkpoint(step_dir, state)
-            set_state_dict(
-                self.model, self.optimizer,
-                model_state_dict=state["reward_model"], optim_state_dict=state["reward_model_optim"],
-                options=frozen_base_options(self.uses_lora),
-            )  # fmt: skip
+        pair = (self.model, self.optimizer, "reward_model", frozen_base_options(self.uses_lora))
+        meta = restore(step_dir, self._dcp_state, [pair], [self.offloaded])
         self.scheduler.load_state_dict(meta["scheduler"])
         self.global_step = int(meta["step"])
         log.info("rank %d resumed from %s (step %d)", self.rank, step_dir, self.global_step)

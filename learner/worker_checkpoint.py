@@ -18,6 +18,7 @@ Both functions are collectives: every rank of the learner group calls them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,21 +53,10 @@ def save(worker: LearnerWorker, root: str | Path, extra_state: dict[str, Any]) -
 
 def load(worker: LearnerWorker, step_dir: str | Path) -> dict[str, Any]:
     """Restore models, optimizers, schedulers, RNG, step and version; returns extra_state."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    with states_on_device(list(worker.offloaded.values())):  # loaded, then back on the host
-        state = _dcp_state(worker)
-        meta = ckpt.read_checkpoint(step_dir, state)
-        set_state_dict(
-            worker.policy, worker.optimizer,
-            model_state_dict=state["policy"], optim_state_dict=state["policy_optim"],
-            options=frozen_base_options(worker.uses_lora),
-        )  # fmt: skip
-        if worker.critic is not None:
-            set_state_dict(
-                worker.critic, worker.critic_optimizer,
-                model_state_dict=state["critic"], optim_state_dict=state["critic_optim"],
-            )  # fmt: skip
+    pairs = [(worker.policy, worker.optimizer, "policy", frozen_base_options(worker.uses_lora))]
+    if worker.critic is not None:
+        pairs.append((worker.critic, worker.critic_optimizer, "critic", None))
+    meta = restore(step_dir, lambda: _dcp_state(worker), pairs, list(worker.offloaded.values()))
     if worker.critic is not None:
         worker.critic_scheduler.load_state_dict(meta["critic_scheduler"])
     worker.scheduler.load_state_dict(meta["scheduler"])
@@ -75,6 +65,29 @@ def load(worker: LearnerWorker, step_dir: str | Path) -> dict[str, Any]:
     worker.policy_version = int(meta["policy_version"])
     log.info("rank %d resumed from %s (step %d)", worker.rank, step_dir, worker.global_step)
     return meta["extra_state"]
+
+
+def restore(
+    step_dir: str | Path,
+    make_state: Callable[[], dict[str, Any]],
+    pairs: list[tuple[Any, Any, str, Any]],
+    offloaded: list[Any],
+) -> dict[str, Any]:
+    """Read ``step_dir`` into ``make_state()``'s dict and set each (model, optimizer, key,
+    options) from its ``key`` and ``key_optim`` entries; the checkpoint's meta. Offloaded
+    optimizer state (``learner.optimizer_offload``) is loaded on the device, then goes
+    back to the host. Used by the RL and the reward-model learners."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    with states_on_device(offloaded):
+        state = make_state()
+        meta = ckpt.read_checkpoint(step_dir, state)
+        for model, optimizer, key, options in pairs:
+            set_state_dict(
+                model, optimizer, model_state_dict=state[key],
+                optim_state_dict=state[f"{key}_optim"], options=options,
+            )  # fmt: skip
+    return meta
 
 
 def frozen_base_options(uses_lora: bool):
