@@ -129,8 +129,7 @@ class Run:
         local = self.started_ray
         self.local = local
         self.secrets = make_run_secrets(not local if self.secure is None else self.secure)
-        key_file = write_engine_key(self.run_dir, self.secrets.engine_api_key or "")
-        log.info("engines require this run's API key (%s)", key_file)
+        write_engine_key(self.run_dir, self.secrets.engine_api_key or "")  # for the user alone
         if self.secrets.secure:
             log.info("CURVE on every buffer socket (this run's keys)")
         self.set_aside_unowned_bank()
