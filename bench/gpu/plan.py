@@ -44,7 +44,7 @@ STAGES: dict[str, StageSpec] = {
                   headline=("bytes_released", "device_bytes_freed", "memory_returned",
                             "release_s", "resume_weights_s", "push_s", "push_gbps",
                             "resume_kv_s", "switch_s", "ipc_ok", "learner_bytes_freed")),
-        StageSpec("optimizer_offload", "bench.gpu.optimizer_offload", {"cuda": 30, "cpu": 240},
+        StageSpec("optimizer_offload", "bench.gpu.optimizer_offload", {"cuda": 30, "cpu": 120},
                   doc="learner.optimizer_offload: the device memory it frees between steps, "
                       "the step's peak and seconds with and without it, the same weights",
                   headline=("state_gib", "freed_gib", "freed_vs_state", "step_peak_gib_kept",
