@@ -15,10 +15,11 @@ JSON refuses NaN) and answers the whole batch with HTTP 500: a batch answered 50
 in halves, each scored on its own (its own attempts), until the input that fails is
 alone; an input answered 500 and never scored comes back as NaN, the others are scored
 (a server failing everything costs about two requests per input before its samples fail).
-An attempt fails on: no answer (refused, reset, a server
-that died), a timeout (``request_timeout_s``), HTTP 5xx / 408 / 429, or a bad reply (not
-JSON, the wrong number of items, an item without a score, a score that is not a number).
-The batch is then tried again after ``retry_backoff_s`` × 2^(k-1) on another
+
+An attempt fails on: no answer (refused, reset, a server that died), a timeout
+(``request_timeout_s``), HTTP 5xx / 408 / 429, or a bad reply (not JSON, the wrong number
+of items, an item without a score, a score that is not a number). The batch is then
+tried again after ``retry_backoff_s`` × 2^(k-1) on another
 server (failover: servers the batch has not failed on first, then servers not cooling
 after a failure of their own, ``retry_backoff_s`` × 2^failures up to the timeout, then the
 least loaded) until ``max_attempts`` attempts are spent, and then ``RewardServerError`` names each server
@@ -62,6 +63,8 @@ RETRYABLE_STATUS = frozenset({408, 429})  # and every 5xx
 # SGLang's answer to a batch whose reply it cannot write (a NaN or inf score: its JSON
 # refuses them) is a 500, as for its other internal errors: the batch is split
 INPUT_ERROR_STATUS = 500
+COUNTERS = ("requests", "items", "retries", "failovers", "timeouts", "bad_replies", "failures",
+            "splits", "inputs_refused")  # fmt: skip
 _DECODER = msgspec.json.Decoder()
 _ENCODER = msgspec.json.Encoder()
 
@@ -124,20 +127,7 @@ class RewardModelClient:
         self._pool_changed: asyncio.Event | None = None
         self._session: aiohttp.ClientSession | None = None
         self._turn = 0  # round-robin among equally loaded servers
-        self._counts = dict.fromkeys(
-            (
-                "requests",
-                "items",
-                "retries",
-                "failovers",
-                "timeouts",
-                "bad_replies",
-                "failures",
-                "splits",
-                "inputs_refused",
-            ),
-            0,
-        )
+        self._counts = dict.fromkeys(COUNTERS, 0)
         self._answered = 0  # requests with a usable reply
         self._latency_sum = 0.0
         self._latency_max = 0.0
