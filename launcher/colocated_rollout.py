@@ -12,8 +12,8 @@
 
 Targets (``ready_to_receive``): before a publish the released co-located engines get
 their weight memory back, and one that could not is left out of the publish (and of
-routing, until a later publish resumes it); a rejoin (the current version again) leaves out co-located
-engines that serve it already (a push by handle needs no group, so only the engines
+routing, until a later publish resumes it); a rejoin (the current version again) leaves
+out co-located engines that serve it already (a push by handle needs no group, so only the engines
 behind get it; remote engines are all in the broadcast group and all get it).
 """
 

@@ -25,8 +25,8 @@ each engine has released (by incarnation: a replacement starts with all of its o
 
 An engine whose push failed stays paused and out of routing, its KV cache still
 released: it never serves the garbage its resumed weights hold. One whose weight resume
-failed is not pushed to at all (it needs its weights: ``require_weights``). The next publish that
-reaches it (the driver's rejoin) is followed by ``take_back`` again, which resumes and
+failed is not pushed to at all (it needs its weights: ``require_weights``). The next
+publish that reaches it (the driver's rejoin) is followed by ``take_back`` again, which resumes and
 continues it. An engine that fails a call here is taken out the same way
 (``require_weights``), and one that dies while released is replaced by the fleet;
 the replacement has released nothing and gets the weights before it serves.

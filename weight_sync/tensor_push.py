@@ -20,7 +20,7 @@ full tensors feed both paths in a mixed run: the broadcast sender of the remote
 engines consumes it while this sender copies each tensor into its bucket.
 
 Buffers: two staging buffers of ``bucket_mb`` (grown for a tensor larger than that: a 7B
-model's embedding makes each ~1.1 GB), made for a push and freed at its end, once every
+model's fp32 embedding makes each ~2.2 GB), made for a push and freed at its end, once every
 engine has answered for the bucket it read: on a co-located device the engine generates
 next and needs the memory (the memory plan counts them in the push phase only,
 ``launcher.plan_colocated``). While the engines load one bucket the next is packed into
