@@ -15,6 +15,7 @@ included) and serve with it, and the key is on no process's command line and in 
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -62,7 +63,7 @@ def _status(url: str, key: str | None) -> int:
             return r.status
     except urllib.error.HTTPError as err:
         return err.code
-    except OSError:
+    except (OSError, http.client.HTTPException):  # nothing, or no HTTP, on that port
         return 0
 
 
