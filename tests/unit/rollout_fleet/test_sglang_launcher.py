@@ -27,6 +27,7 @@ from rollout_fleet.sglang_launcher import (
     build_command,
     check_available,
     radix_cache_disabled_for,
+    remove_key_config,
     write_key_config,
 )
 
@@ -109,12 +110,16 @@ def test_command_with_real_weights_key_and_extra_args(tmp_path):
     with pytest.raises(ValueError, match="never argv"):
         build_command(spec)
     key_file = write_key_config("secret")
-    cmd = build_command(spec, key_file)
+    try:
+        cmd = build_command(spec, key_file)
+        assert (key_file.stat().st_mode & 0o777, key_file.parent.stat().st_mode & 0o777) == (0o600, 0o700)  # fmt: skip
+    finally:
+        remove_key_config(key_file)
+    assert not key_file.parent.exists()
     pairs = dict(zip(cmd[3::2], cmd[4::2], strict=False))
     assert pairs["--load-format"] == "auto"
     assert pairs["--config"] == str(key_file) and "--api-key" not in cmd
     assert "secret" not in " ".join(cmd) and "secret" not in repr(spec)
-    assert (key_file.stat().st_mode & 0o777, key_file.parent.stat().st_mode & 0o777) == (0o600, 0o700)  # fmt: skip
     assert pairs["--max-running-requests"] == "32"
     assert pairs["--random-seed"] == "7"
     assert pairs["--base-gpu-id"] == "1"
