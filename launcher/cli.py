@@ -15,6 +15,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from fleetrl.models.config import TINY_FAMILIES
+
 # subcommand path -> "module:function" taking the parsed namespace, returning an exit code
 HANDLERS: dict[str, str] = {
     "train": "launcher.train:main",
@@ -133,13 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("model", help="model utilities")
     msub = p.add_subparsers(dest="model_command", required=True)
     t = msub.add_parser("tiny", help="write a tiny random-init Hugging Face model folder")
-    t.add_argument("--out", required=True)
-    t.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
-    t.add_argument("--layers", type=int, default=2)
-    t.add_argument("--hidden", type=int, default=64)
-    t.add_argument("--heads", type=int, default=4)
-    t.add_argument("--max-positions", type=int, default=256)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True, help="the folder to write")
+    t.add_argument(
+        "--family",
+        "--arch",
+        dest="arch",
+        default="qwen2",
+        choices=TINY_FAMILIES,
+        help="model family: its block layout, and a tokenizer in its style (default qwen2)",
+    )
+    t.add_argument("--layers", type=int, default=2, help="decoder blocks")
+    t.add_argument("--hidden", type=int, default=64, help="hidden size")
+    t.add_argument("--heads", type=int, default=4, help="attention heads")
+    t.add_argument("--max-positions", type=int, default=256, help="longest sequence")
+    t.add_argument("--seed", type=int, default=0, help="seed of the random init")
     t.add_argument(
         "--reward-model",
         action="store_true",

@@ -10,7 +10,8 @@ user learns all that is missing in one attempt instead of after a model build, a
 20-line wandb traceback or an endless wait for GPUs the machine does not have.
 
 What is checked:
-- data files and the model folder (what ``launcher.prepare`` cannot make);
+- data files and the model folder (what ``launcher.prepare`` cannot make), and the
+  model's family: what cannot train or serve (``launcher.preflight_model``);
 - the reward section: the custom reward function loads and can be called, the reward
   model folder, a scorer for every data source (``launcher.preflight_rewards``), and
   ``reward.model.urls`` answer (with their key when off this machine);
@@ -54,6 +55,7 @@ from launcher.preflight_findings import (
     _first_line,
     _gib,
 )
+from launcher.preflight_model import check_model_family
 from launcher.preflight_resources import check_resources, local_node
 from launcher.preflight_rewards import check_rewards
 from learner.memory import ModelShape
@@ -435,7 +437,7 @@ def run_checks(
     """Every check; every finding (warnings included), in the order a user fixes them."""
     probes = probes or Probes()
     target = resolve_address(cfg, address, probes.env)
-    findings = check_data(cfg) + check_model(cfg) + check_rewards(cfg)
+    findings = check_data(cfg) + check_model(cfg) + check_model_family(cfg) + check_rewards(cfg)
     findings += check_reward_urls(cfg, probes)
     if target:
         cluster_findings, nodes = check_cluster(cfg, target, probes)
