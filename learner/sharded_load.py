@@ -28,8 +28,11 @@ learner checkpoint goes through torch DCP, which already reads per rank.
 Any family transformers ships loads this way (the causal LM, or for a critic or a
 reward model its backbone with a value head: ``learner.value_model``).
 
-Left out: name conversions of models whose checkpoint keys differ from their
-module names (the families tested need none), quantised checkpoints, ``.bin`` files.
+Checkpoint keys that transformers renames on load (GPT-NeoX's ``embed_out.weight`` is
+its ``lm_head.weight``) are read under the files' names.
+
+Left out: checkpoints whose tensors transformers converts on load (stacked MoE
+experts: refused by name), quantised checkpoints, ``.bin`` files.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import struct
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -153,12 +156,21 @@ def load_local_slices(
 ) -> int:
     """Fill every parameter and persistent buffer's local shard from the folder; returns bytes read.
 
-    ``file_name`` maps a state-dict name to its name in the files (a wrapper's
-    renaming, e.g. peft's). A name absent from the files is an error unless
+    ``file_name`` maps a state-dict name to the model's own name (a wrapper's renaming,
+    e.g. peft's); transformers' renamings of the family's checkpoint keys
+    (``fleetrl.models.checkpoint_names``: GPT-NeoX's ``embed_out``) then give the files'. A name absent from the files is an error unless
     ``skip_missing(name)`` (a head or adapter the caller initialises); a tensor
     whose slice is not a dim-0 row range of the file is an error (FSDP2 shards dim 0).
     """
+    from fleetrl.models.checkpoint_names import CheckpointNames
+
     entries = index_safetensors(folder)
+    names = CheckpointNames.of(model)
+    if names.converted:
+        raise ValueError(
+            f"transformers converts the tensors of {folder} on load ({names.converted[0]}, ...): "
+            "the learner reads a file's tensors one to one"
+        )
     state = model.state_dict(keep_vars=True)
     handles: dict[Path, object] = {}
     total = 0
@@ -167,7 +179,7 @@ def load_local_slices(
         for name, tensor in state.items():
             if id(tensor) in seen:  # a tied alias, already filled
                 continue
-            entry = entries.get(file_name(name))
+            entry = entries.get(names.to_file(file_name(name)))
             if entry is None:
                 if skip_missing(name):
                     continue
@@ -267,17 +279,40 @@ def _rebuild_from_config(module: nn.Module, names: list[str], device: torch.devi
 def meta_model(path: str | Path, kind: ModelKind, *, num_labels: int = 1) -> nn.Module:
     """The model's architecture from its config.json, on the meta device (fp32, no storage):
     the causal LM, or (critic, reward model) its backbone with a value head
-    (``learner.value_model``, the same for every family)."""
+    (``learner.value_model``, the same for every family); dropout off (``without_dropout``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from learner.value_model import value_model
 
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    without_dropout(config)
     with torch.device("meta"):
         if kind == "causal_lm":
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        config.num_labels = num_labels
-        return value_model(config, bias=kind == "token_classification")
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        else:
+            config.num_labels = num_labels
+            model = value_model(config, bias=kind == "token_classification")
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def without_dropout(config: Any) -> None:
+    """Zero every dropout rate of ``config`` (and its sub-configs) in place.
+
+    GPT-2 (``resid_pdrop``, ``attn_pdrop``, ``embd_pdrop``: 0.1) and OPT (``dropout``: 0.1)
+    train with dropout by default; a policy with dropout gives different logprobs for the
+    same tokens in each forward, so the PPO ratio against the recomputed or behaviour
+    logprobs would be noise. TRL's and OpenRLHF's trainers disable it the same way.
+    """
+    for name, value in list(vars(config).items()):
+        if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
+            setattr(config, name, 0.0)
+        elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            without_dropout(value)  # a multimodal model's text config
+
+
 
 
 def build_sharded(

@@ -55,7 +55,8 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     for name, module in base.named_modules():
         if module is base or any(name.startswith(prefix + ".") for prefix in inside):
             continue
-        if type(module).__name__ in classes:
+        # by any class of its MRO: FSDP2 makes a block an ``FSDP<Class>`` subclass
+        if any(cls.__name__ in classes for cls in type(module).__mro__):
             blocks.append(module)
             inside.append(name)
     if not blocks:

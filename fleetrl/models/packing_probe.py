@@ -65,7 +65,10 @@ def twin_config(config: Any) -> Any:
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if getattr(twin, name, None) is not None:
             setattr(twin, name, None)
-    twin._attn_implementation = getattr(config, "_attn_implementation", None)
+    # eager stays eager; sdpa, flash (no CPU kernels) and installed ones (Ulysses) run as the
+    # family's default, sdpa where it has it
+    attn = getattr(config, "_attn_implementation", None)
+    twin._attn_implementation = "eager" if attn == "eager" else None
     return twin
 
 
@@ -90,13 +93,13 @@ def _leaks(config: Any) -> bool:
     return not torch.allclose(packed[:, FIRST:], alone, atol=TOLERANCE, rtol=0)
 
 
-_ANSWERS: dict[str, bool] = {}  # config JSON (attention implementation included) -> answer
+_ANSWERS: dict[str, bool] = {}  # the twin's config JSON -> answer
 
 
 def packs_sequences(config: Any) -> bool:
     """Whether the family of ``config`` (a transformers config) keeps packed sequences apart;
     a twin that cannot be built or run answers no (the learner then pads: always correct)."""
-    key = config.to_json_string(use_diff=False) + str(getattr(config, "_attn_implementation", ""))
+    key = twin_config(config).to_json_string(use_diff=False)
     if key not in _ANSWERS:
         try:
             _ANSWERS[key] = not _leaks(config)
