@@ -8,7 +8,8 @@ line each, from the model's config.json and the model built on the meta device
 
 - ``model.path``: an encoder-decoder, a ``model_type`` transformers has no causal
   LM for (no remote code runs), a folder whose weights are a classifier, a model
-  whose decoder blocks cannot be found (``learner.critic.model_path`` the same);
+  whose decoder blocks cannot be found, a checkpoint whose tensors transformers
+  converts on load (stacked MoE experts) (``learner.critic.model_path`` the same);
 - ``model.gradient_checkpointing`` / ``learner.grad_checkpointing`` on a model
   transformers cannot checkpoint;
 - ``learner.lora.target_modules`` naming no linear layer of the family (its own
@@ -85,6 +86,8 @@ def _structure_problem(config: Any) -> tuple[str | None, Any]:
     """(why ``config`` cannot be a learner model, or None; its meta model when built)."""
     from fleetrl.models.family import architecture_problem, decoder_blocks
 
+    from fleetrl.models.checkpoint_names import CheckpointNames
+
     problem = architecture_problem(config)
     if problem is not None:
         return problem, None
@@ -93,6 +96,12 @@ def _structure_problem(config: Any) -> tuple[str | None, Any]:
         decoder_blocks(model)
     except ValueError as err:
         return str(err), model
+    converted = CheckpointNames(config).converted
+    if converted:
+        return (
+            f"transformers converts its checkpoint's tensors on load ({converted[0]}, ...), "
+            "and the learner reads the files' tensors one to one"
+        ), model
     return None, model
 
 

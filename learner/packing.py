@@ -136,7 +136,8 @@ def layout_sequences(
     seqs: list[np.ndarray], *, packing: bool, row_tokens: int | None
 ) -> SequenceLayout:
     """Token rows for ``seqs`` (at least one): packed rows with restarting positions
-    (``pack_rows``; unfilled tails restart at 0, a block of their own that nothing reads),
+    (``pack_rows``; unfilled tails restart at 0, blocks of their own that nothing reads, no
+    longer than the longest sequence),
     or one right-padded row per sequence with an attention mask."""
     lens = np.array([len(s) for s in seqs], dtype=np.int64)
     if packing:
@@ -147,8 +148,11 @@ def layout_sequences(
             r, c = row_of[j], start_of[j]
             ids[r, c : c + len(s)] = s
             positions[r, c : c + len(s)] = np.arange(len(s))
+        # a tail restarts every ``longest`` tokens: a family with learned positions (GPT-2's
+        # wpe, OPT's) has none beyond the longest sequence the run allows
+        longest = int(lens.max())
         for r, fill in enumerate(np.bincount(row_of, weights=lens, minlength=num_rows)):
-            positions[r, int(fill) :] = np.arange(width - int(fill))
+            positions[r, int(fill) :] = np.arange(width - int(fill)) % longest
         return SequenceLayout(ids, positions, None, row_of, start_of)
     width = int(lens.max())
     ids = np.zeros((len(seqs), width), dtype=np.int64)
