@@ -84,9 +84,8 @@ def _meta_model(config: Any) -> Any:
 
 def _structure_problem(config: Any) -> tuple[str | None, Any]:
     """(why ``config`` cannot be a learner model, or None; its meta model when built)."""
-    from fleetrl.models.family import architecture_problem, decoder_blocks
-
     from fleetrl.models.checkpoint_names import CheckpointNames
+    from fleetrl.models.family import architecture_problem, decoder_blocks
 
     problem = architecture_problem(config)
     if problem is not None:

@@ -313,8 +313,6 @@ def without_dropout(config: Any) -> None:
             without_dropout(value)  # a multimodal model's text config
 
 
-
-
 def build_sharded(
     path: str | Path,
     *,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from fleetrl.models.loading import ModelPathError, load_causal_lm, load_tokenizer
 from fleetrl.models.tiny import FAMILIES, build_tokenizer

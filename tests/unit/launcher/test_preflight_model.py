@@ -29,33 +29,33 @@ def _findings(cfg) -> dict[str, object]:
 
 QWEN = {"model_type": "qwen2", "hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 100,
         "num_attention_heads": 4, "intermediate_size": 64}  # fmt: skip
+T5 = {"model_type": "t5", "d_model": 32, "num_layers": 2, "vocab_size": 100,
+      "is_encoder_decoder": True}  # fmt: skip
+MIXTRAL = {**QWEN, "model_type": "mixtral", "num_local_experts": 2}
+CANNOT_TRAIN = {
+    "encoder-decoder": (T5, "an encoder-decoder model (t5)"),
+    "classifier": (
+        {**QWEN, "architectures": ["Qwen2ForSequenceClassification"]},
+        "its weights are a Qwen2ForSequenceClassification, not a causal LM",
+    ),
+    "unknown": (
+        {"model_type": "mystery", "hidden_size": 8},
+        "transformers has no model_type 'mystery' (fleetrl runs no remote code)",
+    ),
+    "converted-experts": (MIXTRAL, "transformers converts its checkpoint's tensors on load"),
+}
 
 
-@pytest.mark.parametrize(
-    "config, problem",
-    [
-        ({"model_type": "t5", "d_model": 32, "num_layers": 2, "vocab_size": 100,
-          "is_encoder_decoder": True}, "an encoder-decoder model (t5)"),  # fmt: skip
-        ({**QWEN, "architectures": ["Qwen2ForSequenceClassification"]},
-         "its weights are a Qwen2ForSequenceClassification, not a causal LM"),  # fmt: skip
-        ({"model_type": "mystery", "hidden_size": 8},
-         "transformers has no model_type 'mystery' (fleetrl runs no remote code)"),  # fmt: skip
-        ({"model_type": "mixtral", "hidden_size": 32, "num_hidden_layers": 1, "vocab_size": 100,
-          "num_attention_heads": 4, "intermediate_size": 64, "num_local_experts": 2},
-         "transformers converts its checkpoint's tensors on load"),  # fmt: skip
-    ],
-    ids=["encoder-decoder", "classifier", "unknown", "converted-experts"],
-)
-def test_what_cannot_train_is_one_line_at_model_path(tmp_path, config, problem):
+@pytest.mark.parametrize("case", CANNOT_TRAIN)
+def test_what_cannot_train_is_one_line_at_model_path(tmp_path, case):
+    config, problem = CANNOT_TRAIN[case]
     cfg = _cfg(_folder(tmp_path, "model", config))
     [finding] = check_model_family(cfg)
     assert finding.key == "model.path" and finding.fatal and problem in finding.problem
 
 
 def test_check_refuses_an_encoder_decoder_in_one_line_with_exit_2(tmp_path, capsys):
-    t5 = {"model_type": "t5", "d_model": 32, "num_layers": 2, "vocab_size": 100,
-          "is_encoder_decoder": True}  # fmt: skip
-    model = _folder(tmp_path, "t5", t5)
+    model = _folder(tmp_path, "t5", T5)
     code = cli_main(["check", f"model.path={model}", f"trainer.output_dir={tmp_path / 'run'}",
                      "data.synth_task=add2", f"data.train_files=[{tmp_path / 'train.parquet'}]",
                      f"data.val_files=[{tmp_path / 'val.parquet'}]"])  # fmt: skip
