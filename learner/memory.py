@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from fleetrl.models.config import ModelConfig
+from fleetrl.models.config_sizes import ModelSizes, as_config, model_sizes
 from learner.config import LearnerConfig
 
 GB = 1024**3
@@ -87,36 +88,22 @@ def count_layers(config: Any) -> LayerCounts:
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class ModelShape(ModelSizes):
     """A model's sizes (``fleetrl.models.config_sizes``) and, when transformers knows its
     family, its parameters counted on the model itself (``counts``); without ``counts`` the
-    parameters follow the Llama/Qwen2 block layout from the sizes."""
+    parameters follow the Llama/Qwen2 block layout from the sizes (``qkv_bias``: Qwen2's)."""
 
-    vocab: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    tied: bool
-    qkv_bias: bool
+    qkv_bias: bool = False
     counts: LayerCounts | None = None
 
     @classmethod
     def from_config_dict(cls, c: Mapping[str, Any] | Any) -> ModelShape:
         """From a config.json dict (or a transformers config) of any family."""
-        from fleetrl.models.config_sizes import as_config, model_sizes
-
         config = as_config(c)
         sizes = model_sizes(config)
         counts = None if isinstance(config, Mapping) else count_layers(config)
         qkv_bias = bool(_read_key(config, "attention_bias") or sizes.model_type == "qwen2")
-        return cls(
-            vocab=sizes.vocab, hidden=sizes.hidden, layers=sizes.layers, heads=sizes.heads,
-            kv_heads=sizes.kv_heads, head_dim=sizes.head_dim, intermediate=sizes.intermediate,
-            tied=sizes.tied, qkv_bias=qkv_bias, counts=counts,
-        )  # fmt: skip
+        return cls(**asdict(sizes), qkv_bias=qkv_bias, counts=counts)
 
     @classmethod
     def from_model_config(cls, model: ModelConfig) -> ModelShape:

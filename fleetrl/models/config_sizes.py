@@ -47,7 +47,6 @@ class ConfigSizeError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSizes:
-    model_type: str
     vocab: int
     hidden: int
     layers: int
@@ -56,7 +55,8 @@ class ModelSizes:
     head_dim: int
     intermediate: int
     tied: bool  # the LM head shares the input embedding
-    max_positions: int | None  # None: the family has no fixed context (ALiBi, relative)
+    model_type: str = ""
+    max_positions: int | None = None  # None: no fixed context (ALiBi, relative positions)
 
 
 def as_config(config: Mapping[str, Any] | Any) -> Any:
