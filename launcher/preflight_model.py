@@ -8,8 +8,9 @@ line each, from the model's config.json and the model built on the meta device
 
 - ``model.path``: an encoder-decoder, a ``model_type`` transformers has no causal
   LM for (no remote code runs), a folder whose weights are a classifier, a model
-  whose decoder blocks cannot be found, a checkpoint whose tensors transformers
-  converts on load (stacked MoE experts) (``learner.critic.model_path`` the same);
+  whose decoder blocks cannot be found or whose forward cannot keep only the
+  response positions' logits, a checkpoint whose tensors transformers converts on
+  load (stacked MoE experts) (``learner.critic.model_path`` the same);
 - ``model.gradient_checkpointing`` / ``learner.grad_checkpointing`` on a model
   transformers cannot checkpoint;
 - ``learner.lora.target_modules`` naming no linear layer of the family (its own
@@ -25,6 +26,7 @@ A tiny model not built yet (``model.create_tiny``) is checked from its settings.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +97,8 @@ def _structure_problem(config: Any) -> tuple[str | None, Any]:
         decoder_blocks(model)
     except ValueError as err:
         return str(err), model
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return f"{type(model).__name__}.forward takes no logits_to_keep", model
     converted = CheckpointNames(config).converted
     if converted:
         return (
