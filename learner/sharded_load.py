@@ -18,8 +18,8 @@ parameter and persistent buffer, the rank's slice (from
 slice of a row-major tensor is one contiguous byte range, read straight into
 the local tensor when the dtypes match (CPU) or through a bounded staging
 buffer (dtype change, GPU) -> non-persistent buffers (rotary ``inv_freq``) are
-recomputed by the model's own ``_init_weights`` -> tied
-weights stay tied (DTensor parameters are swapped in place by ``to_empty``).
+recomputed by the model's own ``_init_weights`` -> tied weights stay tied (DTensor
+parameters are swapped in place by ``to_empty``).
 
 Bit-for-bit equal to ``from_pretrained`` (tested with 2 and 4 gloo ranks, which
 also measures each rank's RSS growth against its shard size). Resuming from a
@@ -158,9 +158,10 @@ def load_local_slices(
 
     ``file_name`` maps a state-dict name to the model's own name (a wrapper's renaming,
     e.g. peft's); transformers' renamings of the family's checkpoint keys
-    (``fleetrl.models.checkpoint_names``: GPT-NeoX's ``embed_out``) then give the files'. A name absent from the files is an error unless
-    ``skip_missing(name)`` (a head or adapter the caller initialises); a tensor
-    whose slice is not a dim-0 row range of the file is an error (FSDP2 shards dim 0).
+    (``fleetrl.models.checkpoint_names``: GPT-NeoX's ``embed_out``) then give the files'.
+    A name absent from the files is an error unless ``skip_missing(name)`` (a head or
+    adapter the caller initialises); a tensor whose slice is not a dim-0 row range of the
+    file is an error (FSDP2 shards dim 0).
     """
     from fleetrl.models.checkpoint_names import CheckpointNames
 

@@ -98,16 +98,20 @@ def block_linears(block: nn.Module) -> dict[str, tuple[int, int]]:
     return out
 
 
-def block_linear_names(model: nn.Module) -> list[str]:
-    """The last dotted part of every linear layer in the decoder blocks, sorted (what a LoRA
-    ``target_modules`` entry matches)."""
-    names = {
-        name.rsplit(".", 1)[-1]
+def _linear_paths(model: nn.Module) -> list[str]:
+    """The name inside its block of every linear layer of the decoder blocks."""
+    return [
+        name
         for block in decoder_blocks(model)
         for name, module in block.named_modules()
         if name and _is_linear(module)
-    }
-    return sorted(names)
+    ]
+
+
+def block_linear_names(model: nn.Module) -> list[str]:
+    """The last dotted part of every linear layer in the decoder blocks, sorted (what a LoRA
+    ``target_modules`` entry matches)."""
+    return sorted({name.rsplit(".", 1)[-1] for name in _linear_paths(model)})
 
 
 def peft_default_targets(model_type: str) -> list[str] | None:
@@ -123,14 +127,8 @@ def lora_target_problem(model: nn.Module, target_modules: list[str]) -> str | No
     matched as peft does, by the last dotted part(s) of a module name."""
     if target_modules == [ALL_LINEAR]:
         return None
-    linears = block_linear_names(model)
-    names = [
-        name
-        for block in decoder_blocks(model)
-        for name, module in block.named_modules()
-        if name and _is_linear(module)
-    ]
-    missing = [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    paths = _linear_paths(model)
+    missing = [t for t in target_modules if not any(p == t or p.endswith("." + t) for p in paths)]
     if not missing:
         return None
     model_type = getattr(unwrap(model).config, "model_type", "")
@@ -138,7 +136,7 @@ def lora_target_problem(model: nn.Module, target_modules: list[str]) -> str | No
     hint = f"; peft's default for {model_type}: {default}" if default else ""
     return (
         f"{missing} name no linear layer of {model_type}'s blocks (its linear layers: "
-        f"{linears}{hint}; or [{ALL_LINEAR}])"
+        f"{block_linear_names(model)}{hint}; or [{ALL_LINEAR}])"
     )
 
 
