@@ -16,7 +16,6 @@ from fleetrl.models.checkpoint_names import CheckpointNames
 from fleetrl.models.config import ModelConfig
 from fleetrl.models.family import decoder_blocks
 from fleetrl.models.tiny import FAMILIES
-from learner import dist as ldist
 from learner.config import LearnerConfig
 from learner.fsdp import shard_model
 from learner.sharded_load import build_sharded
@@ -35,16 +34,6 @@ RUNS = {
     "phi": {"grad_checkpointing": True},
     "gemma": {"kl": {"use_kl_loss": True}, "grad_checkpointing": True},
 }
-
-
-@pytest.fixture
-def group():
-    ldist.init_group(
-        master_addr="127.0.0.1", master_port=free_port(), rank=0, world_size=1,
-        device=torch.device("cpu"),
-    )  # fmt: skip
-    yield
-    ldist.close_group()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
