@@ -2,8 +2,8 @@
 Gemma), one rank in process: sharded loading equals ``from_pretrained`` bit for bit (blocks
 found from the model itself, buffers a checkpoint does not hold recomputed), GRPO/PPO steps
 train (a value head on any backbone, the reference model, LoRA on GPT-2's Conv1D layers), the
-weights the engines get are the model's own names, and an exported checkpoint is the trained
-policy."""
+weights the engines get are the names the model's files hold, and an exported checkpoint is the
+trained policy, which the embedded engine serves with transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -120,6 +120,28 @@ def test_learner_steps_train_and_export_the_trained_policy(family, tiny_family, 
         assert torch.allclose(tensor, want, atol=1e-6 if worker.uses_lora else 0), name
     written = {names.to_module(n) for n in load_file(exported / "model.safetensors")}
     assert written <= set(reloaded.state_dict())  # the files' names, nothing else
+    _serves_what_transformers_generates(exported, reloaded.eval())
+
+
+def _serves_what_transformers_generates(folder, model) -> None:
+    """The embedded engine on the exported folder: the greedy tokens of ``generate``."""
+    from fleetrl.models.loading import load_tokenizer
+    from tests.unit.rollout_fleet.test_engine_runner import SHARPEN, Harness, hf_greedy
+
+    tokenizer = load_tokenizer(folder)
+    messages = [{"role": "user", "content": "What is 12 + 7?"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    harness = Harness(folder)
+    try:
+        with torch.no_grad():  # near-flat logits after two steps: a sharper head on both sides
+            for served in (model, harness.runner.model):
+                served.get_output_embeddings().weight.mul_(SHARPEN)
+        seqs, finished = harness.submit(prompt, temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        assert finished.wait(60)
+        assert seqs[0].output_ids == hf_greedy(model, prompt, 8)
+    finally:
+        harness.close()
 
 
 def _tied_to(model, name: str) -> str:
