@@ -5,7 +5,7 @@ validator the rollout's reader uses (``fleetrl.data.schema.file_problems``): a m
 file or column, a prompt of the wrong type, a bad ``reward_model`` — every problem of
 every file at once, one line each. The first ``RENDERED_ROWS`` rows of each file are then
 rendered with the policy's tokenizer through the rollout's own renderer
-(``fleetrl.data.reader.render_prompt``), as ``data.apply_chat_template`` says: a tokenizer
+(``fleetrl.data.render.render_prompt``), as ``data.apply_chat_template`` says: a tokenizer
 without a chat template while the template is on, a template that raises on the data,
 a prompt over ``data.max_prompt_length`` with ``data.truncation=error``, and plain-string
 prompts where multi-turn needs chat messages are refused here, before Ray starts,
@@ -91,7 +91,7 @@ def check_rendering(cfg: RunConfig, samples: list[tuple[str, str, int, dict[str,
 
 
 def _render_samples(cfg: RunConfig, tokenizer: Any, samples: list[tuple[str, str, int, dict[str, Any]]]) -> list[Finding]:  # fmt: skip
-    from fleetrl.data.reader import render_prompt
+    from fleetrl.data.render import render_prompt
 
     data = cfg.data
     for key, file, index, row in samples:
