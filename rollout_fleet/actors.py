@@ -1,4 +1,4 @@
-"""The Ray actor that hosts one engine (embedded engine or SGLang server): a rollout engine,
+"""The Ray actor that hosts one engine (embedded engine, SGLang or vLLM server): a rollout engine,
 or a reward-model server (``is_embedding``; the embedded engine picks its reward engine
 from the folder).
 
@@ -21,6 +21,7 @@ multi-GPU tensor-parallel SGLang spanning nodes.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,6 +31,7 @@ from rollout_fleet.config import RolloutConfig
 log = get_logger(__name__)
 
 LOOPBACK = "127.0.0.1"
+_SERVER_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 NODE_MARKER_SHARE = 0.001  # of the node-kind custom resource taken by one engine
 DEFAULT_RUNNING_REQUESTS = 64  # an embedded engine whose spec leaves it to the server
 
@@ -40,7 +42,7 @@ class EngineSpec:
 
     name: str
     model_path: str
-    backend: Literal["embedded", "sglang"] = "embedded"
+    backend: Literal["embedded", "sglang", "vllm"] = "embedded"
     device: str = "cpu"
     dtype: str = "float32"
     max_running_requests: int | None = 64  # None: SGLang sizes it from memory
@@ -48,9 +50,10 @@ class EngineSpec:
     api_key: str | None = None
     port: int = 0
     torch_threads: int = 1
-    # sglang only
+    # GPU servers (sglang, vllm) only
     tp_size: int = 1
-    mem_fraction_static: float = 0.85
+    mem_fraction_static: float = 0.85  # SGLang's
+    gpu_memory_utilization: float = 0.9  # vLLM's
     load_format: Literal["dummy", "auto"] = "dummy"
     disable_radix_cache: bool = False
     lora_rank: int = 0  # learner.lora.rank: > 0 launches SGLang with LoRA on
@@ -66,9 +69,10 @@ class EngineSpec:
             raise ValueError(
                 f"engine {self.name}: binding the node IP (fleet spans nodes) requires an api_key"
             )
-        if self.backend not in ("embedded", "sglang"):
+        if self.backend not in SERVER_KINDS and self.backend != "embedded":
             raise ValueError(
-                f"engine {self.name}: backend {self.backend!r}; accepted: embedded, sglang"
+                f"engine {self.name}: backend {self.backend!r}; accepted: embedded, "
+                + ", ".join(SERVER_KINDS)
             )
 
 
@@ -108,12 +112,13 @@ def engine_spec(
         torch_threads=max(1, int(config.cpus_per_engine)),
         tp_size=config.tp_size,
         mem_fraction_static=config.mem_fraction_static,
-        load_format=config.sglang_load_format,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        load_format=server_load_format(config),
         disable_radix_cache=radix_cache_disabled_for(pause_mode),
         lora_rank=lora_rank,
         lora_target_modules=list(lora_target_modules or ["all-linear"]),
         memory_saver=colocated,
-        extra_args=list(config.sglang_extra_args),
+        extra_args=server_extra_args(config),
         startup_timeout_s=config.engine_startup_timeout_s,
         log_dir=log_dir,
     )
@@ -137,7 +142,7 @@ class EngineActor:
         if self.spec.backend == "embedded":
             self._url = self._start_embedded(host)
         else:
-            self._url = self._start_sglang(host)
+            self._url = self._start_server(host)
         log.info("engine %s serving at %s (pid %d)", self.spec.name, self._url, os.getpid())
         return self._url
 
@@ -147,7 +152,7 @@ class EngineActor:
     def ping(self) -> dict[str, Any]:
         """Liveness of the actor process (the fleet checks the engine's HTTP health apart)."""
         alive = self._url != ""
-        if self._engine is not None and self.spec.backend == "sglang":
+        if self._engine is not None and self.spec.backend in SERVER_KINDS:
             alive = alive and self._engine.alive()
         elif self._engine is not None:
             alive = alive and self._engine.alive
@@ -184,14 +189,13 @@ class EngineActor:
         self._engine = engine
         return url
 
-    def _start_sglang(self, host: str) -> str:
-        from rollout_fleet.sglang_launcher import SGLangServer
-
-        server = SGLangServer(
-            sglang_server_spec(self.spec, host),
+    def _start_server(self, host: str) -> str:
+        server_class, spec_of = SERVER_KINDS[self.spec.backend]()
+        server = server_class(
+            spec_of(self.spec, host),
             startup_timeout_s=self.spec.startup_timeout_s,
             log_path=(
-                os.path.join(self.spec.log_dir, f"{self.spec.name}.sglang.log")
+                os.path.join(self.spec.log_dir, f"{self.spec.name}.{self.spec.backend}.log")
                 if self.spec.log_dir
                 else None
             ),
@@ -204,9 +208,7 @@ def sglang_server_spec(spec: EngineSpec, host: str = LOOPBACK) -> Any:
     """The ``SGLangServerSpec`` (command line) of an SGLang engine spec."""
     from rollout_fleet.sglang_launcher import SGLangServerSpec
 
-    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(
-        spec.dtype, "auto"
-    )
+    dtype = _SERVER_DTYPES.get(spec.dtype, "auto")
     return SGLangServerSpec(
         model_path=spec.model_path,
         host=host,
@@ -224,6 +226,56 @@ def sglang_server_spec(spec: EngineSpec, host: str = LOOPBACK) -> Any:
         enable_memory_saver=spec.memory_saver,
         extra_args=list(spec.extra_args),
     )
+
+
+def vllm_server_spec(spec: EngineSpec, host: str = LOOPBACK) -> Any:
+    """The ``VllmServerSpec`` (command line) of a vLLM engine spec."""
+    from rollout_fleet.vllm_launcher import VllmServerSpec
+
+    return VllmServerSpec(
+        model_path=spec.model_path,
+        api_key=spec.api_key or "",
+        host=host,
+        port=spec.port,
+        tp_size=spec.tp_size,
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        load_format=spec.load_format,
+        dtype=_SERVER_DTYPES.get(spec.dtype, "auto"),
+        max_num_seqs=spec.max_running_requests,
+        enable_prefix_caching=not spec.disable_radix_cache,
+        enable_sleep_mode=spec.memory_saver,
+        lora_rank=spec.lora_rank,
+        extra_args=list(spec.extra_args),
+    )
+
+
+def _sglang_kind() -> tuple[Any, Callable[[EngineSpec, str], Any]]:
+    from rollout_fleet.sglang_launcher import SGLangServer
+
+    return SGLangServer, sglang_server_spec
+
+
+def _vllm_kind() -> tuple[Any, Callable[[EngineSpec, str], Any]]:
+    from rollout_fleet.vllm_launcher import VllmServer
+
+    return VllmServer, vllm_server_spec
+
+
+# The launcher's choice between GPU servers: backend -> (server class, its spec from ours).
+SERVER_KINDS: dict[str, Callable[[], tuple[Any, Callable[[EngineSpec, str], Any]]]] = {
+    "sglang": _sglang_kind,
+    "vllm": _vllm_kind,
+}
+
+
+def server_load_format(config: RolloutConfig) -> Literal["dummy", "auto"]:
+    """How a fresh engine of ``config.backend`` gets its first weights (its own key)."""
+    return config.vllm_load_format if config.backend == "vllm" else config.sglang_load_format
+
+
+def server_extra_args(config: RolloutConfig) -> list[str]:
+    """The arguments appended to ``config.backend``'s server command line."""
+    return list(config.vllm_extra_args if config.backend == "vllm" else config.sglang_extra_args)
 
 
 _REMOTE_CLASS: Any = None

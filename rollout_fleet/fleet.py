@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetrl.log import get_logger
-from rollout_fleet.actors import EngineSpec, create_engine_actor, engine_spec
+from rollout_fleet.actors import EngineSpec, create_engine_actor, engine_spec, server_load_format
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.membership import SERVING, EngineStatus, Membership, UnknownEngineError
 
@@ -91,7 +91,7 @@ class FleetSettings:
             health_failures_before_dead=config.health_failures_before_dead,
             max_engine_restarts=config.max_engine_restarts,
             engine_startup_timeout_s=config.engine_startup_timeout_s,
-            weights_from_disk=config.backend == "embedded" or config.sglang_load_format == "auto",
+            weights_from_disk=config.backend == "embedded" or server_load_format(config) == "auto",
         )
 
 

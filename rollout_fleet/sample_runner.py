@@ -42,7 +42,7 @@ import msgspec
 
 from fleetrl.log import get_logger
 from rollout_fleet.adapters import AdapterNames, is_adapter_gone
-from rollout_fleet.client import EngineError, parse_generate_response
+from rollout_fleet.client import EngineError, GenerateOutput
 from rollout_fleet.membership import EngineStatus, MembershipError, MembershipEvent
 from rollout_fleet.router import Lease, Router
 from rollout_fleet.trajectory import ABORT, SampleProgress
@@ -54,15 +54,16 @@ _ABORT_REQUEST_TIMEOUT_S = 5.0
 
 
 class GenerateClient(Protocol):
-    """The part of ``rollout_fleet.client.EngineClient`` the runner uses."""
+    """The part of the engine interface (``rollout_fleet.engine_api``) the runner uses."""
 
-    async def generate(
+    async def generate_sample(
         self,
         input_ids: list[int],
         sampling_params: dict[str, Any],
-        return_logprob: bool = True,
+        *,
         rid: str | None = None,
-    ) -> Any: ...
+        lora_path: str | None = None,
+    ) -> GenerateOutput: ...
 
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> Any: ...
 
@@ -181,9 +182,7 @@ class SampleRunner:
                     await asyncio.sleep(self.retry_backoff_s)
                     continue
             request = asyncio.ensure_future(
-                client.generate(
-                    sample.resume_input_ids(), params, return_logprob=True, rid=rid, **extra
-                )
+                client.generate_sample(sample.resume_input_ids(), params, rid=rid, **extra)
             )
             self._track(lease, request, rid)
             try:
@@ -243,9 +242,11 @@ class SampleRunner:
         if exc is not None:
             if isinstance(exc, EngineError | TimeoutError):
                 return f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, ValueError):  # a reply the client could not parse
+                return f"bad response: {exc}"
             raise exc
         try:
-            output = parse_generate_response(request.result())
+            output = request.result()
             if adapter is not None and self.adapters is not None:
                 self.adapters.observe(engine, output.weight_version)
                 tag = self.adapters.version_of(adapter)

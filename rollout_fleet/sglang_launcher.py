@@ -284,7 +284,7 @@ class SGLangServer:
     def start(self) -> str:
         """Launch and wait until healthy, restarting up to ``max_restarts`` times; returns the URL."""
         if self.require_available:
-            check_available()
+            self._check_available()
         last_error: Exception | None = None
         for attempt in range(self.max_restarts + 1):
             if attempt:
@@ -369,11 +369,18 @@ class SGLangServer:
             self._log_file.close()
             self._log_file = None
 
+    def _check_available(self) -> None:
+        check_available()
+
+    def _command(self) -> list[str]:
+        """The server's argument list (a subclass launches another server the same way)."""
+        return build_command(self.spec)
+
     def _launch(self) -> None:
         if self.spec.port == 0 or self.restarts:
             # a fresh port per launch: the old one may linger in TIME_WAIT
             self.spec.port = free_port(self.spec.host)
-        cmd = build_command(self.spec)
+        cmd = self._command()
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()

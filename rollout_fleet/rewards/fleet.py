@@ -40,8 +40,11 @@ METRICS_PREFIX = "reward_fleet"
 
 
 def reward_backend(model: RewardModelConfig, rollout: RolloutConfig) -> str:
-    """``reward.model.backend`` with ``auto`` resolved to ``rollout.backend``."""
-    return rollout.backend if model.backend == "auto" else model.backend
+    """``reward.model.backend`` with ``auto`` resolved to ``rollout.backend`` (SGLang beside vLLM
+    engines: reward servers speak SGLang's ``/classify``)."""
+    if model.backend != "auto":
+        return model.backend
+    return rollout.backend if rollout.backend in ("embedded", "sglang") else "sglang"
 
 
 def reward_server_specs(
