@@ -140,23 +140,33 @@ def nccl_needs_cuda(cfg: RunConfig) -> Iterator[ConfigError]:
 
 @rule
 def sglang_needs_a_gpu(cfg: RunConfig) -> Iterator[ConfigError]:
+    """GPU servers (SGLang, vLLM) on GPUs; a vLLM engine not co-located (no push by handle)."""
     rollout = cfg.rollout
-    if rollout.backend != "sglang":
+    if not rollout.runs_gpu_servers:
         return
+    what = {"sglang": "SGLang", "vllm": "vLLM"}[rollout.backend]
     if cfg.trainer.device == "cpu":
         yield refuse(
             "rollout.backend",
             "trainer.device",
-            "'sglang' with 'cpu'",
-            "SGLang servers run on GPUs; use rollout.backend=embedded on CPU",
+            f"'{rollout.backend}' with 'cpu'",
+            f"{what} servers run on GPUs; use rollout.backend=embedded on CPU",
         )
     if rollout.gpus_per_engine <= 0:
         yield refuse(
             "rollout.gpus_per_engine",
             "rollout.backend",
-            f"{rollout.gpus_per_engine} with 'sglang'",
-            "an SGLang engine needs a GPU share; set rollout.gpus_per_engine > 0 "
+            f"{rollout.gpus_per_engine} with '{rollout.backend}'",
+            f"a {what} engine needs a GPU share; set rollout.gpus_per_engine > 0 "
             "(its tensor-parallel size when >= 1)",
+        )
+    if rollout.backend == "vllm" and rollout.colocated:
+        yield refuse(
+            "rollout.placement",
+            "rollout.backend",
+            "'colocated' with 'vllm'",
+            "co-located engines take each version by handle, which fleetrl does only with "
+            "SGLang; use rollout.placement=disaggregated with vLLM (or rollout.backend=sglang)",
         )
 
 

@@ -139,11 +139,14 @@ def check_backend(cfg: RunConfig, probes: Probes, *, local: bool) -> list[Findin
 
     out = []
     uses_sglang = []
+    cuda = probes.cuda_devices() if cfg.rollout.runs_gpu_servers or cfg.trainer.device == "cuda" else 0  # fmt: skip
+    if cfg.rollout.backend == "vllm":
+        out += _vllm_findings(cfg, probes, cuda)
     if cfg.rollout.backend == "sglang":
         uses_sglang.append(("rollout.backend", "SGLang engines", "rollout.backend=embedded"))
     if cfg.reward.places_fleet and reward_backend(cfg.reward.model, cfg.rollout) == "sglang":
         uses_sglang.append(("reward.model.backend", "SGLang reward servers", "reward.model.backend=embedded"))  # fmt: skip
-    cuda = probes.cuda_devices() if uses_sglang or cfg.trainer.device == "cuda" else 0
+    cuda = cuda or (probes.cuda_devices() if uses_sglang else 0)
     for key, what, instead in uses_sglang:
         out += _sglang_findings(key, what, instead, probes, cuda)
     if cfg.trainer.device == "cuda" and not cuda:
@@ -186,6 +189,25 @@ def _sglang_findings(key: str, what: str, instead: str, probes: Probes, cuda: in
                 fix=f"run on GPU nodes (--address), or {instead} on CPU",
             )
         )
+    return out
+
+
+def _vllm_findings(cfg: RunConfig, probes: Probes, cuda: int) -> list[Finding]:
+    """vLLM engines: the tested release, its dev-mode routes, CUDA, and TP within a node."""
+    from rollout_fleet.sglang_version import tested_release_problem
+    from rollout_fleet.vllm_launcher import INSTALL_HINT, TESTED_VLLM, dev_mode_problem
+
+    key, out = "rollout.backend", []
+    version = tested_release_problem("vllm", probes.package_version("vllm"), TESTED_VLLM, INSTALL_HINT)  # fmt: skip
+    if version:
+        out.append(Finding(key=key, problem=version, fix=f"{INSTALL_HINT} on the machines that run the engines, or rollout.backend=sglang"))  # fmt: skip
+    dev_mode = dev_mode_problem(probes.env)
+    if dev_mode:
+        out.append(Finding(key=key, problem=dev_mode, fix="unset VLLM_SERVER_DEV_MODE (or set it to 1)"))  # fmt: skip
+    if not cuda:
+        out.append(Finding(key=key, problem="vLLM engines need CUDA; torch sees no CUDA device here", fix="run on GPU nodes (--address), or rollout.backend=embedded on CPU"))  # fmt: skip
+    elif cfg.rollout.tp_size > cuda:
+        out.append(Finding(key="rollout.gpus_per_engine", problem=f"a vLLM engine of tensor_parallel_size {cfg.rollout.tp_size} needs {cfg.rollout.tp_size} GPUs of one node; this node has {cuda}", fix=f"rollout.gpus_per_engine <= {cuda}"))  # fmt: skip
     return out
 
 

@@ -125,7 +125,10 @@ A, RO = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 
 @rule
 def rollout_backend(v: Values, out: Translation, _: dict) -> None:
-    out.set("rollout.backend", "sglang", f"{RO}.name", "SGLang servers")
+    name = v[f"{RO}.name"]
+    out.set("rollout.backend", name, f"{RO}.name", {"sglang": "SGLang servers", "vllm": "vLLM servers"}[name])  # fmt: skip
+    memory = {"sglang": "rollout.mem_fraction_static", "vllm": "rollout.gpu_memory_utilization"}[name]  # fmt: skip
+    out.set(memory, v[f"{RO}.gpu_memory_utilization"], f"{RO}.gpu_memory_utilization")
 
 
 @rule
@@ -386,7 +389,7 @@ def gpus(v: Values, out: Translation, fo: dict) -> None:
     left = avail - ranks - engines * tp
     out.lines.append(
         f"GPUs: verl's {total} ({node_gpus} x {nodes}) go {ranks} to learner ranks, "
-        f"{engines * tp} to {engines} SGLang engine(s) of {tp} (tensor_model_parallel_size)"
+        f"{engines * tp} to {engines} engine(s) of {tp} (tensor_model_parallel_size)"
         + (f", {reward} to the reward server" if reward else "")
         + (f", {left} unused" if left else "")
         + "; verl shares them all between training and rollout, fleetrl gives each its own "
