@@ -36,10 +36,9 @@ from __future__ import annotations
 from typing import Any
 
 from rollout_fleet.client import EngineClient, GenerateOutput, token_versions
+from rollout_fleet.vllm_launcher import SERVED_MODEL_NAME
 from weight_sync.vllm_engine_client import PAUSE_MODES
 
-# the name `vllm serve` is started with (--served-model-name); requests name it as `model`
-SERVED_MODEL_NAME = "fleetrl-policy"
 _VLLM_MEMORY_TAGS = ("weights", "kv_cache")
 # SGLang-style sampling parameters -> vLLM completion fields
 _SAMPLING_FIELDS = {

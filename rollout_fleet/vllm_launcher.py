@@ -52,6 +52,7 @@ KEY_ENV = "VLLM_API_KEY"
 LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 AUTH_MIDDLEWARE = "rollout_fleet.vllm_auth.RequireBearerKey"
 INITIAL_WEIGHT_VERSION = "0"
+SERVED_MODEL_NAME = "fleetrl-policy"  # requests name it as `model` (rollout_fleet.vllm_client)
 
 
 class VllmUnavailable(SGLangUnavailable):
@@ -112,6 +113,7 @@ def build_command(spec: VllmServerSpec) -> list[str]:
         spec.python, "-m", "vllm.entrypoints.cli.main", "serve", spec.model_path,
         "--host", spec.host,
         "--port", str(spec.port),
+        "--served-model-name", SERVED_MODEL_NAME,
         "--tensor-parallel-size", str(spec.tp_size),
         "--gpu-memory-utilization", str(spec.gpu_memory_utilization),
         "--load-format", spec.load_format,
@@ -190,15 +192,15 @@ class VllmServer(SGLangServer):
 
     def wait_healthy(self, timeout_s: float) -> None:
         super().wait_healthy(timeout_s)
-        self._set_initial_version()
+        set_initial_version(self.url, self.spec.api_key)  # type: ignore[attr-defined]
 
-    def _set_initial_version(self) -> None:
-        body = json.dumps({"new_version": INITIAL_WEIGHT_VERSION}).encode()
-        request = urllib.request.Request(
-            f"{self.url}/update_weight_version", data=body, method="POST"
-        )
-        request.add_header("Content-Type", "application/json")
-        request.add_header("Authorization", f"Bearer {self.spec.api_key}")
-        with urllib.request.urlopen(request, timeout=30) as response:
-            response.read()
-        log.info("vLLM server at %s serves weight version %s", self.url, INITIAL_WEIGHT_VERSION)
+
+def set_initial_version(url: str, api_key: str) -> None:
+    """Make a fresh server report version ``"0"`` (vLLM starts at ``"default"``)."""
+    body = json.dumps({"new_version": INITIAL_WEIGHT_VERSION}).encode()
+    request = urllib.request.Request(f"{url}/update_weight_version", data=body, method="POST")
+    request.add_header("Content-Type", "application/json")
+    request.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        response.read()
+    log.info("vLLM server at %s serves weight version %s", url, INITIAL_WEIGHT_VERSION)

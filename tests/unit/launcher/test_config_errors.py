@@ -34,7 +34,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
         ("nosuchsection.x=1", "nosuchsection", "unknown key; accepted keys: data, model, "),
         ("learner.optim.lr=fast", "learner.optim.lr", "got 'fast' (str); expected float"),
         ("rollout.n=0", "rollout.n", "got 0 (int); expected int >= 1"),
-        ("rollout.backend=trtllm", "rollout.backend", "expected one of 'embedded', 'sglang', 'vllm'"),
+        (
+            "rollout.backend=trtllm",
+            "rollout.backend",
+            "expected one of 'embedded', 'sglang', 'vllm'",
+        ),
         (
             "rollout.multi_turn.env=calculatr",
             "rollout.multi_turn",
