@@ -13,6 +13,9 @@ health checks and co-location drive either engine alike (``rollout_fleet.engine_
   a sequence an in-place update landed in has one span per version. ``request_id`` is the
   runner's ``rid``; vLLM names the request ``cmpl-<rid>-0``, which ``abort_request`` uses.
   A LoRA adapter is chosen by ``model`` (its name); otherwise the served model name.
+  While paused in ``abort`` mode vLLM refuses new requests unrun with HTTP 503 (its
+  ``RetryableRequestError``; SGLang queues them instead): the request is sent again every
+  ``PAUSED_RETRY_S`` until it is taken or the client's ``timeout_s`` has passed.
 - ``pause_generation(mode)``: ``POST /pause?mode=``: ``in_place`` → ``keep`` (requests stay,
   with their KV, and continue on the new weights: later tokens carry the new version),
   ``abort`` → ``abort`` (in-flight requests end with finish reason ``abort`` and their
@@ -33,13 +36,16 @@ Every body here is parsed by vLLM's own request models in the conformance tier
 
 from __future__ import annotations
 
+import asyncio
+from http import HTTPStatus
 from typing import Any
 
-from rollout_fleet.client import EngineClient, GenerateOutput, token_versions
+from rollout_fleet.client import EngineClient, EngineError, GenerateOutput, token_versions
 from rollout_fleet.vllm_launcher import SERVED_MODEL_NAME
 from weight_sync.vllm_engine_client import PAUSE_MODES
 
 _VLLM_MEMORY_TAGS = ("weights", "kv_cache")
+PAUSED_RETRY_S = 0.1  # between sends of a request a paused engine refused
 # SGLang-style sampling parameters -> vLLM completion fields
 _SAMPLING_FIELDS = {
     "temperature": "temperature",
@@ -124,8 +130,17 @@ class VllmEngineClient(EngineClient):
         lora_path: str | None = None,
     ) -> GenerateOutput:
         body = completion_request(input_ids, sampling_params, rid=rid, lora_path=lora_path)
-        reply = await self._request("POST", "/v1/completions", body, retry="unsent")
-        return parse_completion(reply, rid or "")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        while True:
+            try:
+                reply = await self._request("POST", "/v1/completions", body, retry="unsent")
+                return parse_completion(reply, rid or "")
+            except EngineError as err:
+                # 503: vLLM refused it unrun (paused for a weight update): send it again
+                if err.status != HTTPStatus.SERVICE_UNAVAILABLE or loop.time() > deadline:
+                    raise
+            await asyncio.sleep(PAUSED_RETRY_S)
 
     async def pause_generation(self, mode: str = "abort") -> dict:
         if mode not in PAUSE_MODES:

@@ -174,6 +174,11 @@ class HarnessEngine(EngineClient):
         self.sleep_calls: list[Any] = []
         self.loras: dict[str, str] = {}
         self.log: list[str] = []  # every engine call, in order (GET /harness/log)
+        # the tests' gate: with hold_after set, a request stops after that many output tokens
+        # (listed in ``held``) until POST /harness/release; lets a test act mid-sequence
+        self.hold_after: int | None = None
+        self.held: set[str] = set()
+        self.released = asyncio.Event()
         self._rpc_lock = asyncio.Lock()
 
     # -- the ranks ------------------------------------------------------------------------
@@ -197,6 +202,11 @@ class HarnessEngine(EngineClient):
         from vllm.outputs import CompletionOutput, RequestOutput, WeightVersionSpan
 
         self.log.append(f"generate {request_id}")
+        if self.pause_mode in ("abort", "wait"):  # the engine core's _reject_add_while_paused
+            from vllm.exceptions import RetryableRequestError
+
+            self.log.append(f"rejected {request_id}")
+            raise RetryableRequestError("Generation is paused. Please retry after it resumes.")
         ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else list(prompt.prompt_token_ids)  # fmt: skip
         out_ids: list[int] = []
         logprobs: list[dict[int, Any]] = []
@@ -205,7 +215,8 @@ class HarnessEngine(EngineClient):
         self.running.add(request_id)
         try:
             while len(out_ids) < sampling_params.max_tokens:
-                await self.resumed.wait()
+                if request_id not in self.aborted:
+                    await self.resumed.wait()  # a kept request waits out the pause
                 if request_id in self.aborted:
                     finish = "abort"
                     break
@@ -226,6 +237,10 @@ class HarnessEngine(EngineClient):
                 if token in (sampling_params.stop_token_ids or []):
                     finish = "stop"
                     break
+                if len(out_ids) == self.hold_after:
+                    self.held.add(request_id)
+                    await self.released.wait()
+                    self.held.discard(request_id)
                 await asyncio.sleep(0)
         finally:
             self.running.discard(request_id)
@@ -355,12 +370,28 @@ class HarnessEngine(EngineClient):
 
 
 def _add_harness_routes(app: Any, engine: HarnessEngine) -> None:
-    """What the tests read out: the engine's call log, each rank's weights."""
+    """What the tests read out (the engine's call log, each rank's weights) and the gate."""
     from fastapi.responses import JSONResponse
 
     @app.get("/harness/log")
     async def harness_log() -> JSONResponse:
         return JSONResponse({"log": engine.log, "sleep": engine.sleep_calls, "loras": engine.loras})  # fmt: skip
+
+    @app.post("/harness/hold")
+    async def harness_hold(after: int) -> JSONResponse:
+        engine.hold_after = after
+        engine.released.clear()
+        return JSONResponse({"hold_after": after})
+
+    @app.get("/harness/held")
+    async def harness_held() -> JSONResponse:
+        return JSONResponse({"held": sorted(engine.held)})
+
+    @app.post("/harness/release")
+    async def harness_release() -> JSONResponse:
+        engine.hold_after = None
+        engine.released.set()
+        return JSONResponse({"released": sorted(engine.held)})
 
     @app.get("/harness/weights")
     async def harness_weights() -> JSONResponse:

@@ -1,9 +1,10 @@
 """Start the vLLM harness (``harness.py``) on the command line fleetrl's launcher builds.
 
-``start_vllm_engine(model_dir, tp_size=1, key=KEY, **spec)`` builds a ``VllmServerSpec``,
+``launch_vllm_engine(model_dir, tp_size=1, key=KEY, **spec)`` builds a ``VllmServerSpec``,
 its ``vllm serve`` argv (``build_command``) and environment (``server_env``: the key in
-``VLLM_API_KEY``, dev mode), and runs the harness with ``.venv/vllm-overlay`` first on its
-path; it returns once vLLM's app answers. ``VllmEngine.stop`` ends the harness's process
+``VLLM_API_KEY``, dev mode), and starts the harness with ``.venv/vllm-overlay`` first on its
+path; ``VllmEngine.wait_ready`` returns once vLLM's app answers (``start_vllm_engine`` does
+both). ``VllmEngine.stop`` ends the harness's process
 group by its own pid. ``OVERLAY`` is where ``make venv`` puts what vLLM needs beside the venv.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 import requests
 
 from rollout_fleet.sglang_launcher import free_port
+from rollout_fleet.vllm_client import request_name
 from rollout_fleet.vllm_launcher import (
     VllmServerSpec,
     build_command,
@@ -42,6 +44,7 @@ class VllmEngine:
     tp_size: int
     proc: subprocess.Popen
     argv: list[str]
+    ready_file: Path
 
     @property
     def headers(self) -> dict[str, str]:
@@ -52,8 +55,36 @@ class VllmEngine:
         response.raise_for_status()
         return response.json()
 
+    def post(self, path: str) -> dict:
+        response = requests.post(self.url + path, headers=self.headers, timeout=60)
+        response.raise_for_status()
+        return response.json()
+
+    def wait_held(self, rid: str, timeout_s: float = 120.0) -> None:
+        """Until request ``rid`` waits at the harness's gate (``POST /harness/hold``)."""
+        deadline = time.monotonic() + timeout_s
+        while request_name(rid) not in self.get("/harness/held")["held"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"request {rid} did not reach the harness's gate")
+            time.sleep(0.05)
+
     def rank_weights(self) -> list[dict[str, list[float]]]:
         return requests.get(self.url + "/harness/weights", headers=self.headers, timeout=120).json()  # fmt: skip
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Until vLLM's app answers; then version 0, as ``VllmServer`` sets once healthy."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the vLLM harness exited with status {self.proc.returncode}")
+            if self.ready_file.exists():
+                with contextlib.suppress(requests.RequestException):
+                    if requests.get(self.url + "/health", headers=self.headers, timeout=5).ok:
+                        set_initial_version(self.url, self.key)
+                        return
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"the vLLM harness did not answer within {timeout_s:.0f} s")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -75,9 +106,10 @@ def harness_env(spec: VllmServerSpec) -> dict[str, str]:
     return env
 
 
-def start_vllm_engine(
+def launch_vllm_engine(
     model_dir: Path, tp_size: int = 1, key: str = KEY, **spec_fields
 ) -> VllmEngine:
+    """Start the harness; ``VllmEngine.wait_ready`` waits for it (engines start side by side)."""
     spec = VllmServerSpec(
         model_path=str(model_dir), api_key=key, port=free_port(), tp_size=tp_size,
         dtype="float32", **spec_fields,
@@ -89,16 +121,10 @@ def start_vllm_engine(
         [sys.executable, "-m", "tests.conformance.vllm.harness", str(ready), "--", *serve_argv],
         env=harness_env(spec), cwd=REPO, start_new_session=True,
     )  # fmt: skip
-    engine = VllmEngine(f"http://127.0.0.1:{spec.port}", key, tp_size, proc, argv)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM harness exited with status {proc.returncode}")
-        if ready.exists():
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(engine.url + "/health", headers=engine.headers, timeout=5).ok:
-                    set_initial_version(engine.url, key)  # as VllmServer does once healthy
-                    return engine
-        time.sleep(0.5)
-    engine.stop()
-    raise TimeoutError(f"the vLLM harness did not answer within {STARTUP_TIMEOUT_S:.0f} s")
+    return VllmEngine(f"http://127.0.0.1:{spec.port}", key, tp_size, proc, argv, ready)
+
+
+def start_vllm_engine(model_dir: Path, tp_size: int = 1, key: str = KEY, **spec_fields) -> VllmEngine:  # fmt: skip
+    engine = launch_vllm_engine(model_dir, tp_size, key, **spec_fields)
+    engine.wait_ready()
+    return engine

@@ -97,39 +97,53 @@ def test_weight_update_sequence_tp2_in_place_keeps_requests(vllm_engine_tp2):
 
 
 def test_in_place_update_splits_a_sequence_into_version_spans(vllm_engine_tp2):
+    engine = vllm_engine_tp2
+    before = int(engine.get("/weight_info")["weight_version"])
+    engine.post("/harness/hold?after=3")  # the request stops after 3 tokens until released
+
     async def run():
-        async with _client(vllm_engine_tp2) as client:
-            task = asyncio.ensure_future(
-                client.generate_sample(
-                    [5, 6], {"max_new_tokens": 40, "temperature": 1.0}, rid="span"
-                )
-            )
-            await asyncio.sleep(1.0)
-            await client.pause_generation("in_place")
-            await client._request("POST", "/update_weight_version", {"new_version": "7"})
-            await client.continue_generation()
+        async with _client(engine) as client:
+            params = {"max_new_tokens": 8, "temperature": 1.0}
+            task = asyncio.ensure_future(client.generate_sample([5, 6], params, rid="span"))
+            await asyncio.to_thread(engine.wait_held, "span")
+            await asyncio.to_thread(_publish_and_check, engine, before + 1, "in_place")
+            await asyncio.to_thread(engine.post, "/harness/release")
             return await task
 
     out = asyncio.run(run())
-    assert out.token_versions[0] != 7 and out.token_versions[-1] == 7
-    assert out.token_versions == sorted(out.token_versions)
+    assert out.finish_reason == "length"
+    assert out.token_versions == [before] * 3 + [before + 1] * 5
+    assert out.weight_version == str(before + 1)
 
 
-def test_abort_pause_returns_partial_tokens_with_finish_abort(vllm_engine):
+def test_abort_pause_ends_a_request_and_a_piece_sent_while_paused_waits(vllm_engine):
+    engine = vllm_engine
+    engine.post("/harness/hold?after=3")
+
     async def run():
-        async with _client(vllm_engine) as client:
-            task = asyncio.ensure_future(
-                client.generate_sample([5, 6], {"max_new_tokens": 60, "temperature": 1.0}, rid="ab")
-            )
-            await asyncio.sleep(1.0)
+        async with _client(engine) as client:
+            params = {"max_new_tokens": 8, "temperature": 1.0}
+            task = asyncio.ensure_future(client.generate_sample([5, 6], params, rid="ab"))
+            await asyncio.to_thread(engine.wait_held, "ab")
             await client.pause_generation("retract")  # vLLM has no retract: abort
-            out = await task
+            await asyncio.to_thread(engine.post, "/harness/release")
+            first = await task
+            rest = {**params, "max_new_tokens": 8 - len(first.output_ids)}
+            piece = [5, 6, *first.output_ids]  # as the sample runner resubmits it
+            second = asyncio.ensure_future(client.generate_sample(piece, rest, rid="ab2"))
+            while (
+                "rejected cmpl-ab2-0"
+                not in (await asyncio.to_thread(engine.get, "/harness/log"))["log"]
+            ):
+                await asyncio.sleep(0.05)  # vLLM answers 503 while paused; the client waits
+            assert not second.done()
             await client.continue_generation()
-            return out
+            return first, await second
 
-    out = asyncio.run(run())
-    assert out.finish_reason == "abort" and len(out.output_ids) < 60
-    assert "pause abort" in vllm_engine.get("/harness/log")["log"]
+    first, second = asyncio.run(run())
+    assert first.finish_reason == "abort" and len(first.output_ids) == 3
+    assert second.finish_reason == "length" and len(second.output_ids) == 5
+    assert "pause abort" in engine.get("/harness/log")["log"]
 
 
 def test_memory_release_and_resume_reach_sleep_and_wake_up(vllm_engine):
