@@ -168,5 +168,10 @@ def render_verl_docs() -> str:
             if (top if section != "*" else top[0]) != section:
                 continue
             why = key.why + (" (an older verl release's key)" if key.legacy else "")
+            why += (
+                " (in verl's config classes, not its default file: set with +key=)"
+                if key.plus
+                else ""
+            )
             lines.append(f"| `{key.path}` | {_cell(key.default)} | {_does(key)} | {_escape(why)} |")
     return "\n".join(lines) + "\n"

@@ -32,6 +32,7 @@ from typing import Any
 from fleetrl.config import ConfigError
 from launcher.verl.keys_model import expand
 from launcher.verl.table import KeyTable
+from rollout_fleet.engine_kinds import engine_kind
 
 
 @dataclass(frozen=True)
@@ -125,9 +126,9 @@ A, RO = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 
 @rule
 def rollout_backend(v: Values, out: Translation, _: dict) -> None:
-    name = v[f"{RO}.name"]
-    out.set("rollout.backend", name, f"{RO}.name", {"sglang": "SGLang servers", "vllm": "vLLM servers"}[name])  # fmt: skip
-    memory = {"sglang": "rollout.mem_fraction_static", "vllm": "rollout.gpu_memory_utilization"}[name]  # fmt: skip
+    kind = engine_kind(v[f"{RO}.name"])  # verl's names are fleetrl's backends
+    out.set("rollout.backend", kind.backend, f"{RO}.name", f"{kind.label} servers")
+    memory = f"rollout.{kind.memory_field}"  # the engine's own fraction, of its own GPUs here
     out.set(memory, v[f"{RO}.gpu_memory_utilization"], f"{RO}.gpu_memory_utilization")
 
 
@@ -380,7 +381,8 @@ def gpus(v: Values, out: Translation, fo: dict) -> None:
         )])  # fmt: skip
     out.set("learner.num_ranks", ranks, source, "learner ranks, one GPU each")
     out.set("learner.gpus_per_rank", per_rank, source)
-    out.set("rollout.num_engines", engines, source, f"SGLang engines of {tp} GPUs")
+    label = engine_kind(v[f"{RO}.name"]).label
+    out.set("rollout.num_engines", engines, source, f"{label} engines of {tp} GPUs")
     out.set("rollout.gpus_per_engine", per_engine, f"{RO}.tensor_model_parallel_size")
     if share:
         out.set("weight_sync.backend", "gloo", source, "one GPU for both: NCCL refuses two ranks on one device")  # fmt: skip
@@ -389,7 +391,7 @@ def gpus(v: Values, out: Translation, fo: dict) -> None:
     left = avail - ranks - engines * tp
     out.lines.append(
         f"GPUs: verl's {total} ({node_gpus} x {nodes}) go {ranks} to learner ranks, "
-        f"{engines * tp} to {engines} engine(s) of {tp} (tensor_model_parallel_size)"
+        f"{engines * tp} to {engines} {label} engine(s) of {tp} (tensor_model_parallel_size)"
         + (f", {reward} to the reward server" if reward else "")
         + (f", {left} unused" if left else "")
         + "; verl shares them all between training and rollout, fleetrl gives each its own "

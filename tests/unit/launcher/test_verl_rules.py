@@ -266,6 +266,20 @@ CASES = [
         },
     ),  # fmt: skip
     (
+        [f"{RO}.gpu_memory_utilization=0.6"],
+        [f"{RO}.gpu_memory_utilization"],
+        {"rollout.backend": "sglang", "rollout.mem_fraction_static": 0.6},
+    ),  # SGLang's fraction: its static pool
+    (
+        [f"{RO}.name=vllm", f"{RO}.gpu_memory_utilization=0.6"],
+        [f"{RO}.gpu_memory_utilization"],
+        {
+            "rollout.backend": "vllm",
+            "rollout.gpu_memory_utilization": 0.6,
+            "rollout.mem_fraction_static": 0.85,
+        },
+    ),  # fmt: skip
+    (
         ["learner.num_ranks=6"],
         [],
         {"learner.num_ranks": 6, "rollout.num_engines": 1},
