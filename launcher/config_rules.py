@@ -139,43 +139,48 @@ def nccl_needs_cuda(cfg: RunConfig) -> Iterator[ConfigError]:
 
 
 @rule
-def sglang_needs_a_gpu(cfg: RunConfig) -> Iterator[ConfigError]:
-    """GPU servers (SGLang, vLLM) on GPUs; a vLLM engine not co-located (no push by handle)."""
+def gpu_servers_need_a_gpu(cfg: RunConfig) -> Iterator[ConfigError]:
+    """GPU servers (SGLang, vLLM) on GPUs; co-located only where they take a push by handle."""
+    from rollout_fleet.engine_kinds import engine_kind, server_backends
+
     rollout = cfg.rollout
-    if not rollout.runs_gpu_servers:
+    kind = engine_kind(rollout.backend)
+    if not kind.gpu_server:
         return
-    what = {"sglang": "SGLang", "vllm": "vLLM"}[rollout.backend]
     if cfg.trainer.device == "cpu":
         yield refuse(
             "rollout.backend",
             "trainer.device",
             f"'{rollout.backend}' with 'cpu'",
-            f"{what} servers run on GPUs; use rollout.backend=embedded on CPU",
+            f"{kind.label} servers run on GPUs; use rollout.backend=embedded on CPU",
         )
     if rollout.gpus_per_engine <= 0:
         yield refuse(
             "rollout.gpus_per_engine",
             "rollout.backend",
             f"{rollout.gpus_per_engine} with '{rollout.backend}'",
-            f"a {what} engine needs a GPU share; set rollout.gpus_per_engine > 0 "
+            f"a {kind.label} engine needs a GPU share; set rollout.gpus_per_engine > 0 "
             "(its tensor-parallel size when >= 1)",
         )
-    if rollout.backend == "vllm" and rollout.colocated:
+    if rollout.colocated and not kind.by_handle:
+        others = [b for b in server_backends() if engine_kind(b).by_handle]
         yield refuse(
             "rollout.placement",
             "rollout.backend",
-            "'colocated' with 'vllm'",
-            "co-located engines take each version by handle, which fleetrl does only with "
-            "SGLang; use rollout.placement=disaggregated with vLLM (or rollout.backend=sglang)",
+            f"'colocated' with '{rollout.backend}'",
+            f"co-located engines take each version by handle, which fleetrl does not do with "
+            f"{kind.label}; use rollout.placement=disaggregated with {kind.label} "
+            f"(or rollout.backend={' or '.join(others)})",
         )
 
 
 @rule
 def sglang_reward_servers_need_a_gpu(cfg: RunConfig) -> Iterator[ConfigError]:
+    from rollout_fleet.engine_kinds import engine_kind
     from rollout_fleet.rewards.fleet import reward_backend
 
     model = cfg.reward.model
-    if not cfg.reward.places_fleet or reward_backend(model, cfg.rollout) != "sglang":
+    if not cfg.reward.places_fleet or not engine_kind(reward_backend(model, cfg.rollout)).gpu_server:  # fmt: skip
         return
     if model.gpus_per_engine <= 0:
         yield refuse(

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from fleetrl.log import get_logger, setup_logging
 from rollout_fleet.config import RolloutConfig
+from rollout_fleet.engine_kinds import engine_kind
 
 log = get_logger(__name__)
 
@@ -69,11 +70,10 @@ class EngineSpec:
             raise ValueError(
                 f"engine {self.name}: binding the node IP (fleet spans nodes) requires an api_key"
             )
-        if self.backend not in SERVER_KINDS and self.backend != "embedded":
-            raise ValueError(
-                f"engine {self.name}: backend {self.backend!r}; accepted: embedded, "
-                + ", ".join(SERVER_KINDS)
-            )
+        try:
+            engine_kind(self.backend)
+        except ValueError as err:
+            raise ValueError(f"engine {self.name}: {err}") from None
 
 
 def engine_spec(
@@ -100,6 +100,7 @@ def engine_spec(
 
     if colocated:
         pause_mode = config.colocate.pause_mode
+    kind = engine_kind(config.backend)
     return EngineSpec(
         name=name,
         model_path=str(model_path),
@@ -113,12 +114,12 @@ def engine_spec(
         tp_size=config.tp_size,
         mem_fraction_static=config.mem_fraction_static,
         gpu_memory_utilization=config.gpu_memory_utilization,
-        load_format=server_load_format(config),
+        load_format=kind.load_format(config),  # type: ignore[arg-type]
         disable_radix_cache=radix_cache_disabled_for(pause_mode),
         lora_rank=lora_rank,
         lora_target_modules=list(lora_target_modules or ["all-linear"]),
         memory_saver=colocated,
-        extra_args=server_extra_args(config),
+        extra_args=kind.extra_args(config),
         startup_timeout_s=config.engine_startup_timeout_s,
         log_dir=log_dir,
     )
@@ -139,10 +140,10 @@ class EngineActor:
         if self._url:
             return self._url
         host = self._host()
-        if self.spec.backend == "embedded":
-            self._url = self._start_embedded(host)
-        else:
+        if engine_kind(self.spec.backend).gpu_server:
             self._url = self._start_server(host)
+        else:
+            self._url = self._start_embedded(host)
         log.info("engine %s serving at %s (pid %d)", self.spec.name, self._url, os.getpid())
         return self._url
 
@@ -152,7 +153,7 @@ class EngineActor:
     def ping(self) -> dict[str, Any]:
         """Liveness of the actor process (the fleet checks the engine's HTTP health apart)."""
         alive = self._url != ""
-        if self._engine is not None and self.spec.backend in SERVER_KINDS:
+        if self._engine is not None and engine_kind(self.spec.backend).gpu_server:
             alive = alive and self._engine.alive()
         elif self._engine is not None:
             alive = alive and self._engine.alive
@@ -190,7 +191,7 @@ class EngineActor:
         return url
 
     def _start_server(self, host: str) -> str:
-        server_class, spec_of = SERVER_KINDS[self.spec.backend]()
+        server_class, spec_of = engine_kind(self.spec.backend).load("server")()
         server = server_class(
             spec_of(self.spec, host),
             startup_timeout_s=self.spec.startup_timeout_s,
@@ -249,33 +250,18 @@ def vllm_server_spec(spec: EngineSpec, host: str = LOOPBACK) -> Any:
     )
 
 
-def _sglang_kind() -> tuple[Any, Callable[[EngineSpec, str], Any]]:
+def sglang_server_kind() -> tuple[Any, Callable[[EngineSpec, str], Any]]:
+    """SGLang's server class and its spec from ours (``rollout_fleet.engine_kinds``)."""
     from rollout_fleet.sglang_launcher import SGLangServer
 
     return SGLangServer, sglang_server_spec
 
 
-def _vllm_kind() -> tuple[Any, Callable[[EngineSpec, str], Any]]:
+def vllm_server_kind() -> tuple[Any, Callable[[EngineSpec, str], Any]]:
+    """vLLM's server class and its spec from ours (``rollout_fleet.engine_kinds``)."""
     from rollout_fleet.vllm_launcher import VllmServer
 
     return VllmServer, vllm_server_spec
-
-
-# The launcher's choice between GPU servers: backend -> (server class, its spec from ours).
-SERVER_KINDS: dict[str, Callable[[], tuple[Any, Callable[[EngineSpec, str], Any]]]] = {
-    "sglang": _sglang_kind,
-    "vllm": _vllm_kind,
-}
-
-
-def server_load_format(config: RolloutConfig) -> Literal["dummy", "auto"]:
-    """How a fresh engine of ``config.backend`` gets its first weights (its own key)."""
-    return config.vllm_load_format if config.backend == "vllm" else config.sglang_load_format
-
-
-def server_extra_args(config: RolloutConfig) -> list[str]:
-    """The arguments appended to ``config.backend``'s server command line."""
-    return list(config.vllm_extra_args if config.backend == "vllm" else config.sglang_extra_args)
 
 
 _REMOTE_CLASS: Any = None

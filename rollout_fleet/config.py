@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from rollout_fleet.engine_kinds import engine_kind
 from rollout_fleet.multi_turn.config import MultiTurnConfig
 
 MemoryTag = Literal["kv_cache", "weights", "cuda_graph"]
@@ -232,4 +233,4 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def runs_gpu_servers(self) -> bool:
         """Whether the engines are GPU server processes (SGLang or vLLM), not the embedded engine."""
-        return self.backend != "embedded"
+        return engine_kind(self.backend).gpu_server

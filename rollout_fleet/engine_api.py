@@ -4,18 +4,24 @@ Two implementations speak it: ``rollout_fleet.client.EngineClient`` (SGLang's na
 which the embedded engine serves too) and ``rollout_fleet.vllm_client.VllmEngineClient``
 (vLLM's). Everything else (the sample runner, the fleet's health checks, co-location, the
 launcher's roles) holds a ``RolloutEngine`` and never asks which one it is; the run's
-``rollout.backend`` picks the class once, here (``rollout_client_class``). The weight
-side's counterpart is ``weight_sync.engine_api``.
+``rollout.backend`` picks the class once, here (``rollout_client_class``), through the API
+its row of ``rollout_fleet.engine_kinds`` names. The weight side's counterpart is
+``weight_sync.engine_api``.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Protocol
 
 from rollout_fleet.client import EngineClient, GenerateOutput
+from rollout_fleet.engine_kinds import engine_kind
 
-# backend -> the HTTP API its engines speak (the embedded engine speaks SGLang's)
-ENGINE_APIS = {"embedded": "sglang", "sglang": "sglang", "vllm": "vllm"}
+# the HTTP API engines speak -> the class of their rollout client
+ROLLOUT_CLIENTS = {
+    "sglang": "rollout_fleet.client:EngineClient",
+    "vllm": "rollout_fleet.vllm_client:VllmEngineClient",
+}
 
 
 class RolloutEngine(Protocol):
@@ -51,16 +57,10 @@ class RolloutEngine(Protocol):
 
 def engine_api(backend: str) -> str:
     """The HTTP API engines of ``backend`` speak: ``sglang`` or ``vllm``."""
-    try:
-        return ENGINE_APIS[backend]
-    except KeyError:
-        raise ValueError(f"rollout.backend {backend!r}; accepted: {sorted(ENGINE_APIS)}") from None
+    return engine_kind(backend).api
 
 
 def rollout_client_class(backend: str) -> type[EngineClient]:
     """The client class of ``backend``'s engines (construct it as ``EngineClient``)."""
-    if engine_api(backend) == "vllm":
-        from rollout_fleet.vllm_client import VllmEngineClient
-
-        return VllmEngineClient
-    return EngineClient
+    module, _, name = ROLLOUT_CLIENTS[engine_api(backend)].partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -43,9 +43,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetrl.log import get_logger
-from rollout_fleet.actors import EngineSpec, create_engine_actor, engine_spec, server_load_format
+from rollout_fleet.actors import EngineSpec, create_engine_actor, engine_spec
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.engine_api import rollout_client_class
+from rollout_fleet.engine_kinds import engine_kind
 from rollout_fleet.membership import SERVING, EngineStatus, Membership, UnknownEngineError
 
 log = get_logger(__name__)
@@ -92,7 +93,7 @@ class FleetSettings:
             health_failures_before_dead=config.health_failures_before_dead,
             max_engine_restarts=config.max_engine_restarts,
             engine_startup_timeout_s=config.engine_startup_timeout_s,
-            weights_from_disk=config.backend == "embedded" or server_load_format(config) == "auto",
+            weights_from_disk=engine_kind(config.backend).load_format(config) == "auto",
         )
 
 

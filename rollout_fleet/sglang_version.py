@@ -18,7 +18,7 @@ metadata: nothing here imports sglang.
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -71,3 +71,29 @@ def check_sglang_version(
     problem = tested_release_problem("sglang", version, TESTED_SGLANG, INSTALL_HINT)
     if problem:
         raise SGLangVersionError(problem)
+
+
+def preflight_problems(
+    version: str | None, environ: Mapping[str, str], instead: str
+) -> list[tuple[str, str]]:
+    """What ``fleetrl check`` says of the installed SGLang (``rollout_fleet.engine_kinds``):
+    (problem, fix) pairs; ``instead`` is what the user could run without SGLang."""
+    if version is None:
+        return [
+            (
+                "backend sglang, but SGLang is not installed",
+                f'pip install "fleetrl[sglang]" on the machines that run them, or {instead}',
+            )
+        ]
+    try:
+        inside = SpecifierSet(TESTED_SGLANG).contains(Version(version))
+    except InvalidVersion:
+        inside = False
+    if inside:
+        return []
+    return [
+        (
+            f"SGLang {version} is installed; fleetrl is tested with sglang{TESTED_SGLANG}",
+            f'pip install "sglang[srt]{TESTED_SGLANG}" (or "fleetrl[sglang]")',
+        )
+    ]

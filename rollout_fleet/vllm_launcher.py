@@ -163,6 +163,21 @@ def version_problem(lookup: Callable[[], str | None] | None = None) -> str:
     return tested_release_problem("vllm", version, TESTED_VLLM, INSTALL_HINT)
 
 
+def preflight_problems(
+    version: str | None, environ: Mapping[str, str], instead: str
+) -> list[tuple[str, str]]:
+    """What ``fleetrl check`` says of the installed vLLM and the environment
+    (``rollout_fleet.engine_kinds``): (problem, fix) pairs."""
+    out = []
+    release = version_problem(lambda: version)
+    if release:
+        out.append((release, f"{INSTALL_HINT} on the machines that run the engines, or {instead}"))
+    dev_mode = dev_mode_problem(environ)
+    if dev_mode:
+        out.append((dev_mode, f"unset {DEV_MODE_ENV} (or set it to 1)"))
+    return out
+
+
 def check_available(lookup: Callable[[], str | None] | None = None) -> None:
     """Raise VllmUnavailable unless the tested vLLM, dev mode and a CUDA device are here."""
     problem = version_problem(lookup) or dev_mode_problem()

@@ -11,6 +11,7 @@ vLLM's; each also names the rank-0 group its engines join (``weight_group``). An
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Protocol
 
 from weight_sync.engine_client import EngineClient, EngineEndpoint
@@ -44,12 +45,18 @@ class WeightEngine(Protocol):
     def close(self) -> None: ...
 
 
+# the HTTP API an engine speaks -> the class of its weight-sync client
+WEIGHT_CLIENTS = {
+    "sglang": "weight_sync.engine_client:EngineClient",
+    "vllm": "weight_sync.vllm_engine_client:VllmWeightClient",
+}
+
+
 def weight_client(endpoint: EngineEndpoint, timeout_s: float) -> EngineClient:
     """The client of ``endpoint`` for the API it speaks (``endpoint.api``)."""
-    if endpoint.api == "vllm":
-        from weight_sync.vllm_engine_client import VllmWeightClient
-
-        return VllmWeightClient(endpoint, timeout_s)
-    if endpoint.api != "sglang":
-        raise ValueError(f"engine {endpoint.name}: api {endpoint.api!r}; accepted: sglang, vllm")
-    return EngineClient(endpoint, timeout_s)
+    if endpoint.api not in WEIGHT_CLIENTS:
+        raise ValueError(
+            f"engine {endpoint.name}: api {endpoint.api!r}; accepted: {', '.join(WEIGHT_CLIENTS)}"
+        )
+    module, _, name = WEIGHT_CLIENTS[endpoint.api].partition(":")
+    return getattr(importlib.import_module(module), name)(endpoint, timeout_s)
