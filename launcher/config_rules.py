@@ -175,6 +175,34 @@ def gpu_servers_need_a_gpu(cfg: RunConfig) -> Iterator[ConfigError]:
 
 
 @rule
+def the_engines_receive_on_the_sync_backend(cfg: RunConfig) -> Iterator[ConfigError]:
+    """A broadcast the engines' ranks can receive (vLLM's workers take NCCL only, from a learner
+    on a GPU of its own)."""
+    from rollout_fleet.engine_kinds import engine_kind
+
+    kind = engine_kind(cfg.rollout.backend)
+    if "gloo" in kind.sync_backends or cfg.trainer.device == "cpu":
+        return  # a CPU learner with GPU servers: gpu_servers_need_a_gpu says it
+    wanted = " or ".join(kind.sync_backends)
+    if cfg.weight_sync.backend == "gloo":
+        yield refuse(
+            "weight_sync.backend",
+            "rollout.backend",
+            f"'gloo' with '{cfg.rollout.backend}'",
+            f"{kind.label}'s workers receive weights over {wanted} only; "
+            "set weight_sync.backend=auto (or nccl)",
+        )
+    elif cfg.learner.gpus_per_rank <= 0:
+        yield refuse(
+            "learner.gpus_per_rank",
+            "rollout.backend",
+            f"{cfg.learner.gpus_per_rank} with '{cfg.rollout.backend}'",
+            f"{kind.label}'s workers receive weights over {wanted}, from a learner on a GPU; "
+            "set learner.gpus_per_rank > 0",
+        )
+
+
+@rule
 def sglang_reward_servers_need_a_gpu(cfg: RunConfig) -> Iterator[ConfigError]:
     from rollout_fleet.engine_kinds import engine_kind
     from rollout_fleet.rewards.fleet import reward_backend

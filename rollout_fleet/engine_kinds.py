@@ -18,6 +18,8 @@ fleet, the config rules, ``check`` and ``plan`` read the row of the run's backen
 - ``by_handle``: it takes a version by handle on a device it shares with a learner rank,
   which co-location needs (vLLM 0.34's CUDA-IPC transfer is a launch-time backend fleetrl
   does not drive: ``docs/architecture.md``, "Engines");
+- ``sync_backends``: the collectives its ranks receive a broadcast on (vLLM's workers build
+  an NCCL communicator, nothing else);
 - ``server``: ``MODULE:FUNCTION`` giving its server class and the function that turns an
   ``EngineSpec`` into that class's spec (``rollout_fleet.actors``);
 - ``preflight``: ``MODULE:FUNCTION(version, environ, instead) -> list[(problem, fix)]``,
@@ -48,6 +50,7 @@ class EngineKind:
     load_format_field: str = ""
     extra_args_field: str = ""
     by_handle: bool = True
+    sync_backends: tuple[str, ...] = ("gloo", "nccl")  # what its ranks receive a broadcast on
     server: str = ""
     preflight: str = ""
     package: str = ""  # the distribution its servers need installed where they run
@@ -89,7 +92,7 @@ KINDS: dict[str, EngineKind] = {
             memory_field="gpu_memory_utilization", memory_flag="--gpu-memory-utilization",
             memory_is_total=True,
             load_format_field="vllm_load_format", extra_args_field="vllm_extra_args",
-            by_handle=False,
+            by_handle=False, sync_backends=("nccl",),
             server="rollout_fleet.actors:vllm_server_kind",
             preflight="rollout_fleet.vllm_launcher:preflight_problems", package="vllm",
         ),

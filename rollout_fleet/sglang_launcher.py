@@ -248,6 +248,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 class SGLangServer:
     """One SGLang server subprocess: start, wait healthy, restart (bounded), stop by pid."""
 
+    NAME = "SGLang"  # how messages name the server
+
     def __init__(
         self,
         spec: SGLangServerSpec,
@@ -303,7 +305,7 @@ class SGLangServer:
                 last_error = err
                 self.stop()
         raise SGLangStartError(
-            f"SGLang server for {self.spec.model_path} did not start after "
+            f"{self.NAME} server for {self.spec.model_path} did not start after "
             f"{self.max_restarts + 1} attempts; last error: {last_error}"
         )
 
@@ -313,10 +315,10 @@ class SGLangServer:
             return False
         if self.restarts >= self.max_restarts:
             raise SGLangStartError(
-                f"SGLang server (pid {self.pid}) exited and its {self.max_restarts} restarts are spent"
+                f"{self.NAME} server (pid {self.pid}) exited and its {self.max_restarts} restarts are spent"
             )
         self.restarts += 1
-        log.warning("SGLang server pid %s exited; restart %d", self.pid, self.restarts)
+        log.warning("%s server pid %s exited; restart %d", self.NAME, self.pid, self.restarts)
         self.stop()
         self._launch()
         self.wait_healthy(self.startup_timeout_s)
@@ -329,15 +331,15 @@ class SGLangServer:
             if self._proc is None or self._proc.poll() is not None:
                 code = None if self._proc is None else self._proc.returncode
                 raise SGLangStartError(
-                    f"SGLang server exited with status {code} before it was healthy"
+                    f"{self.NAME} server exited with status {code} before it was healthy"
                     + (f"; see {self.log_path}" if self.log_path else "")
                 )
             if self.health(timeout_s=min(5.0, max(0.1, deadline - time.monotonic()))):
-                log.info("SGLang server healthy at %s (pid %s)", self.url, self.pid)
+                log.info("%s server healthy at %s (pid %s)", self.NAME, self.url, self.pid)
                 return
             if time.monotonic() >= deadline:
                 raise SGLangStartError(
-                    f"SGLang server at {self.url} not healthy after {timeout_s:.0f} s"
+                    f"{self.NAME} server at {self.url} not healthy after {timeout_s:.0f} s"
                 )
             time.sleep(_HEALTH_POLL_S)
 
@@ -361,7 +363,9 @@ class SGLangServer:
             try:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                log.warning("SGLang pid %d ignored SIGTERM for %.0f s; SIGKILL", pgid, timeout_s)
+                log.warning(
+                    "%s pid %d ignored SIGTERM for %.0f s; SIGKILL", self.NAME, pgid, timeout_s
+                )
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pgid, signal.SIGKILL)
                 proc.wait(timeout=timeout_s)

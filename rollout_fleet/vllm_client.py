@@ -54,6 +54,7 @@ _SAMPLING_FIELDS = {
     "max_new_tokens": "max_tokens",
     "stop_token_ids": "stop_token_ids",
     "seed": "seed",
+    "ignore_eos": "ignore_eos",
 }
 
 

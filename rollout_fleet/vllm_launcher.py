@@ -4,7 +4,10 @@
 (names as in vLLM 0.34's own parser, which the conformance tier runs on every command
 line built here): ``--tensor-parallel-size``, ``--gpu-memory-utilization``,
 ``--load-format``, ``--dtype``, ``--max-num-seqs``, ``--weight-transfer-config
-{"backend": "nccl"}`` (the trainer-to-worker group weight sync joins), and
+{"backend": "nccl"}`` (the trainer-to-worker group weight sync joins),
+``--logprobs-mode processed_logprobs`` (a sampled token's logprob after temperature, as
+SGLang's and the learner's; vLLM's default is the raw T = 1 one, and with top_p / top_k
+set, vLLM's are over the kept tokens, renormalised), and
 ``--middleware rollout_fleet.vllm_auth.RequireBearerKey`` (vLLM's own key check skips
 every route outside ``/v1``; see ``vllm_auth``). ``server_env(spec)`` is the environment
 beside it: ``VLLM_API_KEY`` (the key never goes on the command line, where any local user
@@ -119,6 +122,7 @@ def build_command(spec: VllmServerSpec) -> list[str]:
         "--load-format", spec.load_format,
         "--dtype", spec.dtype,
         "--weight-transfer-config", json.dumps({"backend": "nccl"}),
+        "--logprobs-mode", "processed_logprobs",
         "--middleware", AUTH_MIDDLEWARE,
         "--uvicorn-log-level", spec.log_level,
     ]  # fmt: skip
@@ -194,6 +198,8 @@ def check_available(lookup: Callable[[], str | None] | None = None) -> None:
 
 class VllmServer(SGLangServer):
     """One ``vllm serve`` subprocess: start, wait healthy, set version 0, restart, stop."""
+
+    NAME = "vLLM"
 
     def __init__(self, spec: VllmServerSpec, **kwargs) -> None:
         env = {**(kwargs.pop("env", None) or {}), **server_env(spec)}

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu.report import StageResult, first_line
-from bench.gpu.stage import CheckFailed, StageContext, write_results
+from bench.gpu.stage import CheckFailed, StageContext, StageSkipped, write_results
 
 LOGPROB_TOL = 0.1  # bf16 engine kernels vs bf16 transformers forward
 SAMPLE_TEMPERATURE = 0.7
@@ -318,13 +318,16 @@ class SGLangCheck:
         self.model = None
 
 
-def _sub_stage(name: str, fn: Callable[[dict[str, Any]], None]) -> StageResult:
+def sub_stage(name: str, fn: Callable[[dict[str, Any]], None]) -> StageResult:
+    """One of several stages sharing a process: ``fn(figures)``, its result, never raising."""
     result = StageResult(name, "ok")
     started = time.monotonic()
     try:
         fn(result.figures)
     except CheckFailed as err:
         result.status, result.why = "failed", first_line(str(err))
+    except StageSkipped as err:
+        result.status, result.why = "skipped", first_line(str(err))
     except Exception as err:  # one sub-stage's error is its result; the next ones still run
         result.status, result.why = "failed", f"{type(err).__name__}: {first_line(str(err))}"
     result.seconds = round(time.monotonic() - started, 2)
@@ -339,7 +342,7 @@ def run(ctx: StageContext) -> list[StageResult]:
     check = SGLangCheck(ctx, torch.cuda.device_count())
     results: list[StageResult] = []
     try:
-        results.append(_sub_stage("sglang_engine", check.engine))
+        results.append(sub_stage("sglang_engine", check.engine))
         write_results(ctx.result_path, results)
         for name, fn in (("sglang_logprobs", check.logprobs),
                          ("sglang_throughput", check.throughput),
@@ -347,7 +350,7 @@ def run(ctx: StageContext) -> list[StageResult]:
             if results[0].status != "ok":
                 results.append(StageResult(name, "skipped", "the SGLang server did not start"))
                 continue
-            results.append(_sub_stage(name, fn))
+            results.append(sub_stage(name, fn))
             write_results(ctx.result_path, results)
     finally:
         check.close()
@@ -356,7 +359,7 @@ def run(ctx: StageContext) -> list[StageResult]:
     extra = ["rollout.backend=sglang", f"rollout.gpus_per_engine={half}",
              f"learner.gpus_per_rank={half}", "rollout.mem_fraction_static=0.3",
              "weight_sync.verify=false", f"weight_sync.backend={check.sync_backend}"]  # fmt: skip
-    results.append(_sub_stage(
+    results.append(sub_stage(
         "sglang_demo",
         lambda figures: train_demo(ctx.work / "demo", "cuda", ctx.seconds_left(), extra, figures),
     ))  # fmt: skip

@@ -385,6 +385,13 @@ def gpus(v: Values, out: Translation, fo: dict) -> None:
     out.set("rollout.num_engines", engines, source, f"{label} engines of {tp} GPUs")
     out.set("rollout.gpus_per_engine", per_engine, f"{RO}.tensor_model_parallel_size")
     if share:
+        kind = engine_kind(v[f"{RO}.name"])
+        if "gloo" not in kind.sync_backends:
+            raise VerlRefused([refusal(
+                "trainer.n_gpus_per_node", node_gpus,
+                f"2 or more GPUs: {kind.label} engines take weights over NCCL, which needs the "
+                "learner rank and the engine on GPUs of their own (or actor_rollout_ref.rollout.name=sglang on one GPU)",
+            )])  # fmt: skip
         out.set("weight_sync.backend", "gloo", source, "one GPU for both: NCCL refuses two ranks on one device")  # fmt: skip
         out.lines.append(f"GPUs: verl's 1 GPU is shared: the learner rank and the engine get half each (gpu_memory_utilization={v[f'{RO}.gpu_memory_utilization']} for the engine)")  # fmt: skip
         return

@@ -138,8 +138,11 @@ def rank_main(conn: Any, vllm_config: Any, tp_rank: int, model_dir: str) -> None
             elif op == "weights":
                 reply = {n: p.detach().clone() for n, p in params.items()}
             elif op == "step":
+                ids, temperature = arg
                 with torch.no_grad():
-                    logits = model(torch.tensor([arg])).logits[0, -1].float()
+                    logits = model(torch.tensor([ids])).logits[0, -1].float()
+                if vllm_config.model_config.logprobs_mode == "processed_logprobs":
+                    logits = logits / (temperature or 1.0)  # greedy: T = 1, as vLLM's
                 logprobs = torch.log_softmax(logits, -1)
                 token = int(torch.argmax(logprobs))
                 reply = (token, float(logprobs[token]))
@@ -196,6 +199,14 @@ class HarnessEngine(EngineClient):
             raise RuntimeError(errors[0])
         return [r[1] for r in replies]
 
+    def _step(self, step: tuple[list[int], float]) -> tuple[int, float]:
+        """The next token and its logprob, from TP rank 0."""
+        self.conns[0].send(("step", step))
+        status, reply = self.conns[0].recv()
+        if status == "error":
+            raise RuntimeError(reply)
+        return reply
+
     # -- generation -----------------------------------------------------------------------
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str, **kw: Any):
         from vllm.logprobs import Logprob
@@ -222,11 +233,8 @@ class HarnessEngine(EngineClient):
                     break
                 version = self.weight_version
                 async with self._rpc_lock:
-                    token, logprob = await asyncio.to_thread(
-                        lambda: (self.conns[0].send(("step", ids + out_ids)), self.conns[0].recv())[
-                            1
-                        ][1]  # fmt: skip
-                    )
+                    step = (ids + out_ids, sampling_params.temperature)
+                    token, logprob = await asyncio.to_thread(self._step, step)
                 if request_id in self.aborted:
                     finish = "abort"
                     break
@@ -375,7 +383,8 @@ def _add_harness_routes(app: Any, engine: HarnessEngine) -> None:
 
     @app.get("/harness/log")
     async def harness_log() -> JSONResponse:
-        return JSONResponse({"log": engine.log, "sleep": engine.sleep_calls, "loras": engine.loras})  # fmt: skip
+        return JSONResponse({"log": engine.log, "sleep": engine.sleep_calls, "loras": engine.loras,
+                             "logprobs_mode": engine.model_config.logprobs_mode})  # fmt: skip
 
     @app.post("/harness/hold")
     async def harness_hold(after: int) -> JSONResponse:

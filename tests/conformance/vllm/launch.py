@@ -3,8 +3,8 @@
 ``launch_vllm_engine(model_dir, tp_size=1, key=KEY, **spec)`` builds a ``VllmServerSpec``,
 its ``vllm serve`` argv (``build_command``) and environment (``server_env``: the key in
 ``VLLM_API_KEY``, dev mode), and starts the harness with ``.venv/vllm-overlay`` first on its
-path; ``VllmEngine.wait_ready`` returns once vLLM's app answers (``start_vllm_engine`` does
-both). ``VllmEngine.stop`` ends the harness's process
+path; ``VllmEngine.wait_ready`` returns once vLLM's app answers. ``gpu_check_server`` is
+the GPU check's vLLM server on a CPU (``bench.gpu.vllm_stages``). ``VllmEngine.stop`` ends the harness's process
 group by its own pid. ``OVERLAY`` is where ``make venv`` puts what vLLM needs beside the venv.
 """
 
@@ -114,6 +114,19 @@ def launch_vllm_engine(
         model_path=str(model_dir), api_key=key, port=free_port(), tp_size=tp_size,
         dtype="float32", **spec_fields,
     )  # fmt: skip
+    return launch_spec(spec)
+
+
+def gpu_check_server(spec: VllmServerSpec, work: Path) -> VllmEngine:
+    """The GPU check's vLLM server on a CPU (``scripts/gpu_check.py --device cpu --vllm-server
+    tests.conformance.vllm.launch:gpu_check_server``): the harness on ``spec``'s command line."""
+    engine = launch_spec(spec)
+    engine.wait_ready()
+    return engine
+
+
+def launch_spec(spec: VllmServerSpec) -> VllmEngine:
+    """Start the harness on the command line and environment ``spec`` gives."""
     argv = build_command(spec)
     ready = Path(tempfile.mkdtemp(prefix="vllm-harness-")) / "ready.json"
     serve_argv = argv[argv.index("serve") :]
@@ -121,10 +134,5 @@ def launch_vllm_engine(
         [sys.executable, "-m", "tests.conformance.vllm.harness", str(ready), "--", *serve_argv],
         env=harness_env(spec), cwd=REPO, start_new_session=True,
     )  # fmt: skip
-    return VllmEngine(f"http://127.0.0.1:{spec.port}", key, tp_size, proc, argv, ready)
-
-
-def start_vllm_engine(model_dir: Path, tp_size: int = 1, key: str = KEY, **spec_fields) -> VllmEngine:  # fmt: skip
-    engine = launch_vllm_engine(model_dir, tp_size, key, **spec_fields)
-    engine.wait_ready()
-    return engine
+    url = f"http://127.0.0.1:{spec.port}"
+    return VllmEngine(url, spec.api_key, spec.tp_size, proc, argv, ready)

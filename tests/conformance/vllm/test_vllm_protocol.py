@@ -47,8 +47,9 @@ def test_completion_body_parsed_and_answered_by_vllms_serving_classes(vllm_engin
     assert len(out.output_ids) == len(out.logprobs) == len(out.token_versions) == 4
     assert out.finish_reason == "length" and out.prompt_tokens == 3
     assert all(lp <= 0 for lp in out.logprobs)
-    log = vllm_engine.get("/harness/log")["log"]
-    assert "generate cmpl-r1-0" in log  # the name abort_request uses
+    log = vllm_engine.get("/harness/log")
+    assert "generate cmpl-r1-0" in log["log"]  # the name abort_request uses
+    assert log["logprobs_mode"] == "processed_logprobs"  # after temperature, as parsed by vLLM
 
 
 def _sender(engine, **cfg):
