@@ -40,6 +40,7 @@ from launcher.supervision import (
     write_roster,
 )
 from rollout_fleet.delivery import group_id_for_index
+from rollout_fleet.engine_kinds import engine_kind
 from rollout_fleet.membership import WeightTargets
 from rollout_fleet.validation import Validation
 
@@ -125,7 +126,9 @@ class Run:
             after_ray_init()
         local = self.started_ray
         self.local = local
-        self.secrets = make_run_secrets(not local if self.secure is None else self.secure)
+        secure = not local if self.secure is None else self.secure
+        engine_key = engine_kind(cfg.rollout.backend).needs_key  # vLLM's: even on loopback
+        self.secrets = make_run_secrets(secure, engine_key=engine_key)
         if self.secrets.secure:
             log.info("CURVE on every buffer socket and an API key on every engine (this run's)")
         self.set_aside_unowned_bank()

@@ -78,10 +78,11 @@ class RunSecrets:
         return self.buffer_server is not None
 
 
-def make_run_secrets(secure: bool) -> RunSecrets:
-    """Fresh CURVE keys (one server, two clients) and an engine API key when ``secure``."""
+def make_run_secrets(secure: bool, engine_key: bool = False) -> RunSecrets:
+    """Fresh CURVE keys (one server, two clients) and an engine API key when ``secure``; the
+    engine key alone with ``engine_key`` (engines that refuse to start without one)."""
     if not secure:
-        return RunSecrets()
+        return RunSecrets(engine_api_key=secrets.token_urlsafe(32) if engine_key else None)
     from buffer.security import make_run_keys
 
     server, (learner, rollout) = make_run_keys(2)

@@ -20,6 +20,8 @@ fleet, the config rules, ``check`` and ``plan`` read the row of the run's backen
   does not drive: ``docs/architecture.md``, "Engines");
 - ``sync_backends``: the collectives its ranks receive a broadcast on (vLLM's workers build
   an NCCL communicator, nothing else);
+- ``needs_key``: its servers refuse to start without the run's API key (vLLM's dev-mode
+  routes call any worker method), so the run makes one even on loopback;
 - ``server``: ``MODULE:FUNCTION`` giving its server class and the function that turns an
   ``EngineSpec`` into that class's spec (``rollout_fleet.actors``);
 - ``preflight``: ``MODULE:FUNCTION(version, environ, instead) -> list[(problem, fix)]``,
@@ -51,6 +53,7 @@ class EngineKind:
     extra_args_field: str = ""
     by_handle: bool = True
     sync_backends: tuple[str, ...] = ("gloo", "nccl")  # what its ranks receive a broadcast on
+    needs_key: bool = False  # its servers refuse to start without the run's API key
     server: str = ""
     preflight: str = ""
     package: str = ""  # the distribution its servers need installed where they run
@@ -92,7 +95,7 @@ KINDS: dict[str, EngineKind] = {
             memory_field="gpu_memory_utilization", memory_flag="--gpu-memory-utilization",
             memory_is_total=True,
             load_format_field="vllm_load_format", extra_args_field="vllm_extra_args",
-            by_handle=False, sync_backends=("nccl",),
+            by_handle=False, sync_backends=("nccl",), needs_key=True,
             server="rollout_fleet.actors:vllm_server_kind",
             preflight="rollout_fleet.vllm_launcher:preflight_problems", package="vllm",
         ),

@@ -32,9 +32,12 @@ def test_bad_step_guard_refuses_a_limit_below_one():
         BadStepGuard(0)
 
 
-def test_secrets_are_made_only_off_loopback_and_fresh_per_run():
+def test_secrets_are_made_off_loopback_an_engine_key_for_engines_needing_one_fresh_per_run():
     assert not make_run_secrets(False).secure
     assert make_run_secrets(False).engine_api_key is None
+    # engines that refuse to start without a key (vLLM's) get one on loopback too
+    keyed = make_run_secrets(False, engine_key=True)
+    assert not keyed.secure and len(keyed.engine_api_key) >= 32
     first, second = make_run_secrets(True), make_run_secrets(True)
     assert first.secure and len(first.engine_api_key) >= 32
     assert first.engine_api_key != second.engine_api_key
