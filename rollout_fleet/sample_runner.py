@@ -36,13 +36,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
 from fleetrl.log import get_logger
 from rollout_fleet.adapters import AdapterNames, is_adapter_gone
-from rollout_fleet.client import EngineError, GenerateOutput
+from rollout_fleet.client import EngineError
+from rollout_fleet.engine_api import RolloutEngine
 from rollout_fleet.membership import EngineStatus, MembershipError, MembershipEvent
 from rollout_fleet.router import Lease, Router
 from rollout_fleet.trajectory import ABORT, SampleProgress
@@ -51,21 +52,6 @@ log = get_logger(__name__)
 
 _NO_ENGINE_RECHECK_S = 1.0
 _ABORT_REQUEST_TIMEOUT_S = 5.0
-
-
-class GenerateClient(Protocol):
-    """The part of the engine interface (``rollout_fleet.engine_api``) the runner uses."""
-
-    async def generate_sample(
-        self,
-        input_ids: list[int],
-        sampling_params: dict[str, Any],
-        *,
-        rid: str | None = None,
-        lora_path: str | None = None,
-    ) -> GenerateOutput: ...
-
-    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> Any: ...
 
 
 class SampleFailed(RuntimeError):
@@ -78,17 +64,17 @@ class SampleRunner:
     def __init__(
         self,
         router: Router,
-        engines: Mapping[str, GenerateClient],
+        engines: Mapping[str, RolloutEngine],
         *,
         max_attempts: int = 8,
         retry_backoff_s: float = 0.5,
-        client_factory: Callable[[str], GenerateClient] | None = None,
+        client_factory: Callable[[str], RolloutEngine] | None = None,
         clock: Callable[[], float] = time.monotonic,
         adapters: AdapterNames | None = None,
     ):
         self.router = router
         self.adapters = adapters
-        self.clients: dict[str, GenerateClient] = dict(engines)
+        self.clients: dict[str, RolloutEngine] = dict(engines)
         self._client_urls: dict[str, str] = {}
         self.max_attempts = max_attempts
         self.retry_backoff_s = retry_backoff_s
@@ -140,7 +126,7 @@ class SampleRunner:
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
-    def set_client(self, name: str, client: GenerateClient) -> None:
+    def set_client(self, name: str, client: RolloutEngine) -> None:
         self.clients[name] = client
 
     def remove_client(self, name: str) -> None:
@@ -289,7 +275,7 @@ class SampleRunner:
         if calls:
             await asyncio.gather(*calls)
 
-    async def _abort_one(self, name: str, client: GenerateClient, rid: str) -> None:
+    async def _abort_one(self, name: str, client: RolloutEngine, rid: str) -> None:
         try:
             await asyncio.wait_for(client.abort_request(rid=rid), _ABORT_REQUEST_TIMEOUT_S)
         except (EngineError, TimeoutError) as err:
@@ -356,7 +342,7 @@ class SampleRunner:
                     self._close_later(old)
         self._engines_changed.set()
 
-    def _close_later(self, client: GenerateClient) -> None:
+    def _close_later(self, client: RolloutEngine) -> None:
         """Close a replaced client's HTTP session without blocking the event loop."""
         close = getattr(client, "close", None)
         if close is None:

@@ -86,6 +86,14 @@ def sync_figures(
     }
 
 
+def check_pushed(version: str, changed: bool, max_abs_diff: float) -> None:
+    """After pushing version 1: the server says 1, greedy output changed, and its logprobs match
+    the learner's forward of the pushed weights."""
+    if not (version == "1" and changed and max_abs_diff <= LOGPROB_TOL):
+        raise CheckFailed(f"after the push: version {version}, output changed {changed}, "
+                          f"logprob diff {max_abs_diff:.3g}")  # fmt: skip
+
+
 def _post(url: str, route: str, body: dict[str, Any], timeout_s: float = 60.0) -> Any:
     import requests
 
@@ -308,9 +316,7 @@ class SGLangCheck:
                        greedy_output_changed=changed,
                        max_abs_diff_after_push=after["max_abs_diff"],
                        **sync_figures(bucket, raw, per_tensor))  # fmt: skip
-        if not (version == "1" and changed and after["max_abs_diff"] <= LOGPROB_TOL):
-            raise CheckFailed(f"after the push: version {version}, output changed {changed}, "
-                              f"logprob diff {after['max_abs_diff']:.3g}")  # fmt: skip
+        check_pushed(version, changed, after["max_abs_diff"])
 
     def close(self) -> None:
         if self.server is not None:
@@ -334,24 +340,30 @@ def sub_stage(name: str, fn: Callable[[dict[str, Any]], None]) -> StageResult:
     return result
 
 
+def server_stages(ctx: StageContext, server: str, stages: list[tuple[str, Any]]) -> list[StageResult]:  # fmt: skip
+    """The first of ``stages`` (name, fn) starts the ``server``; the others run only if it did.
+    Each result is written as it comes (a time-out keeps what finished)."""
+    results: list[StageResult] = []
+    for name, fn in stages:
+        if results and results[0].status != "ok":
+            results.append(StageResult(name, "skipped", f"the {server} server did not start"))
+            continue
+        results.append(sub_stage(name, fn))
+        write_results(ctx.result_path, results)
+    return results
+
+
 def run(ctx: StageContext) -> list[StageResult]:
     import torch
 
     from bench.gpu.demo import train_demo
 
     check = SGLangCheck(ctx, torch.cuda.device_count())
-    results: list[StageResult] = []
     try:
-        results.append(sub_stage("sglang_engine", check.engine))
-        write_results(ctx.result_path, results)
-        for name, fn in (("sglang_logprobs", check.logprobs),
-                         ("sglang_throughput", check.throughput),
-                         ("sglang_weight_sync", check.weight_sync)):  # fmt: skip
-            if results[0].status != "ok":
-                results.append(StageResult(name, "skipped", "the SGLang server did not start"))
-                continue
-            results.append(sub_stage(name, fn))
-            write_results(ctx.result_path, results)
+        results = server_stages(ctx, "SGLang", [
+            ("sglang_engine", check.engine), ("sglang_logprobs", check.logprobs),
+            ("sglang_throughput", check.throughput), ("sglang_weight_sync", check.weight_sync),
+        ])  # fmt: skip
     finally:
         check.close()
         torch.cuda.empty_cache()

@@ -47,11 +47,12 @@ from bench.gpu.sglang_stages import (
     PERTURB_SCALE,
     PROMPTS,
     SAMPLE_TEMPERATURE,
+    check_pushed,
     learner_logprobs,
     logprob_figures,
-    sub_stage,
+    server_stages,
 )
-from bench.gpu.stage import CheckFailed, StageContext, StageSkipped, write_results
+from bench.gpu.stage import CheckFailed, StageContext, StageSkipped
 
 SERVER_START_S = 240
 SIZES = {
@@ -222,9 +223,7 @@ class VllmCheck:
                        buckets=metrics.num_buckets, version_after_push=version,
                        greedy_output_changed=changed,
                        max_abs_diff_after_push=after["max_abs_diff"])  # fmt: skip
-        if not (version == "1" and changed and after["max_abs_diff"] <= LOGPROB_TOL):
-            raise CheckFailed(f"after the push: version {version}, output changed {changed}, "
-                              f"logprob diff {after['max_abs_diff']:.3g}")  # fmt: skip
+        check_pushed(version, changed, after["max_abs_diff"])
 
     def close(self) -> None:
         if self.server is not None:
@@ -236,20 +235,12 @@ def run(ctx: StageContext) -> list[StageResult]:
     import torch
 
     check = VllmCheck(ctx, torch.cuda.device_count() if ctx.cuda else 0)
-    results: list[StageResult] = []
     try:
-        results.append(sub_stage("vllm_engine", check.engine))
-        write_results(ctx.result_path, results)
-        for name, fn in (("vllm_logprobs", check.logprobs),
-                         ("vllm_throughput", check.throughput),
-                         ("vllm_weight_sync", check.weight_sync)):  # fmt: skip
-            if results[0].status != "ok":
-                results.append(StageResult(name, "skipped", "the vLLM server did not start"))
-                continue
-            results.append(sub_stage(name, fn))
-            write_results(ctx.result_path, results)
+        return server_stages(ctx, "vLLM", [
+            ("vllm_engine", check.engine), ("vllm_logprobs", check.logprobs),
+            ("vllm_throughput", check.throughput), ("vllm_weight_sync", check.weight_sync),
+        ])  # fmt: skip
     finally:
         check.close()
         if ctx.cuda:
             torch.cuda.empty_cache()
-    return results

@@ -214,7 +214,9 @@ def test_sglang_backend_needs_a_tested_sglang_and_cuda_locally(tmp_path):
 
 
 def test_vllm_backend_needs_the_tested_vllm_dev_mode_cuda_and_a_tp_size_one_node_holds(tmp_path):
-    cfg = _cfg(tmp_path, "rollout.backend=vllm", "rollout.gpus_per_engine=2", "learner.gpus_per_rank=1")
+    cfg = _cfg(
+        tmp_path, "rollout.backend=vllm", "rollout.gpus_per_engine=2", "learner.gpus_per_rank=1"
+    )
     tested = {"vllm": "0.34.0"}
     ok = _probes(cuda_devices=lambda: 2, package_version=tested.get)
     assert check_backend(cfg, ok, local=True) == []
