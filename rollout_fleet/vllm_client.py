@@ -179,7 +179,10 @@ class VllmEngineClient(EngineClient):
         await self._request("POST", f"/wake_up?{query}", None, retry="never")
 
     async def start_profile(self, output_dir: str, prefix: str = "", gpu: bool = False) -> str:
-        """vLLM's ``/start_profile`` (its trace folder is set at launch by ``--profiler-config``)."""
+        """vLLM's ``/start_profile``, which vLLM registers only when launched with
+        ``--profiler-config`` (its trace folder fixed at launch). fleetrl's launcher passes
+        none, so a vLLM engine answers 404 here and the roles log it: profiling is best
+        effort, and vLLM engines are not profiled."""
         return await self._request("POST", "/start_profile", None, retry="never", expect_json=False)  # fmt: skip
 
     async def health_generate(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import requests
 import torch
 
@@ -147,6 +148,36 @@ def test_abort_pause_ends_a_request_and_a_piece_sent_while_paused_waits(vllm_eng
     assert "pause abort" in engine.get("/harness/log")["log"]
 
 
+def test_abort_request_by_rid_ends_that_request_through_vllms_abort_route(vllm_engine):
+    engine = vllm_engine
+    engine.post("/harness/hold?after=2")
+
+    async def run():
+        async with _client(engine) as client:
+            params = {"max_new_tokens": 8, "temperature": 1.0}
+            task = asyncio.ensure_future(client.generate_sample([5, 6], params, rid="gone"))
+            await asyncio.to_thread(engine.wait_held, "gone")
+            await client.abort_request("gone")  # the runner's call for a request it gave up on
+            await asyncio.to_thread(engine.post, "/harness/release")
+            return await task
+
+    out = asyncio.run(run())
+    assert out.finish_reason == "abort" and len(out.output_ids) == 2
+    assert "abort ['cmpl-gone-0']" in engine.get("/harness/log")["log"]
+
+
+def test_profiling_a_vllm_engine_is_refused_by_vllm_without_a_profiler_config(vllm_engine):
+    from rollout_fleet.client import EngineError
+
+    async def run():
+        async with _client(vllm_engine) as client:
+            await client.start_profile("/tmp/unused")
+
+    with pytest.raises(EngineError) as refused:  # the roles log it: profiling is best effort
+        asyncio.run(run())
+    assert refused.value.status == 404
+
+
 def test_memory_release_and_resume_reach_sleep_and_wake_up(vllm_engine):
     async def run():
         async with _client(vllm_engine) as client:
@@ -168,7 +199,14 @@ def test_lora_adapter_by_path_reaches_vllms_lora_route(vllm_engine_tp2, tmp_path
     try:
         client.load_lora_adapter("fleetrl-policy-v3", str(tmp_path))
         client.set_weight_version("3")
+        assert vllm_engine_tp2.get("/harness/log")["loras"] == {"fleetrl-policy-v3": str(tmp_path)}
+        assert vllm_engine_tp2.get("/weight_info")["weight_version"] == "3"
+        assert "fleetrl-policy-v3" in _served_models(vllm_engine_tp2)
+        client.unload_lora_adapter("fleetrl-policy-v3")
     finally:
         client.close()
-    assert vllm_engine_tp2.get("/harness/log")["loras"] == {"fleetrl-policy-v3": str(tmp_path)}
-    assert vllm_engine_tp2.get("/weight_info")["weight_version"] == "3"
+    assert "fleetrl-policy-v3" not in _served_models(vllm_engine_tp2)
+
+
+def _served_models(engine) -> list[str]:
+    return [m["id"] for m in engine.get("/v1/models")["data"]]
