@@ -9,6 +9,12 @@ TORCH  ?= torch==2.14.1 torchvision==0.29.1
 # The SGLang release(s) the conformance tier tests against; on CPU its Python
 # code is installed without its GPU dependencies (tests/conformance/requirements-cpu.txt).
 SGLANG ?= sglang==0.5.23
+# The vLLM release the vLLM conformance tier tests against: its Python code goes into the
+# venv without dependencies; what it needs that would clash with SGLang's pins goes into
+# $(VENV)/vllm-overlay, which only the vLLM tier's processes put first on their path. Not
+# byte-compiled at install (--no-compile): the tier imports a small part of vLLM's 547 MB,
+# compiled on first import; compiling it all took 1.5 of the 3 install minutes here.
+VLLM   ?= vllm==0.34.0
 DEMO_OUT ?= runs/demo/run
 DEMO_RM_OUT ?= runs/demo/rm
 DEMO_RLHF_OUT ?= runs/demo/rlhf
@@ -17,13 +23,15 @@ DEMO_RLHF_OUT ?= runs/demo/rlhf
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml tests/conformance/requirements-cpu.txt
+$(STAMP): pyproject.toml tests/conformance/requirements-cpu.txt tests/conformance/vllm/requirements-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e ".[dev,tensorboard,mlflow]"
 	$(PY) -m pip install -q --no-deps "$(SGLANG)"
 	$(PY) -m pip install -q -r tests/conformance/requirements-cpu.txt
+	$(PY) -m pip install -q --no-deps --no-compile "$(VLLM)"
+	$(PY) -m pip install -q --no-deps --no-compile --upgrade --target $(VENV)/vllm-overlay -r tests/conformance/vllm/requirements-cpu.txt
 	touch $(STAMP)
 
 # The demo run starts afresh each time (the tiny model and data it built are reused).

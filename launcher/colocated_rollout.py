@@ -79,11 +79,11 @@ class RolloutColocation:
         return index if self.cfg.rollout.is_colocated_slot(index) else -1
 
     def _client(self, name: str) -> Any:
-        from rollout_fleet.client import EngineClient
+        from rollout_fleet.engine_api import rollout_client_class
 
         url = self.membership.url(name)
         if url not in self._clients:
-            self._clients[url] = EngineClient(
+            self._clients[url] = rollout_client_class(self.cfg.rollout.backend)(
                 url, api_key=self.api_key, timeout_s=self.cfg.weight_sync.timeout_s, retries=0
             )
         return self._clients[url]

@@ -139,33 +139,76 @@ def nccl_needs_cuda(cfg: RunConfig) -> Iterator[ConfigError]:
 
 
 @rule
-def sglang_needs_a_gpu(cfg: RunConfig) -> Iterator[ConfigError]:
+def gpu_servers_need_a_gpu(cfg: RunConfig) -> Iterator[ConfigError]:
+    """GPU servers (SGLang, vLLM) on GPUs; co-located only where they take a push by handle."""
+    from rollout_fleet.engine_kinds import engine_kind, server_backends
+
     rollout = cfg.rollout
-    if rollout.backend != "sglang":
+    kind = engine_kind(rollout.backend)
+    if not kind.gpu_server:
         return
     if cfg.trainer.device == "cpu":
         yield refuse(
             "rollout.backend",
             "trainer.device",
-            "'sglang' with 'cpu'",
-            "SGLang servers run on GPUs; use rollout.backend=embedded on CPU",
+            f"'{rollout.backend}' with 'cpu'",
+            f"{kind.label} servers run on GPUs; use rollout.backend=embedded on CPU",
         )
     if rollout.gpus_per_engine <= 0:
         yield refuse(
             "rollout.gpus_per_engine",
             "rollout.backend",
-            f"{rollout.gpus_per_engine} with 'sglang'",
-            "an SGLang engine needs a GPU share; set rollout.gpus_per_engine > 0 "
+            f"{rollout.gpus_per_engine} with '{rollout.backend}'",
+            f"a {kind.label} engine needs a GPU share; set rollout.gpus_per_engine > 0 "
             "(its tensor-parallel size when >= 1)",
+        )
+    if rollout.colocated and not kind.by_handle:
+        others = [b for b in server_backends() if engine_kind(b).by_handle]
+        yield refuse(
+            "rollout.placement",
+            "rollout.backend",
+            f"'colocated' with '{rollout.backend}'",
+            f"co-located engines take each version by handle, which fleetrl does not do with "
+            f"{kind.label}; use rollout.placement=disaggregated with {kind.label} "
+            f"(or rollout.backend={' or '.join(others)})",
+        )
+
+
+@rule
+def the_engines_receive_on_the_sync_backend(cfg: RunConfig) -> Iterator[ConfigError]:
+    """A broadcast the engines' ranks can receive (vLLM's workers take NCCL only, from a learner
+    on a GPU of its own)."""
+    from rollout_fleet.engine_kinds import engine_kind
+
+    kind = engine_kind(cfg.rollout.backend)
+    if "gloo" in kind.sync_backends or cfg.trainer.device == "cpu":
+        return  # a CPU learner with GPU servers: gpu_servers_need_a_gpu says it
+    wanted = " or ".join(kind.sync_backends)
+    if cfg.weight_sync.backend == "gloo":
+        yield refuse(
+            "weight_sync.backend",
+            "rollout.backend",
+            f"'gloo' with '{cfg.rollout.backend}'",
+            f"{kind.label}'s workers receive weights over {wanted} only; "
+            "set weight_sync.backend=auto (or nccl)",
+        )
+    elif cfg.learner.gpus_per_rank <= 0:
+        yield refuse(
+            "learner.gpus_per_rank",
+            "rollout.backend",
+            f"{cfg.learner.gpus_per_rank} with '{cfg.rollout.backend}'",
+            f"{kind.label}'s workers receive weights over {wanted}, from a learner on a GPU; "
+            "set learner.gpus_per_rank > 0",
         )
 
 
 @rule
 def sglang_reward_servers_need_a_gpu(cfg: RunConfig) -> Iterator[ConfigError]:
+    from rollout_fleet.engine_kinds import engine_kind
     from rollout_fleet.rewards.fleet import reward_backend
 
     model = cfg.reward.model
-    if not cfg.reward.places_fleet or reward_backend(model, cfg.rollout) != "sglang":
+    if not cfg.reward.places_fleet or not engine_kind(reward_backend(model, cfg.rollout)).gpu_server:  # fmt: skip
         return
     if model.gpus_per_engine <= 0:
         yield refuse(

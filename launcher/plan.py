@@ -8,8 +8,10 @@ names a config.json elsewhere, for planning before the weights are on disk) for 
 weight is loaded and nothing is started. Learner devices hold one FSDP rank of
 the policy, the reference and the critic (``learner.memory``); engine devices
 hold one tensor-parallel slice of an engine: its weights in ``model.dtype`` and
-the KV cache its ``max_running_requests`` full-length requests need, against
-SGLang's static pool (``mem_fraction_static`` × device memory − weights); a placed
+the KV cache its ``max_running_requests`` full-length requests need, against what
+the server may take: SGLang's static pool (``mem_fraction_static`` × device memory −
+weights), or vLLM's whole budget (``gpu_memory_utilization`` × device memory − weights,
+which its activation peak shares with the KV cache); a placed
 reward server holds the classifier's weights and one forward of ``reward.model.batch_size``
 inputs (``reward_plan``). The
 verdict compares each device's total with the device memory; the what-if table
@@ -43,6 +45,7 @@ import msgspec
 from launcher.config import RunConfig, load_run_config
 from learner.config import LearnerConfig
 from learner.memory import GB, ModelShape, RoleMemory, learner_estimate
+from rollout_fleet.engine_kinds import engine_kind
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # What a GPU learner process holds beyond the estimate: CUDA context, NCCL buffers,
@@ -55,7 +58,10 @@ class EnginePlan:
     tp: int
     weights_gb: float
     kv_needed_gb: float
-    static_gb: float  # SGLang's pool: weights + KV (0 for the embedded engine: it has none)
+    # what the server may take of the device (memory fraction x device; 0 for the embedded
+    # engine): SGLang's static pool of weights and KV, or vLLM's whole budget, which its
+    # activation peak (profiled at start) shares with the KV cache
+    static_gb: float
 
     @property
     def kv_pool_gb(self) -> float:
@@ -76,7 +82,8 @@ class RewardServerPlan:
     static_gb: float  # SGLang's pool (mem_fraction_static × device); 0 for the embedded engine
 
     def total_gb(self) -> float:
-        return self.static_gb if self.backend == "sglang" else self.weights_gb + self.forward_gb
+        on_gpu = engine_kind(self.backend).gpu_server
+        return self.static_gb if on_gpu else self.weights_gb + self.forward_gb
 
 
 def reward_plan(cfg: RunConfig, gpu_mem_gb: float) -> RewardServerPlan | None:
@@ -97,9 +104,10 @@ def reward_plan(cfg: RunConfig, gpu_mem_gb: float) -> RewardServerPlan | None:
     shape = ModelShape.from_config_dict(json.loads((Path(model.path) / "config.json").read_text()))
     db = DTYPE_BYTES[cfg.model.dtype]
     backend = reward_backend(model, cfg.rollout)
-    tp = max(1, int(model.gpus_per_engine)) if backend == "sglang" else 1
+    on_gpu = engine_kind(backend).gpu_server
+    tp = max(1, int(model.gpus_per_engine)) if on_gpu else 1
     length = model.max_length or cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    if backend == "sglang":
+    if on_gpu:
         tokens, scores = model.batch_size * length, 0.0  # flash attention: no T × T scores
         static = model.mem_fraction_static * gpu_mem_gb * GB
     else:
@@ -122,7 +130,7 @@ def _reward_lines(cfg: RunConfig, plan: RewardServerPlan) -> tuple[str, str, boo
         f"| reward server (TP {plan.tp}) | weights + one forward | {plan.weights_gb:.3f} | | | | "
         f"forward {plan.forward_gb:.3f} | | **{plan.total_gb():.3f}** | |"
     )
-    if plan.backend != "sglang":
+    if not engine_kind(plan.backend).gpu_server:
         line = (
             f"reward servers on CPU: {plan.total_gb():.3f} GiB of host memory each "
             f"({cfg.reward.model.num_engines} placed on 'reward' nodes)"
@@ -189,8 +197,8 @@ def engine_plan(cfg: RunConfig, shape: ModelShape, gpu_mem_gb: float) -> EngineP
     tp = cfg.rollout.tp_size
     context = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     kv = cfg.rollout.max_running_requests * context * shape.kv_bytes_per_token(db) / tp
-    on_gpu = cfg.rollout.backend == "sglang"
-    static = cfg.rollout.mem_fraction_static * gpu_mem_gb * GB if on_gpu else 0.0
+    kind = engine_kind(cfg.rollout.backend)
+    static = kind.memory_fraction(cfg.rollout) * gpu_mem_gb * GB
     return EnginePlan(tp=tp, weights_gb=shape.params() * db / tp / GB, kv_needed_gb=kv / GB,
                       static_gb=static / GB)  # fmt: skip
 
@@ -256,7 +264,7 @@ def render(cfg: RunConfig, gpu_mem_gb: float, model_config: str | None = None) -
     lines.append(f"| learner | **all roles** | | | | | | | **{total_learner:.3f}** | "
                  f"{sum(r.host for r in roles) / GB:.3f} |")  # fmt: skip
     eng = engine_plan(cfg, shape, gpu_mem_gb)
-    engine_gpu = cfg.rollout.backend == "sglang"
+    engine_gpu = engine_kind(cfg.rollout.backend).gpu_server
     lines.append(
         f"| engine (TP {eng.tp}) | weights + KV | {eng.weights_gb:.3f} | | | | "
         f"KV needed {eng.kv_needed_gb:.3f} | | **{eng.total_gb(engine_gpu):.3f}** | |"
@@ -285,21 +293,9 @@ def render(cfg: RunConfig, gpu_mem_gb: float, model_config: str | None = None) -
     else:
         lines.append(f"learner on CPU: {total_learner:.3f} GiB of host memory per rank")
     if engine_gpu and cfg.rollout.num_engines > cfg.rollout.colocated_engines:
-        ok = eng.weights_gb < eng.static_gb
+        line, ok = _engine_line(cfg, eng, gpu_mem_gb)
+        lines.append(line)
         fits &= ok
-        kv_note = (
-            "the KV pool holds every running request at full length"
-            if eng.kv_needed_gb <= eng.kv_pool_gb
-            else f"KV-bound: SGLang will run about "
-            f"{int(cfg.rollout.max_running_requests * max(eng.kv_pool_gb, 0) / eng.kv_needed_gb)}"
-            " full-length requests at once, not max_running_requests"
-        )
-        lines.append(
-            f"engine device: SGLang reserves mem_fraction_static {cfg.rollout.mem_fraction_static} "
-            f"× {gpu_mem_gb:.0f} = {eng.static_gb:.2f} GiB; weights {eng.weights_gb:.2f}, "
-            f"KV pool {eng.kv_pool_gb:.2f} vs {eng.kv_needed_gb:.2f} needed: "
-            f"{'fits' if ok else 'DOES NOT FIT (weights exceed the static pool)'}; {kv_note}"
-        )
     if reward is not None:
         lines.append(reward_line)
         fits &= reward_fits
@@ -307,6 +303,35 @@ def render(cfg: RunConfig, gpu_mem_gb: float, model_config: str | None = None) -
     lines.append(f"| as configured | {total_learner:.3f} |")
     lines += [f"| {label} | {gb:.3f} |" for label, gb in what_ifs(cfg, shape)]
     return "\n".join(lines) + "\n", fits
+
+
+def _engine_line(cfg: RunConfig, eng: EnginePlan, gpu_mem_gb: float) -> tuple[str, bool]:
+    """The verdict line of a GPU server's device (its memory fraction as its kind reads it)."""
+    kind = engine_kind(cfg.rollout.backend)
+    fraction = f"{kind.memory_field} {kind.memory_fraction(cfg.rollout)} × {gpu_mem_gb:.0f}"
+    ok = eng.weights_gb < eng.static_gb
+    share = max(eng.kv_pool_gb, 0) / eng.kv_needed_gb if eng.kv_needed_gb else 1.0
+    running = int(cfg.rollout.max_running_requests * share)
+    kv_note = (
+        "the KV pool holds every running request at full length"
+        if eng.kv_needed_gb <= eng.kv_pool_gb
+        else f"KV-bound: {kind.label} will run about {running} full-length requests at once, "
+        "not max_running_requests"
+    )
+    if kind.memory_is_total:
+        verdict = "fits" if ok else "DOES NOT FIT (the weights exceed its whole budget)"
+        return (
+            f"engine device: {kind.label} may use {fraction} = {eng.static_gb:.2f} GiB in all; "
+            f"weights {eng.weights_gb:.2f}, leaving {eng.kv_pool_gb:.2f} for its activations and "
+            f"KV cache vs {eng.kv_needed_gb:.2f} KV needed: {verdict}; {kv_note} (less what its "
+            "activation peak takes)"
+        ), ok  # fmt: skip
+    verdict = "fits" if ok else "DOES NOT FIT (weights exceed the static pool)"
+    return (
+        f"engine device: {kind.label} reserves {fraction} = {eng.static_gb:.2f} GiB; weights "
+        f"{eng.weights_gb:.2f}, KV pool {eng.kv_pool_gb:.2f} vs {eng.kv_needed_gb:.2f} needed: "
+        f"{verdict}; {kv_note}"
+    ), ok  # fmt: skip
 
 
 def host_memory_gb() -> float:

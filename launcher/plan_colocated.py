@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from launcher.config import RunConfig
 from learner.memory import GB, ModelShape
+from rollout_fleet.engine_kinds import engine_kind
 
 GPU_PROCESS_RESERVE_GB = 2.0  # CUDA context, allocator slack: per process on the device
 PUSH_TENSOR_BYTES = 4  # the learner's parameters are fp32 (its master copy): so are pushes
@@ -96,7 +97,7 @@ def colocated_phases(
 
     learner = sum(r.total for r in learner_roles(cfg, shape)) / GB
     engine = engine_plan(cfg, shape, device_gb)
-    engine_generating = engine.total_gb(cfg.rollout.backend == "sglang")
+    engine_generating = engine.total_gb(engine_kind(cfg.rollout.backend).gpu_server)
     offloaded = on_gpu and cfg.rollout.colocate.offload_learner
     kept_weights = 0.0 if "weights" in cfg.rollout.colocate.release else engine.weights_gb
     return ColocatedPhases(

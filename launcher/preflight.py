@@ -66,12 +66,10 @@ from launcher.preflight_model import check_model_family
 from launcher.preflight_resources import check_resources, local_node, needs_gpus
 from launcher.preflight_rewards import check_rewards
 from learner.memory import ModelShape
-from rollout_fleet.sglang_version import TESTED_SGLANG
 
 log = get_logger(__name__)
 
 # The SGLang releases fleetrl is tested against (one definition, shared with the launcher's gate).
-SGLANG_SUPPORTED = TESTED_SGLANG
 
 CKPT_BYTES_PER_PARAM = 12  # fp32 master weights + AdamW's two fp32 moments (DCP shards)
 # the rollout bank, per sample: prompt token ids; per response token an id, a behaviour
@@ -125,59 +123,43 @@ def check_model(cfg: RunConfig) -> list[Finding]:
 
 
 def check_backend(cfg: RunConfig, probes: Probes, *, local: bool) -> list[Finding]:
-    """SGLang at a tested version and CUDA, where engines, reward servers or the learner run
-    on this machine."""
+    """The engines' and reward servers' server package at a tested release (and what its
+    kind needs of the environment), CUDA, and a tensor-parallel size one node holds, where
+    they run on this machine; ``trainer.device=cuda`` with CUDA."""
     if not local:
         return []
+    from rollout_fleet.engine_kinds import engine_kind
     from rollout_fleet.rewards.fleet import reward_backend
 
+    servers = []  # (key, kind, its tensor-parallel size, its key, what runs instead on a CPU)
+    rollout = engine_kind(cfg.rollout.backend)
+    if rollout.gpu_server:
+        servers.append(("rollout.backend", rollout, cfg.rollout.tp_size, "rollout.gpus_per_engine",
+                        f"{rollout.label} engines", "rollout.backend=embedded"))  # fmt: skip
+    if cfg.reward.places_fleet:
+        reward = engine_kind(reward_backend(cfg.reward.model, cfg.rollout))
+        if reward.gpu_server:
+            tp = max(1, int(cfg.reward.model.gpus_per_engine))
+            servers.append(("reward.model.backend", reward, tp, "reward.model.gpus_per_engine",
+                            f"{reward.label} reward servers", "reward.model.backend=embedded"))  # fmt: skip
+    cuda = probes.cuda_devices() if servers or cfg.trainer.device == "cuda" else 0
     out = []
-    uses_sglang = []
-    if cfg.rollout.backend == "sglang":
-        uses_sglang.append(("rollout.backend", "SGLang engines", "rollout.backend=embedded"))
-    if cfg.reward.places_fleet and reward_backend(cfg.reward.model, cfg.rollout) == "sglang":
-        uses_sglang.append(("reward.model.backend", "SGLang reward servers", "reward.model.backend=embedded"))  # fmt: skip
-    cuda = probes.cuda_devices() if uses_sglang or cfg.trainer.device == "cuda" else 0
-    for key, what, instead in uses_sglang:
-        out += _sglang_findings(key, what, instead, probes, cuda)
+    for key, kind, tp, tp_key, what, instead in servers:
+        version = probes.package_version(kind.package)
+        for problem, fix in kind.load("preflight")(version, probes.env, instead):
+            out.append(Finding(key=key, problem=problem, fix=fix))
+        if not cuda:
+            out.append(Finding(key=key, problem=f"{what} need CUDA; torch sees no CUDA device here",
+                               fix=f"run on GPU nodes (--address), or {instead} on CPU"))  # fmt: skip
+        elif tp > cuda:
+            out.append(Finding(key=tp_key, problem=f"{what} of tensor-parallel size {tp} need {tp} GPUs of one node; this node has {cuda}",
+                               fix=f"{tp_key} <= {cuda}, or run on larger GPU nodes (--address)"))  # fmt: skip
     if cfg.trainer.device == "cuda" and not cuda:
         out.append(
             Finding(
                 key="trainer.device",
                 problem="cuda, but torch sees no CUDA device here",
                 fix="run on GPU nodes (--address), or trainer.device=cpu or auto",
-            )
-        )
-    return out
-
-
-def _sglang_findings(key: str, what: str, instead: str, probes: Probes, cuda: int) -> list[Finding]:  # fmt: skip
-    from packaging.specifiers import SpecifierSet
-
-    out = []
-    version = probes.package_version("sglang")
-    if version is None:
-        out.append(
-            Finding(
-                key=key,
-                problem="backend sglang, but SGLang is not installed",
-                fix=f'pip install "fleetrl[sglang]" on the machines that run them, or {instead}',
-            )
-        )
-    elif version not in SpecifierSet(SGLANG_SUPPORTED):
-        out.append(
-            Finding(
-                key=key,
-                problem=f"SGLang {version} is installed; fleetrl is tested with sglang{SGLANG_SUPPORTED}",
-                fix=f'pip install "sglang[srt]{SGLANG_SUPPORTED}" (or "fleetrl[sglang]")',
-            )
-        )
-    if not cuda:
-        out.append(
-            Finding(
-                key=key,
-                problem=f"{what} need CUDA; torch sees no CUDA device here",
-                fix=f"run on GPU nodes (--address), or {instead} on CPU",
             )
         )
     return out
@@ -209,15 +191,18 @@ def check_colocation(cfg: RunConfig, probes: Probes, *, local: bool) -> list[Fin
         return []
     from launcher.plan import learner_on_gpu, model_shape
     from launcher.plan_colocated import colocated_phases
+    from rollout_fleet.engine_kinds import engine_kind
 
     out = []
-    if cfg.rollout.backend == "sglang" and probes.package_version("torch_memory_saver") is None:
+    kind = engine_kind(cfg.rollout.backend)
+    needs = kind.colocation_package
+    if needs and probes.package_version(needs) is None:
         out.append(
             Finding(
                 key="rollout.placement",
-                problem="co-located SGLang engines release memory with --enable-memory-saver, "
-                "which needs torch_memory_saver, and it is not installed",
-                fix="pip install torch_memory_saver, or rollout.placement=disaggregated",
+                problem=f"co-located {kind.label} engines release memory with {needs}, "
+                "and it is not installed",
+                fix=f"pip install {needs}, or rollout.placement=disaggregated",
             )
         )
     on_gpu = learner_on_gpu(cfg)

@@ -373,7 +373,8 @@ class LearnerRole:
         return result
 
     def endpoints(self, targets: Any) -> list[Any]:
-        """What the weight senders need of each ``EngineTarget``: URL, key, ranks, process."""
+        """What the weight senders need of each ``EngineTarget``: URL, key, ranks, process, API."""
+        from rollout_fleet.engine_api import engine_api
         from weight_sync.engine_client import EngineEndpoint
 
         return [
@@ -383,6 +384,7 @@ class LearnerRole:
                 api_key=self.engine_api_key,
                 world_size=self.cfg.rollout.tp_size,
                 incarnation=t.incarnation,
+                api=engine_api(self.cfg.rollout.backend),
             )
             for t in targets
         ]
@@ -517,15 +519,18 @@ class RolloutRole:
         return await self.colocation.yield_devices()
 
     async def start_engines(self) -> dict[str, str]:
-        from rollout_fleet.client import EngineClient
+        from rollout_fleet.engine_api import rollout_client_class
         from rollout_fleet.worker import RolloutWorker
 
+        engine_client_class = rollout_client_class(self.cfg.rollout.backend)
         urls, _ = await asyncio.gather(self.fleet.start(), self._start_reward_servers())
         cfg = self.cfg
         self.worker = RolloutWorker(
             cfg.rollout,
             engines={
-                n: EngineClient(u, api_key=self.api_key, timeout_s=cfg.rollout.request_timeout_s)
+                n: engine_client_class(
+                    u, api_key=self.api_key, timeout_s=cfg.rollout.request_timeout_s
+                )
                 for n, u in urls.items()
             },
             router=self.router,
@@ -535,7 +540,7 @@ class RolloutRole:
             ledger=self.delivery,
             rewards=self.rewards,
             tokenizer=self.tokenizer,
-            client_factory=lambda url: EngineClient(
+            client_factory=lambda url: engine_client_class(
                 url, api_key=self.api_key, timeout_s=cfg.rollout.request_timeout_s
             ),
             lora=cfg.learner.lora.rank > 0,
@@ -641,12 +646,13 @@ class RolloutRole:
 
     async def _answers(self, name: str, timeout_s: float = 2.0) -> bool:
         """Whether engine ``name`` answers GET /health now (after a pause or a lost connection)."""
-        from rollout_fleet.client import EngineClient
+        from rollout_fleet.engine_api import rollout_client_class
 
+        engine_client_class = rollout_client_class(self.cfg.rollout.backend)
         url = self.fleet.urls().get(name)
         if not url:
             return False
-        client = EngineClient(url, api_key=self.api_key, timeout_s=timeout_s, retries=0)
+        client = engine_client_class(url, api_key=self.api_key, timeout_s=timeout_s, retries=0)
         try:
             return bool(await asyncio.wait_for(client.health(), timeout_s))
         except (TimeoutError, OSError):
@@ -680,13 +686,15 @@ class RolloutRole:
         """SGLang's /start_profile or /stop_profile on every engine (their traces go to
         ``<run dir>/profile/step_<N>/engine_<name>.json`` on the engine's node); the engines
         that answered. Profiling is best effort: an engine that refuses is logged, not fatal."""
-        from rollout_fleet.client import EngineClient, EngineError
+        from rollout_fleet.client import EngineError
+        from rollout_fleet.engine_api import rollout_client_class
 
+        engine_client_class = rollout_client_class(self.cfg.rollout.backend)
         folder = str(step_dir(Path(self.run_dir).resolve(), step))
         gpu = resolve_device(self.cfg) == "cuda"
         answered = []
         for name, url in sorted(self.fleet.urls().items()):
-            client = EngineClient(url, api_key=self.api_key, timeout_s=60.0, retries=0)
+            client = engine_client_class(url, api_key=self.api_key, timeout_s=60.0, retries=0)
             try:
                 await (
                     client.start_profile(folder, "engine_", gpu) if start else client.stop_profile()

@@ -1,4 +1,4 @@
-"""The Ray actor that hosts one engine (embedded engine or SGLang server): a rollout engine,
+"""The Ray actor that hosts one engine (embedded engine, SGLang or vLLM server): a rollout engine,
 or a reward-model server (``is_embedding``; the embedded engine picks its reward engine
 from the folder).
 
@@ -24,15 +24,18 @@ multi-GPU tensor-parallel SGLang spanning nodes.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fleetrl.log import get_logger, setup_logging
 from rollout_fleet.config import RolloutConfig
+from rollout_fleet.engine_kinds import engine_kind
 
 log = get_logger(__name__)
 
 LOOPBACK = "127.0.0.1"
+_SERVER_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 NODE_MARKER_SHARE = 0.001  # of the node-kind custom resource taken by one engine
 DEFAULT_RUNNING_REQUESTS = 64  # an embedded engine whose spec leaves it to the server
 
@@ -43,7 +46,7 @@ class EngineSpec:
 
     name: str
     model_path: str
-    backend: Literal["embedded", "sglang"] = "embedded"
+    backend: Literal["embedded", "sglang", "vllm"] = "embedded"
     device: str = "cpu"
     dtype: str = "float32"
     max_running_requests: int | None = 64  # None: SGLang sizes it from memory
@@ -51,9 +54,10 @@ class EngineSpec:
     api_key: str | None = field(default=None, repr=False)  # the run's: never logged
     port: int = 0
     torch_threads: int = 1
-    # sglang only
+    # GPU servers (sglang, vllm) only
     tp_size: int = 1
-    mem_fraction_static: float = 0.85
+    mem_fraction_static: float = 0.85  # SGLang's
+    gpu_memory_utilization: float = 0.9  # vLLM's
     load_format: Literal["dummy", "auto"] = "dummy"
     disable_radix_cache: bool = False
     lora_rank: int = 0  # learner.lora.rank: > 0 launches SGLang with LoRA on
@@ -69,10 +73,10 @@ class EngineSpec:
             raise ValueError(
                 f"engine {self.name}: binding the node IP (fleet spans nodes) requires an api_key"
             )
-        if self.backend not in ("embedded", "sglang"):
-            raise ValueError(
-                f"engine {self.name}: backend {self.backend!r}; accepted: embedded, sglang"
-            )
+        try:
+            engine_kind(self.backend)
+        except ValueError as err:
+            raise ValueError(f"engine {self.name}: {err}") from None
 
 
 def engine_spec(
@@ -99,6 +103,7 @@ def engine_spec(
 
     if colocated:
         pause_mode = config.colocate.pause_mode
+    kind = engine_kind(config.backend)
     return EngineSpec(
         name=name,
         model_path=str(model_path),
@@ -111,12 +116,13 @@ def engine_spec(
         torch_threads=max(1, int(config.cpus_per_engine)),
         tp_size=config.tp_size,
         mem_fraction_static=config.mem_fraction_static,
-        load_format=config.sglang_load_format,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        load_format=kind.load_format(config),  # type: ignore[arg-type]
         disable_radix_cache=radix_cache_disabled_for(pause_mode),
         lora_rank=lora_rank,
         lora_target_modules=list(lora_target_modules or ["all-linear"]),
         memory_saver=colocated,
-        extra_args=list(config.sglang_extra_args),
+        extra_args=kind.extra_args(config),
         startup_timeout_s=config.engine_startup_timeout_s,
         log_dir=log_dir,
     )
@@ -137,10 +143,10 @@ class EngineActor:
         if self._url:
             return self._url
         host = self._host()
-        if self.spec.backend == "embedded":
-            self._url = self._start_embedded(host)
+        if engine_kind(self.spec.backend).gpu_server:
+            self._url = self._start_server(host)
         else:
-            self._url = self._start_sglang(host)
+            self._url = self._start_embedded(host)
         log.info("engine %s serving at %s (pid %d)", self.spec.name, self._url, os.getpid())
         return self._url
 
@@ -150,7 +156,7 @@ class EngineActor:
     def ping(self) -> dict[str, Any]:
         """Liveness of the actor process (the fleet checks the engine's HTTP health apart)."""
         alive = self._url != ""
-        if self._engine is not None and self.spec.backend == "sglang":
+        if self._engine is not None and engine_kind(self.spec.backend).gpu_server:
             alive = alive and self._engine.alive()
         elif self._engine is not None:
             alive = alive and self._engine.alive
@@ -187,14 +193,13 @@ class EngineActor:
         self._engine = engine
         return url
 
-    def _start_sglang(self, host: str) -> str:
-        from rollout_fleet.sglang_launcher import SGLangServer
-
-        server = SGLangServer(
-            sglang_server_spec(self.spec, host),
+    def _start_server(self, host: str) -> str:
+        server_class, spec_of = engine_kind(self.spec.backend).load("server")()
+        server = server_class(
+            spec_of(self.spec, host),
             startup_timeout_s=self.spec.startup_timeout_s,
             log_path=(
-                os.path.join(self.spec.log_dir, f"{self.spec.name}.sglang.log")
+                os.path.join(self.spec.log_dir, f"{self.spec.name}.{self.spec.backend}.log")
                 if self.spec.log_dir
                 else None
             ),
@@ -207,9 +212,7 @@ def sglang_server_spec(spec: EngineSpec, host: str = LOOPBACK) -> Any:
     """The ``SGLangServerSpec`` (command line) of an SGLang engine spec."""
     from rollout_fleet.sglang_launcher import SGLangServerSpec
 
-    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(
-        spec.dtype, "auto"
-    )
+    dtype = _SERVER_DTYPES.get(spec.dtype, "auto")
     return SGLangServerSpec(
         model_path=spec.model_path,
         host=host,
@@ -227,6 +230,41 @@ def sglang_server_spec(spec: EngineSpec, host: str = LOOPBACK) -> Any:
         enable_memory_saver=spec.memory_saver,
         extra_args=list(spec.extra_args),
     )
+
+
+def vllm_server_spec(spec: EngineSpec, host: str = LOOPBACK) -> Any:
+    """The ``VllmServerSpec`` (command line) of a vLLM engine spec."""
+    from rollout_fleet.vllm_launcher import VllmServerSpec
+
+    return VllmServerSpec(
+        model_path=spec.model_path,
+        api_key=spec.api_key or "",
+        host=host,
+        port=spec.port,
+        tp_size=spec.tp_size,
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        load_format=spec.load_format,
+        dtype=_SERVER_DTYPES.get(spec.dtype, "auto"),
+        max_num_seqs=spec.max_running_requests,
+        enable_prefix_caching=not spec.disable_radix_cache,
+        enable_sleep_mode=spec.memory_saver,
+        lora_rank=spec.lora_rank,
+        extra_args=list(spec.extra_args),
+    )
+
+
+def sglang_server_kind() -> tuple[Any, Callable[[EngineSpec, str], Any]]:
+    """SGLang's server class and its spec from ours (``rollout_fleet.engine_kinds``)."""
+    from rollout_fleet.sglang_launcher import SGLangServer
+
+    return SGLangServer, sglang_server_spec
+
+
+def vllm_server_kind() -> tuple[Any, Callable[[EngineSpec, str], Any]]:
+    """vLLM's server class and its spec from ours (``rollout_fleet.engine_kinds``)."""
+    from rollout_fleet.vllm_launcher import VllmServer
+
+    return VllmServer, vllm_server_spec
 
 
 _REMOTE_CLASS: Any = None

@@ -111,6 +111,21 @@ def parse_generate_response(
     )
 
 
+async def generate_sample_sglang(
+    client: Any,
+    input_ids: list[int],
+    sampling_params: dict[str, Any],
+    *,
+    rid: str | None = None,
+    lora_path: str | None = None,
+) -> GenerateOutput:
+    """``generate_sample`` for anything with SGLang's ``generate`` (the engine clients and
+    test doubles speaking SGLang's format): ``POST /generate``, then its ``GenerateOutput``."""
+    extra = {"lora_path": lora_path} if lora_path is not None else {}
+    reply = await client.generate(input_ids, sampling_params, return_logprob=True, rid=rid, **extra)
+    return parse_generate_response(reply)
+
+
 def token_versions(spans: Any, weight_version: str, num_tokens: int) -> list[int]:
     """One policy version per output token from ``meta_info.weight_versions`` spans
     (``[{"version", "start", "end"}]`` over output positions); without spans, every token
@@ -239,6 +254,19 @@ class EngineClient:
         if rid is not None:
             body["rid"] = rid
         return await self._request("POST", "/generate", body, retry="unsent")
+
+    async def generate_sample(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        *,
+        rid: str | None = None,
+        lora_path: str | None = None,
+    ) -> GenerateOutput:
+        """One piece of a sample (the engine interface, ``rollout_fleet.engine_api``)."""
+        return await generate_sample_sglang(
+            self, input_ids, sampling_params, rid=rid, lora_path=lora_path
+        )
 
     # -- control -----------------------------------------------------------------------------
 

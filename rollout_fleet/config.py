@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from rollout_fleet.engine_kinds import engine_kind
 from rollout_fleet.multi_turn.config import MultiTurnConfig
 
 MemoryTag = Literal["kv_cache", "weights", "cuda_graph"]
@@ -46,9 +47,9 @@ class ColocateConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     backend: Annotated[
-        Literal["embedded", "sglang"],
+        Literal["embedded", "sglang", "vllm"],
         Meta(
-            description="Engine kind: the embedded SGLang-compatible engine (CPU, one GPU) or SGLang servers (GPU)."
+            description="Engine kind: the embedded SGLang-compatible engine (CPU, one GPU), SGLang servers (GPU) or vLLM servers (GPU, `vllm serve` with its weight-transfer routes)."
         ),
     ] = "embedded"
     num_engines: Annotated[
@@ -101,12 +102,20 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         float,
         Meta(
             ge=0,
-            description="Ray GPUs per engine actor (SGLang tensor parallel size when backend=sglang).",
+            description="Ray GPUs per engine actor (the tensor parallel size when backend=sglang or vllm).",
         ),
     ] = 0.0
     mem_fraction_static: Annotated[
         float, Meta(gt=0, le=1, description="SGLang --mem-fraction-static.")
     ] = 0.85
+    gpu_memory_utilization: Annotated[
+        float,
+        Meta(
+            gt=0,
+            le=1,
+            description="vLLM --gpu-memory-utilization: the share of each GPU the engine may use in all (weights, activations and KV cache), unlike SGLang's mem_fraction_static (weights and KV pool).",
+        ),
+    ] = 0.9
     max_running_requests: Annotated[
         int,
         Meta(
@@ -123,6 +132,18 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         list[str],
         Meta(
             description="Extra SGLang server arguments appended verbatim, e.g. ['--attention-backend', 'fa3']."
+        ),
+    ] = []
+    vllm_load_format: Annotated[
+        Literal["dummy", "auto"],
+        Meta(
+            description="vLLM --load-format: dummy = random init, the first weights come from the learner's broadcast (the engine is not routed to before); auto = load model.path from disk."
+        ),
+    ] = "dummy"
+    vllm_extra_args: Annotated[
+        list[str],
+        Meta(
+            description="Extra `vllm serve` arguments appended verbatim, e.g. ['--enforce-eager']. The API key never goes here: fleetrl hands it to vLLM in VLLM_API_KEY."
         ),
     ] = []
     engine_startup_timeout_s: Annotated[
@@ -205,6 +226,11 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def tp_size(self) -> int:
-        """Ranks per engine: SGLang's tensor-parallel size (``gpus_per_engine``), or 1 for the
-        embedded engine. Each engine takes this many consecutive ranks in the weight group."""
-        return max(1, int(self.gpus_per_engine)) if self.backend == "sglang" else 1
+        """Ranks per engine: a GPU server's tensor-parallel size (``gpus_per_engine``), or 1 for
+        the embedded engine. Each engine takes this many consecutive ranks in the weight group."""
+        return max(1, int(self.gpus_per_engine)) if self.runs_gpu_servers else 1
+
+    @property
+    def runs_gpu_servers(self) -> bool:
+        """Whether the engines are GPU server processes (SGLang or vLLM), not the embedded engine."""
+        return engine_kind(self.backend).gpu_server

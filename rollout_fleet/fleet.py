@@ -45,6 +45,8 @@ from typing import Any
 from fleetrl.log import get_logger
 from rollout_fleet.actors import EngineSpec, create_engine_actor, engine_spec
 from rollout_fleet.config import RolloutConfig
+from rollout_fleet.engine_api import rollout_client_class
+from rollout_fleet.engine_kinds import engine_kind
 from rollout_fleet.membership import SERVING, EngineStatus, Membership, UnknownEngineError
 
 log = get_logger(__name__)
@@ -91,7 +93,7 @@ class FleetSettings:
             health_failures_before_dead=config.health_failures_before_dead,
             max_engine_restarts=config.max_engine_restarts,
             engine_startup_timeout_s=config.engine_startup_timeout_s,
-            weights_from_disk=config.backend == "embedded" or config.sglang_load_format == "auto",
+            weights_from_disk=engine_kind(config.backend).load_format(config) == "auto",
         )
 
 
@@ -187,6 +189,7 @@ class EngineFleet:
             )
         )
         self._slots = {spec.name: _Slot(spec.name, spec) for spec in specs}
+        self._client_class = rollout_client_class(specs[0].backend if specs else "embedded")
         self._health_clients: dict[str, Any] = {}
         self._stopping = False
         self.health_failures = 0
@@ -316,11 +319,9 @@ class EngineFleet:
         return (None, False) if healthy else ("GET /health failed", False)
 
     async def _http_health(self, url: str) -> bool:
-        from rollout_fleet.client import EngineClient
-
         client = self._health_clients.get(url)
         if client is None:
-            client = self._health_clients[url] = EngineClient(
+            client = self._health_clients[url] = self._client_class(
                 url, api_key=self.api_key, timeout_s=self.settings.health_check_timeout_s, retries=0
             )
         return bool(await client.health())

@@ -36,13 +36,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
 from fleetrl.log import get_logger
 from rollout_fleet.adapters import AdapterNames, is_adapter_gone
-from rollout_fleet.client import EngineError, parse_generate_response
+from rollout_fleet.client import EngineError
+from rollout_fleet.engine_api import RolloutEngine
 from rollout_fleet.membership import EngineStatus, MembershipError, MembershipEvent
 from rollout_fleet.router import Lease, Router
 from rollout_fleet.trajectory import ABORT, SampleProgress
@@ -51,20 +52,6 @@ log = get_logger(__name__)
 
 _NO_ENGINE_RECHECK_S = 1.0
 _ABORT_REQUEST_TIMEOUT_S = 5.0
-
-
-class GenerateClient(Protocol):
-    """The part of ``rollout_fleet.client.EngineClient`` the runner uses."""
-
-    async def generate(
-        self,
-        input_ids: list[int],
-        sampling_params: dict[str, Any],
-        return_logprob: bool = True,
-        rid: str | None = None,
-    ) -> Any: ...
-
-    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> Any: ...
 
 
 class SampleFailed(RuntimeError):
@@ -77,17 +64,17 @@ class SampleRunner:
     def __init__(
         self,
         router: Router,
-        engines: Mapping[str, GenerateClient],
+        engines: Mapping[str, RolloutEngine],
         *,
         max_attempts: int = 8,
         retry_backoff_s: float = 0.5,
-        client_factory: Callable[[str], GenerateClient] | None = None,
+        client_factory: Callable[[str], RolloutEngine] | None = None,
         clock: Callable[[], float] = time.monotonic,
         adapters: AdapterNames | None = None,
     ):
         self.router = router
         self.adapters = adapters
-        self.clients: dict[str, GenerateClient] = dict(engines)
+        self.clients: dict[str, RolloutEngine] = dict(engines)
         self._client_urls: dict[str, str] = {}
         self.max_attempts = max_attempts
         self.retry_backoff_s = retry_backoff_s
@@ -139,7 +126,7 @@ class SampleRunner:
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
-    def set_client(self, name: str, client: GenerateClient) -> None:
+    def set_client(self, name: str, client: RolloutEngine) -> None:
         self.clients[name] = client
 
     def remove_client(self, name: str) -> None:
@@ -181,9 +168,7 @@ class SampleRunner:
                     await asyncio.sleep(self.retry_backoff_s)
                     continue
             request = asyncio.ensure_future(
-                client.generate(
-                    sample.resume_input_ids(), params, return_logprob=True, rid=rid, **extra
-                )
+                client.generate_sample(sample.resume_input_ids(), params, rid=rid, **extra)
             )
             self._track(lease, request, rid)
             try:
@@ -243,9 +228,11 @@ class SampleRunner:
         if exc is not None:
             if isinstance(exc, EngineError | TimeoutError):
                 return f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, ValueError):  # a reply the client could not parse
+                return f"bad response: {exc}"
             raise exc
         try:
-            output = parse_generate_response(request.result())
+            output = request.result()
             if adapter is not None and self.adapters is not None:
                 self.adapters.observe(engine, output.weight_version)
                 tag = self.adapters.version_of(adapter)
@@ -288,7 +275,7 @@ class SampleRunner:
         if calls:
             await asyncio.gather(*calls)
 
-    async def _abort_one(self, name: str, client: GenerateClient, rid: str) -> None:
+    async def _abort_one(self, name: str, client: RolloutEngine, rid: str) -> None:
         try:
             await asyncio.wait_for(client.abort_request(rid=rid), _ABORT_REQUEST_TIMEOUT_S)
         except (EngineError, TimeoutError) as err:
@@ -355,7 +342,7 @@ class SampleRunner:
                     self._close_later(old)
         self._engines_changed.set()
 
-    def _close_later(self, client: GenerateClient) -> None:
+    def _close_later(self, client: RolloutEngine) -> None:
         """Close a replaced client's HTTP session without blocking the event loop."""
         close = getattr(client, "close", None)
         if close is None:

@@ -271,6 +271,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 class SGLangServer:
     """One SGLang server subprocess: start, wait healthy, restart (bounded), stop by pid."""
 
+    NAME = "SGLang"  # how messages name the server
+
     def __init__(
         self,
         spec: SGLangServerSpec,
@@ -308,7 +310,7 @@ class SGLangServer:
     def start(self) -> str:
         """Launch and wait until healthy, restarting up to ``max_restarts`` times; returns the URL."""
         if self.require_available:
-            check_available()
+            self._check_available()
         last_error: Exception | None = None
         for attempt in range(self.max_restarts + 1):
             if attempt:
@@ -327,7 +329,7 @@ class SGLangServer:
                 last_error = err
                 self.stop()
         raise SGLangStartError(
-            f"SGLang server for {self.spec.model_path} did not start after "
+            f"{self.NAME} server for {self.spec.model_path} did not start after "
             f"{self.max_restarts + 1} attempts; last error: {last_error}"
         )
 
@@ -337,10 +339,10 @@ class SGLangServer:
             return False
         if self.restarts >= self.max_restarts:
             raise SGLangStartError(
-                f"SGLang server (pid {self.pid}) exited and its {self.max_restarts} restarts are spent"
+                f"{self.NAME} server (pid {self.pid}) exited and its {self.max_restarts} restarts are spent"
             )
         self.restarts += 1
-        log.warning("SGLang server pid %s exited; restart %d", self.pid, self.restarts)
+        log.warning("%s server pid %s exited; restart %d", self.NAME, self.pid, self.restarts)
         self.stop()
         self._launch()
         self.wait_healthy(self.startup_timeout_s)
@@ -353,17 +355,17 @@ class SGLangServer:
             if self._proc is None or self._proc.poll() is not None:
                 code = None if self._proc is None else self._proc.returncode
                 raise SGLangStartError(
-                    f"SGLang server exited with status {code} before it was healthy"
+                    f"{self.NAME} server exited with status {code} before it was healthy"
                     + (f"; see {self.log_path}" if self.log_path else "")
                 )
             if self.health(timeout_s=min(5.0, max(0.1, deadline - time.monotonic()))):
-                log.info("SGLang server healthy at %s (pid %s)", self.url, self.pid)
+                log.info("%s server healthy at %s (pid %s)", self.NAME, self.url, self.pid)
                 remove_key_config(self._key_config)  # read at start: nothing reads it again
                 self._key_config = None
                 return
             if time.monotonic() >= deadline:
                 raise SGLangStartError(
-                    f"SGLang server at {self.url} not healthy after {timeout_s:.0f} s"
+                    f"{self.NAME} server at {self.url} not healthy after {timeout_s:.0f} s"
                 )
             time.sleep(_HEALTH_POLL_S)
 
@@ -389,7 +391,9 @@ class SGLangServer:
             try:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                log.warning("SGLang pid %d ignored SIGTERM for %.0f s; SIGKILL", pgid, timeout_s)
+                log.warning(
+                    "%s pid %d ignored SIGTERM for %.0f s; SIGKILL", self.NAME, pgid, timeout_s
+                )
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pgid, signal.SIGKILL)
                 proc.wait(timeout=timeout_s)
@@ -397,17 +401,25 @@ class SGLangServer:
             self._log_file.close()
             self._log_file = None
 
+    def _check_available(self) -> None:
+        check_available()
+
+    def _command(self) -> list[str]:
+        """The server's argument list (a subclass launches another server the same way); the
+        run's key goes to SGLang in a fresh 0600 file, removed once the server has read it."""
+        remove_key_config(self._key_config)
+        self._key_config = write_key_config(self.spec.api_key) if self.spec.api_key else None
+        return build_command(self.spec, self._key_config)
+
     def _launch(self) -> None:
         if self.spec.port == 0 or self.restarts:
             # a fresh port per launch: the old one may linger in TIME_WAIT
             self.spec.port = free_port(self.spec.host)
-        remove_key_config(self._key_config)
-        self._key_config = write_key_config(self.spec.api_key) if self.spec.api_key else None
-        cmd = build_command(self.spec, self._key_config)
+        cmd = self._command()
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        log.info("launching SGLang: %s", " ".join(cmd))
+        log.info("launching %s: %s", self.NAME, " ".join(cmd))
         # without a log file the server's output goes where ours goes (Ray's worker logs)
         self._proc = subprocess.Popen(
             cmd,

@@ -18,7 +18,7 @@ metadata: nothing here imports sglang.
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -31,12 +31,31 @@ class SGLangVersionError(RuntimeError):
     """The installed SGLang is missing or outside ``TESTED_SGLANG``."""
 
 
-def installed_sglang_version() -> str | None:
-    """The installed sglang distribution's version, or None when it is not installed."""
+def installed_version(package: str) -> str | None:
+    """The installed distribution's version, or None when it is not installed."""
     try:
-        return importlib.metadata.version("sglang")
+        return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def installed_sglang_version() -> str | None:
+    """The installed sglang distribution's version, or None when it is not installed."""
+    return installed_version("sglang")
+
+
+def tested_release_problem(package: str, version: str | None, tested: str, hint: str) -> str:
+    """Why ``version`` of ``package`` is not a tested release (one line), or "" when it is.
+    ``.post`` releases of a tested release are inside; prereleases are not."""
+    if version is None:
+        return f"{package} is not installed; fleetrl is tested with {package}{tested}: {hint}"
+    try:
+        inside = SpecifierSet(tested).contains(Version(version))
+    except InvalidVersion:
+        inside = False
+    if inside:
+        return ""
+    return f"{package} {version} is installed but fleetrl is tested with {package}{tested}: {hint}"
 
 
 def check_sglang_version(
@@ -49,17 +68,32 @@ def check_sglang_version(
     Without ``version`` the installed one is checked (``lookup``; tests inject it).
     """
     version = lookup() if version is None else version
+    problem = tested_release_problem("sglang", version, TESTED_SGLANG, INSTALL_HINT)
+    if problem:
+        raise SGLangVersionError(problem)
+
+
+def preflight_problems(
+    version: str | None, environ: Mapping[str, str], instead: str
+) -> list[tuple[str, str]]:
+    """What ``fleetrl check`` says of the installed SGLang (``rollout_fleet.engine_kinds``):
+    (problem, fix) pairs; ``instead`` is what the user could run without SGLang."""
     if version is None:
-        raise SGLangVersionError(
-            f"sglang is not installed; fleetrl is tested with sglang{TESTED_SGLANG}: {INSTALL_HINT}"
-        )
+        return [
+            (
+                "backend sglang, but SGLang is not installed",
+                f'pip install "fleetrl[sglang]" on the machines that run them, or {instead}',
+            )
+        ]
     try:
-        # .post releases of a tested release are inside; prereleases (0.5.24rc1) are not
         inside = SpecifierSet(TESTED_SGLANG).contains(Version(version))
     except InvalidVersion:
         inside = False
-    if not inside:
-        raise SGLangVersionError(
-            f"sglang {version} is installed but fleetrl is tested with sglang{TESTED_SGLANG}: "
-            f"{INSTALL_HINT}"
+    if inside:
+        return []
+    return [
+        (
+            f"SGLang {version} is installed; fleetrl is tested with sglang{TESTED_SGLANG}",
+            f'pip install "sglang[srt]{TESTED_SGLANG}" (or "fleetrl[sglang]")',
         )
+    ]

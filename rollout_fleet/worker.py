@@ -70,11 +70,12 @@ from fleetrl.log import get_logger
 from rollout_fleet.adapters import AdapterNames
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.delivery import group_id_for
+from rollout_fleet.engine_api import RolloutEngine
 from rollout_fleet.multi_turn.driver import MultiTurnDriver
 from rollout_fleet.rewards.failure_streak import FailureStreak
 from rollout_fleet.rewards.pipeline import SampleReward
 from rollout_fleet.router import Router
-from rollout_fleet.sample_runner import GenerateClient, SampleFailed, SampleRunner
+from rollout_fleet.sample_runner import SampleFailed, SampleRunner
 from rollout_fleet.trajectory import SampleProgress, build_trajectory
 from rollout_fleet.validation import Validation, ValResult, pick_samples, summarize
 
@@ -160,7 +161,7 @@ class RolloutWorker:
         self,
         config: RolloutConfig,
         *,
-        engines: Mapping[str, GenerateClient],
+        engines: Mapping[str, RolloutEngine],
         router: Router,
         reader: Iterable[PromptItem] | Iterator[PromptItem],
         sender: TrajectorySink,
@@ -168,7 +169,7 @@ class RolloutWorker:
         rewards: GroupRewards,
         tokenizer: Detokenizer,
         stop_token_ids: list[int] | None = None,
-        client_factory: Callable[[str], GenerateClient] | None = None,
+        client_factory: Callable[[str], RolloutEngine] | None = None,
         ledger: SentLedger | None = None,
         lora: bool = False,
         max_failed_reward_groups: int = 0,
@@ -232,7 +233,7 @@ class RolloutWorker:
         in_transit = self._ledger.sent_unconfirmed() if self._ledger is not None else 0
         return len(self._groups) + in_transit
 
-    def add_engine(self, name: str, client: GenerateClient) -> None:
+    def add_engine(self, name: str, client: RolloutEngine) -> None:
         """Use ``client`` for engine ``name`` (register the engine with the router too)."""
         self.runner.set_client(name, client)
 

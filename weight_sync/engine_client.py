@@ -43,6 +43,7 @@ class EngineEndpoint:
     api_key: str | None = None
     world_size: int = 1
     incarnation: int = 0
+    api: str = "sglang"  # the HTTP API the engine speaks: sglang | vllm (weight_sync.engine_api)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -66,7 +67,12 @@ class EngineCallError(RuntimeError):
 
 
 class EngineClient:
-    """A small requests-based client bound to one engine."""
+    """A small requests-based client bound to one engine (SGLang's API; ``weight_sync.engine_api``
+    is the interface it implements)."""
+
+    # tensors sent uncopied, one broadcast each inside one request, are SGLang's per-tensor
+    # format; an engine API without it gets every tensor in a flat bucket
+    takes_per_tensor_broadcasts = True
 
     def __init__(self, endpoint: EngineEndpoint, timeout_s: float) -> None:
         self.endpoint = endpoint
@@ -110,6 +116,7 @@ class EngineClient:
                 body.get("message")
                 or body.get("error_message")
                 or body.get("error")
+                or body.get("detail")
                 or response.reason
             )
             raise EngineCallError(
@@ -134,7 +141,10 @@ class EngineClient:
         world_size: int,
         group_name: str,
         backend: str,
+        bucket_bytes: int = 0,
     ) -> dict[str, Any]:
+        """Join the learner's group (``bucket_bytes``: the sender's bucket size, which SGLang
+        learns from each request instead)."""
         return self.call(
             "/init_weights_update_group",
             {
@@ -151,8 +161,16 @@ class EngineClient:
         """Open the engine's weight-update session (SGLang refuses updates outside one)."""
         return self.call("/begin_weight_update", {})
 
-    def end_update(self) -> dict[str, Any]:
+    def end_update(self, weight_version: str | None = None) -> dict[str, Any]:
+        """Close the session (SGLang took the version with each bucket already)."""
         return self.call("/end_weight_update", {})
+
+    @staticmethod
+    def weight_group(store: Any, **options: Any) -> Any:
+        """Rank 0 of the group this API's engines join (``weight_sync.group.WeightGroup``)."""
+        from weight_sync.group import WeightGroup
+
+        return WeightGroup(store, **options)
 
     def update_weights(
         self,

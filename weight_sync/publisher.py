@@ -18,6 +18,7 @@ import torch
 
 from fleetrl.log import get_logger
 from weight_sync.config import WeightSyncConfig
+from weight_sync.engine_api import weight_client
 from weight_sync.engine_client import EngineClient, EngineEndpoint
 from weight_sync.metrics import SyncMetrics
 
@@ -56,7 +57,7 @@ class Publisher:
         with self._lock:
             if endpoint.name in self._clients:
                 raise ValueError(f"engine {endpoint.name!r} is already a weight-sync member")
-            self._clients[endpoint.name] = EngineClient(endpoint, self.config.timeout_s)
+            self._clients[endpoint.name] = weight_client(endpoint, self.config.timeout_s)
             self._member_added(endpoint.name)
         log.info(
             "engine %s (%s) joins weight sync at the next version", endpoint.name, endpoint.url

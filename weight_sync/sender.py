@@ -219,7 +219,7 @@ class WeightSender(Publisher):
             except BaseException:
                 self._abort_version()
                 raise
-        errors.update(self._call_group(lambda c: c.end_update(), "end_weight_update"))
+        errors.update(self._call_group(lambda c: c.end_update(str(version)), "end_weight_update"))
         if self.flushes_cache:
             errors.update(self._call_group(lambda c: c.flush_cache(), "flush_cache"))
 
@@ -272,12 +272,13 @@ class WeightSender(Publisher):
         group = self._group
         assert group is not None
         clients = list(self._group_clients)
+        per_tensor = all(c.takes_per_tensor_broadcasts for c in clients)
         buckets = pack_buckets(
             stream,
             self.bucket_bytes,
             self.device,
             self._bucket_pool,
-            zero_copy_bytes=self.zero_copy_bytes,
+            zero_copy_bytes=self.zero_copy_bytes if per_tensor else None,
         )
         bucket = self._next_bucket(buckets, metrics)
         stream_started = time.perf_counter()
@@ -445,13 +446,14 @@ class WeightSender(Publisher):
                 world_size=world_size,
                 group_name=group_name,
                 backend=self.backend,
+                bucket_bytes=self.bucket_bytes,
             )
             rank_offset += client.endpoint.world_size
         group: WeightGroup | None = None
         join_error = ""
         try:
             assert store.store is not None
-            group = WeightGroup(
+            group = members[0].weight_group(  # the group this engine API's ranks join
                 store.store,
                 group_name=group_name,
                 rank=0,

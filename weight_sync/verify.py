@@ -1,10 +1,11 @@
-"""Checking a published version through SGLang's own routes.
+"""Checking a published version through the engines' own routes.
 
 After a version is sent, every engine is asked what it serves: ``GET
-/model_info`` must report the version, and ``POST /get_weights_by_name`` must
-return the leading rows of a sample of the tensors exactly as sent. Nothing
-here needs a route of ours, so the same check runs against SGLang and the
-embedded engine. ``SentRows`` keeps those leading rows while the weights
+/model_info`` (vLLM: ``GET /weight_info``) must report the version, and ``POST
+/get_weights_by_name`` must return the leading rows of a sample of the tensors
+exactly as sent. Nothing here needs a route of ours, so the same check runs against
+SGLang and the embedded engine; vLLM 0.34 has no route that reads a tensor back, so
+a vLLM engine's versions are verified and its values are not. ``SentRows`` keeps those leading rows while the weights
 stream past (a few KB per tensor), so no second pass over the weights is made.
 
 An engine may hold the weights in a narrower dtype than the learner sent (an
@@ -92,7 +93,7 @@ class UncheckedEngines:
             self._names.add(name)
         log.info(
             "engine %s cannot report weights by name (SGLang answers /get_weights_by_name for "
-            "some architectures only): its versions are verified, its values are not",
+            "some architectures only, vLLM for none): its versions are verified, its values are not",
             name,
         )
 
@@ -108,7 +109,7 @@ def check_engine(
     """'' when ``client`` serves ``version`` with the sampled rows as sent, else what differs."""
     served = client.weight_version()
     if served != str(version):
-        return f"serves version {served!r} (GET /model_info), learner sent {version}"
+        return f"serves version {served!r}, learner sent {version}"
     for name in names:
         held = client.weights_by_name(name, rows)
         if held is None:

@@ -3,11 +3,12 @@ one time budget, and write the report.
 
     python scripts/gpu_check.py [--device cuda|cpu] [--out DIR] [--work DIR] [--budget-s S]
                                 [--stages a,b] [--skip a,b] [--colocated-push MODULE:FUNCTION]
+                                [--vllm-server MODULE:FUNCTION]
 
 The driver itself never touches the device (each stage starts with its memory free). A
 stage gets ``min(its limit, what is left of the budget)``; one that would get less than
 its ``min_s`` is skipped as out of time, so the whole check ends within ``--budget-s``.
-The SGLang stages are skipped with one line where SGLang or a GPU is missing.
+The SGLang and vLLM stages are skipped with one line where their server or a GPU is missing.
 
 Writes few, small files into ``--out`` (on the GPU machine, one H200 without a package
 registry as docs/gpu_check.md describes, a remote run's ``$OUT``): ``gpu_check.json``
@@ -30,7 +31,7 @@ from typing import Any
 
 from bench.common import end_process_group
 from bench.gpu.import_guard import guard_env
-from bench.gpu.plan import SGLANG_STAGE_NAMES, STAGES, headlines, sglang_skip_reason
+from bench.gpu.plan import MULTI_STAGES, STAGES, headlines
 from bench.gpu.report import (
     LOG_NAME,
     StageResult,
@@ -154,7 +155,8 @@ def run_check(
     if unknown:
         raise SystemExit(f"gpu-check: unknown stage(s) {unknown}; known: {list(stages)}")
     skipped_by_flag = set(args.skip.split(",")) if args.skip else set()
-    options = {"colocated_push": args.colocated_push} if args.colocated_push else {}
+    options = {key: value for key, value in (("colocated_push", args.colocated_push),
+                                             ("vllm_server", args.vllm_server)) if value}  # fmt: skip
     budget = args.budget_s or DEFAULT_BUDGET_S[args.device]
     started = time.monotonic()
     results: list[StageResult] = []
@@ -163,10 +165,10 @@ def run_check(
     for name, spec in stages.items():
         if name not in chosen or name in skipped_by_flag:
             continue
-        if name == "sglang" and (reason := sglang_skip_reason(args.device)):
-            stage_results = _skipped(SGLANG_STAGE_NAMES, reason)
-            print(f"[gpu-check] sglang stages: skipped ({reason})", flush=True)
-            results += stage_results
+        names, skip_reason = MULTI_STAGES.get(name, ((name,), lambda device, options: None))
+        if reason := skip_reason(args.device, options):
+            results += _skipped(names, reason)
+            print(f"[gpu-check] {name} stages: skipped ({reason})", flush=True)
             continue
         left = budget - (time.monotonic() - started)
         limit = min(spec.limit_s[args.device], left)
@@ -178,7 +180,7 @@ def run_check(
         print(f"[gpu-check] {name}: running (limit {limit:.0f} s) - {spec.doc}", flush=True)
         stage_results = run_stage_process(
             spec, device=args.device, work=work, limit_s=limit, options=options,
-            expected=SGLANG_STAGE_NAMES if name == "sglang" else (name,),
+            expected=names,
             guard_log=work / GUARD_LOG_NAME if args.import_guard else None,
         )  # fmt: skip
         results += stage_results
@@ -244,9 +246,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="refuse what the GPU machine lacks (bench.gpu.import_guard; "
         "default: on with --device cpu)",
     )
-    parser.add_argument("--colocated-push", default="",
-                        help="MODULE:FUNCTION pushing weights over the co-located path "
-                             "(bench.gpu.weight_sync.ColocatedPush)")  # fmt: skip
+    parser.add_argument(
+        "--colocated-push",
+        default="",
+        help="MODULE:FUNCTION pushing weights over the co-located path "
+        "(bench.gpu.weight_sync.ColocatedPush)",
+    )
+    parser.add_argument("--vllm-server", default="",
+                        help="MODULE:FUNCTION starting the vLLM stages' server from its "
+                             "VllmServerSpec (bench.gpu.vllm_stages); on a CPU they need one")  # fmt: skip
     return parser.parse_args(argv)
 
 

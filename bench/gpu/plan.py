@@ -4,17 +4,21 @@ The CUDA limits are sized for one H200 (docs/gpu_check.md) so that every stage f
 9-minute command (``bench.gpu.check.DEFAULT_BUDGET_S``); a stage repeats its measurements
 until its deadline, so a limit is a cap, not a guess at its speed. The CPU limits are for the
 2-core machine the project is built on, where ``--device cpu`` runs every stage's code at
-tiny sizes. The SGLang stages run only where SGLang and a GPU are (``sglang_skip_reason``).
+tiny sizes. The SGLang stages run only where SGLang and a GPU are (``sglang_skip_reason``), the
+vLLM ones where vLLM and a GPU are, or on a CPU against the server ``--vllm-server`` names
+(``vllm_skip_reason``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 
 from bench.gpu.stage import StageSpec
 
 SGLANG_STAGE_NAMES = ("sglang_engine", "sglang_logprobs", "sglang_throughput",
                       "sglang_weight_sync", "sglang_demo")  # fmt: skip
+VLLM_STAGE_NAMES = ("vllm_engine", "vllm_logprobs", "vllm_throughput", "vllm_weight_sync")
 
 STAGES: dict[str, StageSpec] = {
     spec.name: spec
@@ -61,6 +65,9 @@ STAGES: dict[str, StageSpec] = {
         StageSpec("sglang", "bench.gpu.sglang_stages", {"cuda": 420, "cpu": 0}, min_s=120,
                   doc="a real SGLang server: logprobs vs the learner, throughput, "
                       "gloo/NCCL sync, the demo on SGLang engines"),
+        StageSpec("vllm", "bench.gpu.vllm_stages", {"cuda": 300, "cpu": 600}, min_s=120,
+                  doc="a real vllm serve: logprobs vs the learner through fleetrl's client, "
+                      "throughput, a weight push over NCCL through vLLM's weight-transfer routes"),
     )
 }  # fmt: skip
 
@@ -78,8 +85,31 @@ def sglang_skip_reason(device: str) -> str | None:
     return None
 
 
-def headlines() -> dict[str, tuple[str, ...]]:
-    """Each stage's headline figures, by stage name (the SGLang ones under their own names)."""
-    from bench.gpu.sglang_stages import HEADLINES as SGLANG_HEADLINES
+def vllm_skip_reason(device: str, options: dict[str, str]) -> str | None:
+    """Why the vLLM stages cannot run here (None: they can). On a CPU they run only against
+    the server ``--vllm-server`` names (bench.gpu.vllm_stages)."""
+    if device != "cuda" and not options.get("vllm_server"):
+        return "vLLM's CUDA engine needs a GPU (--device cuda; on a CPU, --vllm-server)"
+    if importlib.util.find_spec("vllm") is None:
+        return (
+            "vllm is not installed: the vLLM stages need a machine with vLLM 0.34 "
+            '(pip install "fleetrl[vllm]"; the H200 machine the check targets cannot have it)'
+        )
+    return None
 
-    return {**{name: spec.headline for name, spec in STAGES.items()}, **SGLANG_HEADLINES}
+
+# A stage that reports several results: name -> (their names, why it cannot run here or None)
+MULTI_STAGES: dict[str, tuple[tuple[str, ...], Callable[[str, dict[str, str]], str | None]]] = {
+    "sglang": (SGLANG_STAGE_NAMES, lambda device, options: sglang_skip_reason(device)),
+    "vllm": (VLLM_STAGE_NAMES, vllm_skip_reason),
+}
+
+
+def headlines() -> dict[str, tuple[str, ...]]:
+    """Each stage's headline figures, by stage name (the SGLang and vLLM ones under their own
+    names)."""
+    from bench.gpu.sglang_stages import HEADLINES as SGLANG_HEADLINES
+    from bench.gpu.vllm_stages import HEADLINES as VLLM_HEADLINES
+
+    return {**{name: spec.headline for name, spec in STAGES.items()}, **SGLANG_HEADLINES,
+            **VLLM_HEADLINES}  # fmt: skip

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu.report import StageResult, first_line
-from bench.gpu.stage import CheckFailed, StageContext, write_results
+from bench.gpu.stage import CheckFailed, StageContext, StageSkipped, write_results
 
 LOGPROB_TOL = 0.1  # bf16 engine kernels vs bf16 transformers forward
 SAMPLE_TEMPERATURE = 0.7
@@ -84,6 +84,14 @@ def sync_figures(
         "bucket_vs_raw": ratio(bucket, raw),
         "bucket_vs_per_tensor": ratio(bucket, per_tensor),
     }
+
+
+def check_pushed(version: str, changed: bool, max_abs_diff: float) -> None:
+    """After pushing version 1: the server says 1, greedy output changed, and its logprobs match
+    the learner's forward of the pushed weights."""
+    if not (version == "1" and changed and max_abs_diff <= LOGPROB_TOL):
+        raise CheckFailed(f"after the push: version {version}, output changed {changed}, "
+                          f"logprob diff {max_abs_diff:.3g}")  # fmt: skip
 
 
 def _post(url: str, route: str, body: dict[str, Any], timeout_s: float = 60.0) -> Any:
@@ -308,9 +316,7 @@ class SGLangCheck:
                        greedy_output_changed=changed,
                        max_abs_diff_after_push=after["max_abs_diff"],
                        **sync_figures(bucket, raw, per_tensor))  # fmt: skip
-        if not (version == "1" and changed and after["max_abs_diff"] <= LOGPROB_TOL):
-            raise CheckFailed(f"after the push: version {version}, output changed {changed}, "
-                              f"logprob diff {after['max_abs_diff']:.3g}")  # fmt: skip
+        check_pushed(version, changed, after["max_abs_diff"])
 
     def close(self) -> None:
         if self.server is not None:
@@ -318,17 +324,33 @@ class SGLangCheck:
         self.model = None
 
 
-def _sub_stage(name: str, fn: Callable[[dict[str, Any]], None]) -> StageResult:
+def sub_stage(name: str, fn: Callable[[dict[str, Any]], None]) -> StageResult:
+    """One of several stages sharing a process: ``fn(figures)``, its result, never raising."""
     result = StageResult(name, "ok")
     started = time.monotonic()
     try:
         fn(result.figures)
     except CheckFailed as err:
         result.status, result.why = "failed", first_line(str(err))
+    except StageSkipped as err:
+        result.status, result.why = "skipped", first_line(str(err))
     except Exception as err:  # one sub-stage's error is its result; the next ones still run
         result.status, result.why = "failed", f"{type(err).__name__}: {first_line(str(err))}"
     result.seconds = round(time.monotonic() - started, 2)
     return result
+
+
+def server_stages(ctx: StageContext, server: str, stages: list[tuple[str, Any]]) -> list[StageResult]:  # fmt: skip
+    """The first of ``stages`` (name, fn) starts the ``server``; the others run only if it did.
+    Each result is written as it comes (a time-out keeps what finished)."""
+    results: list[StageResult] = []
+    for name, fn in stages:
+        if results and results[0].status != "ok":
+            results.append(StageResult(name, "skipped", f"the {server} server did not start"))
+            continue
+        results.append(sub_stage(name, fn))
+        write_results(ctx.result_path, results)
+    return results
 
 
 def run(ctx: StageContext) -> list[StageResult]:
@@ -337,18 +359,11 @@ def run(ctx: StageContext) -> list[StageResult]:
     from bench.gpu.demo import train_demo
 
     check = SGLangCheck(ctx, torch.cuda.device_count())
-    results: list[StageResult] = []
     try:
-        results.append(_sub_stage("sglang_engine", check.engine))
-        write_results(ctx.result_path, results)
-        for name, fn in (("sglang_logprobs", check.logprobs),
-                         ("sglang_throughput", check.throughput),
-                         ("sglang_weight_sync", check.weight_sync)):  # fmt: skip
-            if results[0].status != "ok":
-                results.append(StageResult(name, "skipped", "the SGLang server did not start"))
-                continue
-            results.append(_sub_stage(name, fn))
-            write_results(ctx.result_path, results)
+        results = server_stages(ctx, "SGLang", [
+            ("sglang_engine", check.engine), ("sglang_logprobs", check.logprobs),
+            ("sglang_throughput", check.throughput), ("sglang_weight_sync", check.weight_sync),
+        ])  # fmt: skip
     finally:
         check.close()
         torch.cuda.empty_cache()
@@ -356,7 +371,7 @@ def run(ctx: StageContext) -> list[StageResult]:
     extra = ["rollout.backend=sglang", f"rollout.gpus_per_engine={half}",
              f"learner.gpus_per_rank={half}", "rollout.mem_fraction_static=0.3",
              "weight_sync.verify=false", f"weight_sync.backend={check.sync_backend}"]  # fmt: skip
-    results.append(_sub_stage(
+    results.append(sub_stage(
         "sglang_demo",
         lambda figures: train_demo(ctx.work / "demo", "cuda", ctx.seconds_left(), extra, figures),
     ))  # fmt: skip

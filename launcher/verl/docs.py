@@ -35,8 +35,8 @@ silent on takes verl's default (the table below), and interpolations (`${...}`,
   corrections, loggers: `launcher/verl/translate.py`);
 - **no effect** here: a value other than verl's default is named once on stderr, with why;
 - **refused**: a value fleetrl cannot honour stops the command with exit status 2 and one
-  line per key, naming it and what to set instead (`actor_rollout_ref.rollout.name: vllm`
-  -> `sglang`); a key verl does not have is refused as verl's own config would.
+  line per key, naming it and what to set instead (`actor_rollout_ref.rollout.name: hf`
+  -> `sglang or vllm`); a key verl does not have is refused as verl's own config would.
 
 fleetrl keys go beside the verl ones: in a `fleetrl:` section of the file, or as fleetrl
 overrides on the command line (`learner.num_ranks=4`, `buffer.max_staleness=2`,
@@ -70,8 +70,9 @@ or `'{"rollout": 8}'`, or one node with both, `'{"rollout": 4, "learner": 4}'`
 
 ## What differs from verl
 
-- **Rollouts are SGLang servers** (`actor_rollout_ref.rollout.name: sglang`); vLLM, HF and
-  TensorRT-LLM rollouts are refused. On a CPU, `fleetrl.rollout.backend: embedded` runs
+- **Rollouts are SGLang or vLLM servers** (`actor_rollout_ref.rollout.name: sglang` or
+  `vllm`, vLLM 0.34.0 with its weight-transfer routes); HF and TensorRT-LLM rollouts are
+  refused. On a CPU, `fleetrl.rollout.backend: embedded` runs
   fleetrl's embedded engine instead.
 - **A reward model scores alone and raw, as verl**: with `reward_model.enable: true` verl
   trains on the model's score as it comes (its reward manager returns the model's scores
@@ -180,5 +181,10 @@ def render_verl_docs() -> str:
             if (top if section != "*" else top[0]) != section:
                 continue
             why = key.why + (" (an older verl release's key)" if key.legacy else "")
+            why += (
+                " (in verl's config classes, not its default file: set with +key=)"
+                if key.plus
+                else ""
+            )
             lines.append(f"| `{key.path}` | {_cell(key.default)} | {_does(key)} | {_escape(why)} |")
     return "\n".join(lines) + "\n"

@@ -48,6 +48,9 @@ class Key:
     fix: str = ""
     convert: Callable[[Any], Any] | None = None
     legacy: bool = False  # a key of older verl releases, not in the current default file
+    # a key of verl's config dataclasses that its default file leaves out (verl's users set
+    # it with a leading +, e.g. +actor_rollout_ref.rollout.enable_sleep_mode=false)
+    plus: bool = False
 
     def accepts(self, value: Any) -> bool:
         if self.accept is None:
@@ -125,7 +128,7 @@ class KeyTable:
         """verl's defaults as a nested tree (exact keys only): what a silent file means."""
         tree: dict[str, Any] = {}
         for key in self.keys:
-            if key.is_pattern or key.legacy or key.default is NO_DEFAULT:
+            if key.is_pattern or key.legacy or key.plus or key.default is NO_DEFAULT:
                 continue
             node = tree
             *parents, leaf = key.path.split(".")

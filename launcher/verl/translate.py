@@ -37,6 +37,7 @@ from typing import Any
 from fleetrl.config import ConfigError
 from launcher.verl.keys_model import expand
 from launcher.verl.table import KeyTable
+from rollout_fleet.engine_kinds import engine_kind
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,10 @@ A, RO = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 
 @rule
 def rollout_backend(v: Values, out: Translation, _: dict) -> None:
-    out.set("rollout.backend", "sglang", f"{RO}.name", "SGLang servers")
+    kind = engine_kind(v[f"{RO}.name"])  # verl's names are fleetrl's backends
+    out.set("rollout.backend", kind.backend, f"{RO}.name", f"{kind.label} servers")
+    memory = f"rollout.{kind.memory_field}"  # the engine's own fraction, of its own GPUs here
+    out.set(memory, v[f"{RO}.gpu_memory_utilization"], f"{RO}.gpu_memory_utilization")
 
 
 @rule
@@ -383,16 +387,24 @@ def gpus(v: Values, out: Translation, fo: dict) -> None:
         )])  # fmt: skip
     out.set("learner.num_ranks", ranks, source, "learner ranks, one GPU each")
     out.set("learner.gpus_per_rank", per_rank, source)
-    out.set("rollout.num_engines", engines, source, f"SGLang engines of {tp} GPUs")
+    label = engine_kind(v[f"{RO}.name"]).label
+    out.set("rollout.num_engines", engines, source, f"{label} engines of {tp} GPUs")
     out.set("rollout.gpus_per_engine", per_engine, f"{RO}.tensor_model_parallel_size")
     if share:
+        kind = engine_kind(v[f"{RO}.name"])
+        if "gloo" not in kind.sync_backends:
+            raise VerlRefused([refusal(
+                "trainer.n_gpus_per_node", node_gpus,
+                f"2 or more GPUs: {kind.label} engines take weights over NCCL, which needs the "
+                "learner rank and the engine on GPUs of their own (or actor_rollout_ref.rollout.name=sglang on one GPU)",
+            )])  # fmt: skip
         out.set("weight_sync.backend", "gloo", source, "one GPU for both: NCCL refuses two ranks on one device")  # fmt: skip
         out.lines.append(f"GPUs: verl's 1 GPU is shared: the learner rank and the engine get half each (gpu_memory_utilization={v[f'{RO}.gpu_memory_utilization']} for the engine)")  # fmt: skip
         return
     left = avail - ranks - engines * tp
     out.lines.append(
         f"GPUs: verl's {total} ({node_gpus} x {nodes}) go {ranks} to learner ranks, "
-        f"{engines * tp} to {engines} SGLang engine(s) of {tp} (tensor_model_parallel_size)"
+        f"{engines * tp} to {engines} {label} engine(s) of {tp} (tensor_model_parallel_size)"
         + (f", {reward} to the reward server" if reward else "")
         + (f", {left} unused" if left else "")
         + "; verl shares them all between training and rollout, fleetrl gives each its own "

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from fleetrl.log import get_logger
 from rollout_fleet.actors import EngineSpec
 from rollout_fleet.config import RolloutConfig
+from rollout_fleet.engine_kinds import engine_kind
 from rollout_fleet.fleet import EngineFleet, FleetSettings, HealthProbe
 from rollout_fleet.membership import SERVING, Membership, MembershipEvent
 from rollout_fleet.rewards.config import RewardModelConfig
@@ -40,8 +41,12 @@ METRICS_PREFIX = "reward_fleet"
 
 
 def reward_backend(model: RewardModelConfig, rollout: RolloutConfig) -> str:
-    """``reward.model.backend`` with ``auto`` resolved to ``rollout.backend``."""
-    return rollout.backend if model.backend == "auto" else model.backend
+    """``reward.model.backend`` with ``auto`` resolved by ``rollout.backend``: the embedded
+    engine beside embedded engines, SGLang beside GPU servers (SGLang's or vLLM's: reward
+    servers speak SGLang's ``/classify``)."""
+    if model.backend != "auto":
+        return model.backend
+    return "sglang" if engine_kind(rollout.backend).gpu_server else "embedded"
 
 
 def reward_server_specs(
@@ -64,11 +69,11 @@ def reward_server_specs(
             device="cuda" if gpus > 0 else "cpu",
             dtype=dtype,
             # embedded: a client batch is one forward; SGLang sizes its own from memory
-            max_running_requests=model.batch_size if backend == "embedded" else None,
+            max_running_requests=None if engine_kind(backend).gpu_server else model.batch_size,
             expose_on_node_ip=expose_on_node_ip,
             api_key=api_key,
             torch_threads=max(1, int(model.cpus_per_engine)),
-            tp_size=max(1, int(gpus)) if backend == "sglang" else 1,
+            tp_size=max(1, int(gpus)) if engine_kind(backend).gpu_server else 1,
             mem_fraction_static=model.mem_fraction_static,
             load_format="auto",  # its own weights, from the folder: never pushed
             is_embedding=True,

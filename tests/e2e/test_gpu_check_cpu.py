@@ -5,6 +5,8 @@ GPU cannot die on a typo, a missing module or a bad config key.
 
 Marked ``device_check`` (``make device-check``): 13.5 minutes on a loaded 2-core machine
 without the ``colocated`` stage, which takes about a minute more (53 and 67 s, run alone).
+The vLLM stages, which a CPU has no vLLM server for, run apart against vLLM's own app over
+the conformance harness (``tests.conformance.vllm.launch.gpu_check_server``): about 3 minutes.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu.plan import SGLANG_STAGE_NAMES, STAGES
+from bench.gpu.plan import MULTI_STAGES, STAGES, VLLM_STAGE_NAMES
 from bench.gpu.report import REPORT_NAME, out_folder_problems
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,12 +49,13 @@ def stage(report: dict, name: str) -> dict:
 def test_every_stage_is_named_and_each_one_that_can_run_here_is_ok(report):
     proc, data, _ = report
     names = [s["name"] for s in data["stages"]]
-    expected = [n for n in STAGES if n != "sglang"] + list(SGLANG_STAGE_NAMES)
+    servers = [name for stage_names, _ in MULTI_STAGES.values() for name in stage_names]
+    expected = [name for stage in STAGES for name in MULTI_STAGES.get(stage, ((stage,), None))[0]]  # fmt: skip
     assert names == expected
     not_ok = {s["name"]: s["why"] for s in data["stages"]
-              if s["status"] != "ok" and s["name"] not in SGLANG_STAGE_NAMES}  # fmt: skip
+              if s["status"] != "ok" and s["name"] not in servers}  # fmt: skip
     assert not not_ok, not_ok
-    for name in SGLANG_STAGE_NAMES:
+    for name in servers:
         assert stage(data, name)["status"] == "skipped"
         assert "needs a GPU" in stage(data, name)["why"]
     assert proc.returncode == 0 and data["ok"] is True
@@ -92,3 +95,33 @@ def test_the_report_folder_is_what_the_device_tool_brings_back(report):
     _, _, root = report
     assert out_folder_problems(root / "out") == []
     assert sorted(p.name for p in (root / "out").iterdir()) == ["gpu_check.json", "gpu_check.log"]
+
+
+@pytest.fixture(scope="module")
+def vllm_report(tmp_path_factory):
+    """The vLLM stages alone, on vLLM's own app and weight-transfer engine (the conformance
+    harness) instead of a CUDA server: the import guard is off (the harness is vLLM)."""
+    root = tmp_path_factory.mktemp("gpu_check_vllm")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--device", "cpu",
+         "--stages", "vllm", "--no-import-guard",
+         "--vllm-server", "tests.conformance.vllm.launch:gpu_check_server",
+         "--out", str(root / "out"), "--work", str(root / "work")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    print(proc.stdout[-4000:])
+    return proc, json.loads((root / "out" / REPORT_NAME).read_text())
+
+
+def test_the_vllm_stages_run_their_code_on_vllms_own_app_at_tiny_sizes(vllm_report):
+    proc, data = vllm_report
+    assert [s["name"] for s in data["stages"]] == list(VLLM_STAGE_NAMES)
+    assert {s["name"]: s["status"] for s in data["stages"]} == dict.fromkeys(VLLM_STAGE_NAMES, "ok")
+    assert stage(data, "vllm_engine")["figures"]["weight_version"] == "0"
+    logprobs = stage(data, "vllm_logprobs")["figures"]
+    assert logprobs["sampled_max_abs_diff"] <= logprobs["tolerance"] and logprobs["tokens"] > 0
+    assert stage(data, "vllm_throughput")["figures"]["tokens_per_s"] > 0
+    sync = stage(data, "vllm_weight_sync")["figures"]
+    assert sync["version_after_push"] == "1" and sync["greedy_output_changed"] is True
+    assert proc.returncode == 0

@@ -39,7 +39,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
         ("nosuchsection.x=1", "nosuchsection", "unknown key; accepted keys: data, model, "),
         ("learner.optim.lr=fast", "learner.optim.lr", "got 'fast' (str); expected float"),
         ("rollout.n=0", "rollout.n", "got 0 (int); expected int >= 1"),
-        ("rollout.backend=vllm", "rollout.backend", "expected one of 'embedded', 'sglang'"),
+        (
+            "rollout.backend=trtllm",
+            "rollout.backend",
+            "expected one of 'embedded', 'sglang', 'vllm'",
+        ),
         (
             "rollout.multi_turn.env=calculatr",
             "rollout.multi_turn",
@@ -151,6 +155,41 @@ def test_missing_config_file_is_named():
             "rollout.gpus_per_engine",
             "rollout.backend",
             "needs a GPU share",
+        ),
+        (
+            ["rollout.backend=vllm", "trainer.device=cpu"],
+            "rollout.backend",
+            "trainer.device",
+            "vLLM servers run on GPUs",
+        ),
+        (
+            [
+                "rollout.backend=vllm",
+                "rollout.gpus_per_engine=1",
+                "learner.gpus_per_rank=1",
+                "rollout.placement=colocated",
+            ],
+            "rollout.placement",
+            "rollout.backend",
+            "which fleetrl does not do with vLLM; use rollout.placement=disaggregated with vLLM "
+            "(or rollout.backend=sglang)",
+        ),  # fmt: skip
+        (
+            [
+                "rollout.backend=vllm",
+                "rollout.gpus_per_engine=1",
+                "learner.gpus_per_rank=1",
+                "weight_sync.backend=gloo",
+            ],
+            "weight_sync.backend",
+            "rollout.backend",
+            "vLLM's workers receive weights over nccl only",
+        ),  # fmt: skip
+        (
+            ["rollout.backend=vllm", "rollout.gpus_per_engine=1", "learner.gpus_per_rank=0"],
+            "learner.gpus_per_rank",
+            "rollout.backend",
+            "from a learner on a GPU",
         ),
         (
             ["reward.model.path=/rm", "reward.model.backend=sglang"],

@@ -64,6 +64,20 @@ def test_qwen25_7b_plan_counts_its_parameters_and_fits_80_gib():
     assert not fits_small
 
 
+def test_the_engine_line_reads_each_servers_own_memory_fraction():
+    sglang = load_run_config(GRPO_7B, ["rollout.mem_fraction_static=0.5"])
+    text, _ = render(sglang, 80.0, str(QWEN_7B_JSON))
+    assert "engine device: SGLang reserves mem_fraction_static 0.5 × 80 = 40.00 GiB" in text
+    vllm = load_run_config(GRPO_7B, ["rollout.backend=vllm", "rollout.gpu_memory_utilization=0.5"])  # fmt: skip
+    text, fits = render(vllm, 80.0, str(QWEN_7B_JSON))
+    line = next(line for line in text.splitlines() if line.startswith("engine device:"))
+    assert line.startswith("engine device: vLLM may use gpu_memory_utilization 0.5 × 80 = 40.00 GiB in all")  # fmt: skip
+    assert "for its activations and KV cache" in line and "fits" in line
+    # weights (7.6 GiB per rank: bf16 over TP 2) beyond vLLM's whole budget: refused
+    text, fits = render(load_run_config(GRPO_7B, ["rollout.backend=vllm", "rollout.gpu_memory_utilization=0.08"]), 80.0, str(QWEN_7B_JSON))  # fmt: skip
+    assert not fits and "DOES NOT FIT (the weights exceed its whole budget)" in text
+
+
 def test_each_memory_saving_change_lowers_the_learner_plan():
     import msgspec
 

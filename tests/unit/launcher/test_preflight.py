@@ -214,6 +214,28 @@ def test_sglang_backend_needs_a_tested_sglang_and_cuda_locally(tmp_path):
     assert check_backend(cfg, missing, local=False) == []  # a cluster: node resources instead
 
 
+def test_vllm_backend_needs_the_tested_vllm_dev_mode_cuda_and_a_tp_size_one_node_holds(tmp_path):
+    cfg = _cfg(
+        tmp_path, "rollout.backend=vllm", "rollout.gpus_per_engine=2", "learner.gpus_per_rank=1"
+    )
+    tested = {"vllm": "0.34.0"}
+    ok = _probes(cuda_devices=lambda: 2, package_version=tested.get)
+    assert check_backend(cfg, ok, local=True) == []
+    [old] = check_backend(cfg, _probes(cuda_devices=lambda: 2, package_version={"vllm": "0.33.1"}.get), local=True)  # fmt: skip
+    assert old.key == "rollout.backend" and "vllm 0.33.1 is installed" in old.problem
+    assert "==0.34.0" in old.problem and "rollout.backend=embedded" in old.fix
+    off = _probes(cuda_devices=lambda: 2, package_version=tested.get, env={"VLLM_SERVER_DEV_MODE": "0"})  # fmt: skip
+    [dev] = check_backend(cfg, off, local=True)
+    assert "VLLM_SERVER_DEV_MODE=0" in dev.problem and "/update_weights" in dev.problem
+    [cpu] = check_backend(cfg, _probes(package_version=tested.get), local=True)
+    assert cpu.key == "rollout.backend" and cpu.problem.startswith("vLLM engines need CUDA")
+    [tp] = check_backend(cfg, _probes(cuda_devices=lambda: 1, package_version=tested.get), local=True)  # fmt: skip
+    assert (
+        tp.key == "rollout.gpus_per_engine" and "tensor-parallel size 2 need 2 GPUs" in tp.problem
+    )
+    assert tp.fix.startswith("rollout.gpus_per_engine <= 1")
+
+
 def test_cuda_device_without_cuda(tmp_path):
     [f] = check_backend(
         _cfg(tmp_path, "trainer.device=cuda", "learner.gpus_per_rank=1"), _probes(), local=True

@@ -1,6 +1,7 @@
 """A verl user's PPO job on the command line, as verl's SkyPilot deployment guide runs it
 (tests/data/verl/skypilot_ppo_overrides.txt), given to fleetrl as it is: as dotted overrides
-and as a verl YAML file. vLLM is refused in one line naming the key and SGLang; with SGLang,
+and as a verl YAML file. Its vLLM rollout becomes vLLM engines with verl's memory fraction, and
+`fleetrl check` names what this machine lacks (GPUs, CUDA), not the engine; with SGLang,
 `fleetrl config show` prints the fleetrl config verl's semantics imply, and `fleetrl check`
 lists what this machine lacks, each line naming the verl key it comes from."""
 
@@ -52,17 +53,36 @@ def guide_file(tmp_path) -> Path:
 
 
 @pytest.mark.parametrize("form", ["overrides", "file"])
-def test_the_guides_vllm_job_is_refused_in_one_line_naming_the_rollout_key_and_sglang(
+def test_the_guides_vllm_job_shows_as_vllm_engines_with_verls_memory_fraction(
     tmp_path, guide_file, form
 ):
     args = guide_overrides() if form == "overrides" else ["--config", str(guide_file)]
-    result = fleetrl(tmp_path, "check", *args)
+    result = fleetrl(tmp_path, "config", "show", *args)
+    assert result.returncode == 0, result.stderr
+    ro = yaml.safe_load(result.stdout)["rollout"]
+    assert (ro["backend"], ro["gpu_memory_utilization"], ro["gpus_per_engine"]) == (
+        "vllm",
+        0.4,
+        1.0,
+    )
+    assert ro["mem_fraction_static"] == 0.85  # SGLang's, untouched
+    assert "GPUs: verl's 2 (1 x 2) go 1 to learner ranks, 1 to 1 vLLM engine(s)" in result.stderr
+
+
+def test_fleetrl_check_on_the_guides_vllm_job_names_what_the_machine_lacks_not_the_engine(tmp_path):
+    result = fleetrl(tmp_path, "check", *guide_overrides())
     assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert lines == [
-        "fleetrl: verl key actor_rollout_ref.rollout.name: got 'vllm'; set sglang (fleetrl's "
-        "rollout engines are SGLang servers; vLLM, HF and TensorRT-LLM rollouts are not supported)"
-    ]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("fleetrl: ")]
+    assert lines and all(line.startswith("fleetrl: preflight error at ") for line in lines), lines
+    text = "\n".join(lines)
+    for expected in (
+        "at actor_rollout_ref.rollout.name (fleetrl rollout.backend): vLLM engines need CUDA",
+        "at actor_rollout_ref.rollout.tensor_model_parallel_size (fleetrl rollout.gpus_per_engine): the rollout fleet needs 1 engine",  # fmt: skip
+        "at trainer.device: cuda, but torch sees no CUDA device",
+    ):
+        assert expected in text, f"{expected!r} not in:\n{text}"
+    # the engine itself is fine: the tested vLLM is installed (make venv), dev mode is fleetrl's
+    assert "vllm" not in text.replace("vLLM engines need CUDA", "").lower(), text
 
 
 def test_with_sglang_config_show_prints_the_fleetrl_config_verls_semantics_imply(

@@ -266,6 +266,20 @@ CASES = [
         },
     ),  # fmt: skip
     (
+        [f"{RO}.gpu_memory_utilization=0.6"],
+        [f"{RO}.gpu_memory_utilization"],
+        {"rollout.backend": "sglang", "rollout.mem_fraction_static": 0.6},
+    ),  # SGLang's fraction: its static pool
+    (
+        [f"{RO}.name=vllm", f"{RO}.gpu_memory_utilization=0.6"],
+        [f"{RO}.gpu_memory_utilization"],
+        {
+            "rollout.backend": "vllm",
+            "rollout.gpu_memory_utilization": 0.6,
+            "rollout.mem_fraction_static": 0.85,
+        },
+    ),  # fmt: skip
+    (
         ["learner.num_ranks=6"],
         [],
         {"learner.num_ranks": 6, "rollout.num_engines": 1},
@@ -320,7 +334,7 @@ def test_every_rule_key_of_the_table_has_a_case():
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        ([f"{RO}.name=vllm"], f"{RO}.name: got 'vllm'; set sglang"),
+        ([f"{RO}.name=hf"], f"{RO}.name: got 'hf'; set sglang or vllm"),
         ([f"{A}.strategy=megatron"], f"{A}.strategy: got 'megatron'"),
         (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator: got 'remax'"),
         (["trainer.device=npu"], "trainer.device: got 'npu'; set cuda"),
@@ -333,6 +347,10 @@ def test_every_rule_key_of_the_table_has_a_case():
             "trainer.n_gpus_per_node: got 2",
         ),  # fmt: skip
         ([*RM[:2], "reward_model.rollout.name=vllm"], "reward_model.rollout.name: got 'vllm'"),
+        (
+            [f"{RO}.name=vllm", "trainer.n_gpus_per_node=1", f"{RO}.tensor_model_parallel_size=1"],
+            "trainer.n_gpus_per_node: got 1; set 2 or more GPUs: vLLM engines take weights over NCCL",
+        ),  # fmt: skip
         (["data.custom_cls.path=/my_dataset.py"], "data.custom_cls.path"),
         (
             ["actor_rollout_ref.actr.optim.lr=1"],

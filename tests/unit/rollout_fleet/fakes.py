@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from fleetrl.data.reader import PromptItem
-from rollout_fleet.client import EngineError
+from rollout_fleet.client import EngineError, generate_sample_sglang
 from rollout_fleet.rewards.pipeline import RewardPipeline
 from rollout_fleet.rewards.runner import RewardRunner
 
@@ -57,6 +57,8 @@ class FakeEngine:
     def release(self) -> None:
         self.hold = False
         self._gate.set()
+
+    generate_sample = generate_sample_sglang  # the engine interface over SGLang's format
 
     async def generate(self, input_ids, sampling_params, return_logprob=True, rid=None):
         self.calls.append(

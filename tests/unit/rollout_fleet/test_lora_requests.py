@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from rollout_fleet.adapters import AdapterNames
-from rollout_fleet.client import EngineError
+from rollout_fleet.client import EngineError, generate_sample_sglang
 from rollout_fleet.membership import Membership
 from rollout_fleet.router import Router
 from rollout_fleet.sample_runner import SampleFailed, SampleRunner
@@ -28,6 +28,8 @@ class AdapterEngine:
         if self.version_fails:
             raise EngineError("http://e", "/model_info", None, "connection refused")
         return str(self.reported)
+
+    generate_sample = generate_sample_sglang  # the engine interface over SGLang's format
 
     async def generate(self, input_ids, sampling_params, return_logprob=True, rid=None, **extra):
         name = extra.get("lora_path")

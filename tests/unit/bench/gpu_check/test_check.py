@@ -118,11 +118,21 @@ def test_unknown_stage_names_are_refused_naming_the_known_ones(tmp_path):
         check.run_check(_args(tmp_path, stages="nope"), {"first": spec("first", "passes")})
 
 
-def test_the_sglang_stages_are_skipped_in_one_line_each_named_without_a_gpu(tmp_path, capsys):
-    results = check.run_check(_args(tmp_path, stages="sglang"))
-    assert [r.name for r in results] == list(check.SGLANG_STAGE_NAMES)
+@pytest.mark.parametrize("stage", ["sglang", "vllm"])
+def test_a_servers_stages_are_skipped_in_one_line_each_named_without_a_gpu(tmp_path, capsys, stage):
+    from bench.gpu.plan import MULTI_STAGES
+
+    results = check.run_check(_args(tmp_path, stages=stage))
+    assert [r.name for r in results] == list(MULTI_STAGES[stage][0])
     assert all(r.status == "skipped" and "needs a GPU" in r.why for r in results)
     assert capsys.readouterr().out.count("skipped") == 1
+
+
+def test_the_vllm_stages_run_on_a_cpu_only_against_a_named_server():
+    from bench.gpu.plan import vllm_skip_reason
+
+    assert "--vllm-server" in vllm_skip_reason("cpu", {})
+    assert vllm_skip_reason("cpu", {"vllm_server": "pkg.mod:start"}) is None  # vllm is installed
 
 
 def test_the_summary_lifts_headline_figures_and_pairs_mfu_with_the_measured_product():
@@ -174,7 +184,10 @@ def test_without_cuda_the_cuda_check_exits_2_with_one_line(tmp_path):
 
 
 def test_the_cuda_stages_fit_one_device_command_with_room_to_unpack():
-    stages = [s for name, s in check.STAGES.items() if name != "sglang"]
+    from bench.gpu.plan import MULTI_STAGES
+
+    # the servers' stages (SGLang's, vLLM's) are skipped on the GPU machine: it cannot have them
+    stages = [s for name, s in check.STAGES.items() if name not in MULTI_STAGES]
     assert sum(s.limit_s["cuda"] for s in stages) <= check.DEFAULT_BUDGET_S["cuda"]
     # the GPU machine runs one command for at most 600 s; unpacking and the driver need ~60
     assert check.DEFAULT_BUDGET_S["cuda"] <= 600 - 60

@@ -27,7 +27,9 @@ def test_sync_figures_are_medians_and_ratios_to_the_baselines():
     assert missing["bucket_vs_raw"] is None and missing["per_tensor_gbps"] is None
 
 
-def test_every_sglang_stage_has_headline_figures_named():
-    from bench.gpu.plan import SGLANG_STAGE_NAMES
+def test_every_sglang_and_vllm_stage_has_headline_figures_named():
+    from bench.gpu import vllm_stages
+    from bench.gpu.plan import SGLANG_STAGE_NAMES, VLLM_STAGE_NAMES
 
     assert set(sglang_stages.HEADLINES) == set(SGLANG_STAGE_NAMES)
+    assert vllm_stages.STAGE_NAMES == VLLM_STAGE_NAMES
