@@ -34,6 +34,8 @@ HANDLERS: dict[str, str] = {
     "rm eval": "launcher.rm_eval:main",
     "eval": "launcher.evaluate:main",
     "weights push": "launcher.weights_push:main",
+    "fleet scale": "launcher.fleet_cmd:scale",
+    "fleet status": "launcher.fleet_cmd:status",
     "inspect rollouts": "buffer.inspect:main",
     "bench": "bench.cli:main",
 }
@@ -211,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
 
+    p = sub.add_parser("fleet", help="the engine fleets of a running job: status, scale")
+    from launcher.fleet_cmd import add_arguments as add_fleet_arguments
+
+    add_fleet_arguments(p)
+
     p = sub.add_parser("inspect", help="inspect run artefacts")
     isub = p.add_subparsers(dest="inspect_command", required=True)
     r = isub.add_parser(
@@ -275,6 +282,7 @@ def _handler_key(args: argparse.Namespace) -> str:
         "inspect_command",
         "weights_command",
         "rm_command",
+        "fleet_command",
     ):
         if getattr(args, attr, None):
             key = f"{key} {getattr(args, attr)}"

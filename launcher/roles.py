@@ -412,6 +412,7 @@ class RolloutRole:
         curve: Any = None,
         reward_api_key: str | None = None,
         placement_group: Any = None,
+        control_keys: Any = None,
     ):
         from buffer.transport import BufferClient, TrajectorySender
         from fleetrl.data.reader import PromptReader
@@ -426,6 +427,9 @@ class RolloutRole:
         self.cfg = cfg
         self.api_key = api_key
         self.run_dir = run_dir
+        self.local = local
+        self.control_keys = control_keys  # the fleet control endpoint's CURVE server keys
+        self.scaling: Any = None  # launcher.elastic_rollout.RolloutScaling, once engines run
         self.tokenizer = load_tokenizer(cfg.model.path)
         reader_args = cfg.data.reader_options()
         self.reader = PromptReader(
@@ -517,11 +521,20 @@ class RolloutRole:
         return await self.colocation.yield_devices()
 
     async def start_engines(self) -> dict[str, str]:
+        from launcher.elastic_rollout import RolloutScaling
         from rollout_fleet.client import EngineClient
         from rollout_fleet.worker import RolloutWorker
 
         urls, _ = await asyncio.gather(self.fleet.start(), self._start_reward_servers())
         cfg = self.cfg
+        self.scaling = RolloutScaling(
+            cfg,
+            fleet=self.fleet,
+            router=self.router,
+            reward_servers=self.reward_servers,
+            api_key=self.api_key,
+        )
+        self.scaling.policy_version = lambda: self.membership.latest_version
         self.worker = RolloutWorker(
             cfg.rollout,
             engines={
@@ -539,10 +552,17 @@ class RolloutRole:
                 url, api_key=self.api_key, timeout_s=cfg.rollout.request_timeout_s
             ),
             lora=cfg.learner.lora.rank > 0,
+            # elastic: the concurrency cap follows the engines serving (admission's capacity)
+            serving_share=self.scaling.serving_share if cfg.rollout.elastic else None,
         )
         return urls
 
+    async def serve_control(self) -> str:
+        """Start the fleet control endpoint (``fleetrl fleet status|scale``); its address."""
+        return self.scaling.serve(self.control_keys, node_ip(self.local))
+
     async def start_generation(self) -> None:
+        self.scaling.start()  # elastic fleets follow the cluster from here
         self._task = asyncio.create_task(self.worker.run())
         self._health_task = asyncio.create_task(self._watch_engines())
         self._reconcile_task = asyncio.create_task(self._reconcile_loop())
@@ -590,12 +610,14 @@ class RolloutRole:
         fleet = self.reward_servers.fleet if self.reward_servers is not None else None
         return fleet.servers() if fleet is not None else {}
 
-    async def check(self) -> None:
-        """Raise if the generation loop died."""
+    async def check(self) -> str:
+        """Raise if the generation loop died; why the run must stop otherwise ("" when
+        nothing is wrong: an elastic fleet below its minimum for too long is)."""
         if self._task is not None and self._task.done() and not self._task.cancelled():
             err = self._task.exception()
             if err is not None:
                 raise RuntimeError(f"rollout loop failed: {err!r}") from err
+        return self.scaling.failure() if self.scaling is not None else ""
 
     async def weight_targets(self) -> WeightTargets:
         """The engines the next publish goes to: every live one, but those waiting for
@@ -606,9 +628,20 @@ class RolloutRole:
 
     async def rejoin_targets(self) -> WeightTargets | None:
         """Targets for a publish of the current version when an engine that waits for
-        weights answers now (a replacement, or one that missed a version); else None."""
+        weights answers now (a replacement, a joiner, one that missed a version); else None.
+
+        Only those engines: the others keep generating while the joiners load the version
+        (they enter the others' weight group at the next publish, formed before that
+        publish pauses anyone). Co-located and LoRA runs send to every live engine, as
+        their pushes pause no one that holds the version (LoRA) or go by device (co-located).
+        """
         targets, joining = await self._answering_targets()
-        return await self._ready_to_receive(targets, rejoin=True) if joining else None
+        if not joining:
+            return None
+        if self.colocation is None and self.cfg.learner.lora.rank == 0:
+            behind = set(self.membership.behind())
+            targets = WeightTargets(engines=tuple(t for t in targets.engines if t.name in behind))
+        return await self._ready_to_receive(targets, rejoin=True)
 
     async def _ready_to_receive(
         self, targets: WeightTargets, rejoin: bool = False
@@ -654,6 +687,8 @@ class RolloutRole:
     async def metrics(self) -> dict[str, float]:
         out = dict(self.worker.metrics()) if self.worker else {}
         out.update(self.fleet.metrics())
+        if self.scaling is not None:
+            out.update(self.scaling.metrics())
         if self.colocation is not None:
             out.update(self.colocation.metrics())
         out.update(self.delivery.metrics())
@@ -709,6 +744,8 @@ class RolloutRole:
         self.delivery.load_state_dict(state)
 
     async def stop(self, deadline_s: float = 5.0) -> None:
+        if self.scaling is not None:  # no engine joins or leaves from here on
+            await self.scaling.stop()
         for task in (self._health_task, self._reconcile_task, self._reward_watch):
             if task is not None:
                 task.cancel()
