@@ -129,7 +129,8 @@ class RolloutScaling:
         self._tasks: list[asyncio.Task[None]] = []
         self._server: ControlServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.policy_version = lambda: 0  # the role sets: the version the engines hold
+        # the version the engines hold: the newest any publish delivered
+        self.policy_version = lambda: fleet.membership.latest_version
 
     def _reward_fleet(self) -> EngineFleet | None:
         placed = self.reward_servers.fleet if self.reward_servers is not None else None

@@ -534,7 +534,6 @@ class RolloutRole:
             reward_servers=self.reward_servers,
             api_key=self.api_key,
         )
-        self.scaling.policy_version = lambda: self.membership.latest_version
         self.worker = RolloutWorker(
             cfg.rollout,
             engines={
