@@ -41,6 +41,7 @@ from fleetrl.log import get_logger, setup_logging
 from fleetrl.profiling import TraceSpan, step_dir
 from launcher.config import RunConfig, resolve_device
 from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
+from launcher.sample_account import TRAINED_GROUPS_FILE  # the audit trail of learner steps
 from rollout_fleet.membership import SyncOutcome, WeightTargets
 from rollout_fleet.validation import Validation
 
@@ -52,7 +53,6 @@ BATCH_POLL_S = 2.0  # how long one fetch waits in the buffer before the driver l
 BUFFER_REPLY_TIMEOUT_S = 5.0
 HEALTH_LOOP_RETRY_S = 1.0
 RECONCILE_INTERVAL_S = 2.0  # how often the fleet asks which sent groups the buffer holds
-TRAINED_GROUPS_FILE = "trained_groups.jsonl"  # audit trail: the groups of every learner step
 
 
 def _config(raw: dict[str, Any]) -> RunConfig:
