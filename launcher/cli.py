@@ -269,6 +269,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="e2e: colocated runs co-located engines beside disaggregated ones on the same "
         "resources, alternated, and reports the ratio and the switch's share of a step",
     )
+    p.add_argument(
+        "--elastic",
+        action="store_const",
+        const=True,
+        default=None,
+        help="e2e: one engine at the start joined by more mid-run (fleetrl fleet scale) against "
+        "the same engines from the start: samples/s after the join and what it cost the others",
+    )
     p.add_argument("--device", default="cpu")
     return parser
 

@@ -61,6 +61,7 @@ def rollout_settings(cfg: RunConfig) -> ElasticSettings:
         wait_bound_s=cfg.ray.placement_timeout_s,
         drain_timeout_s=rollout.drain_timeout_s,
         abort_on_drain=cfg.weight_sync.pause_mode != "in_place",
+        ask_autoscaler=cfg.ray.autoscaling,
         metrics_prefix="fleet",
     )
 
@@ -84,6 +85,7 @@ def reward_settings(cfg: RunConfig) -> ElasticSettings:
         check_interval_s=cfg.rollout.placement_check_interval_s,
         wait_bound_s=cfg.ray.placement_timeout_s,
         drain_timeout_s=cfg.rollout.drain_timeout_s,
+        ask_autoscaler=cfg.ray.autoscaling,
         metrics_prefix="reward_fleet",
     )
 

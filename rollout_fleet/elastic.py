@@ -16,8 +16,9 @@ stays the membership's (rollout_fleet/membership.py)::
                                    max_engines), and they are placed on that node
       fewer engines than target -> place one per free bundle, on the node with most room
                                    (PLACING, then STARTING: it loads the current version
-                                   before it serves, as a replacement does); no room: the
-                                   autoscaler is asked for the target's bundles
+                                   before it serves, as a replacement does); with
+                                   ray.autoscaling the autoscaler is asked for the target's
+                                   bundles (``request_resources``), so it adds nodes
       more engines than target  -> cancel placements, stop engines not serving yet, then
                                    drain the newest serving ones (below)
       fewer than min_engines running for longer than the wait bound
@@ -92,6 +93,7 @@ class ElasticSettings:
     drain_timeout_s: float = 60.0
     abort_on_drain: bool = False  # weight_sync.pause_mode abort | retract: at once
     follow_nodes: bool = True  # arrivals grow the target, losses shrink it
+    ask_autoscaler: bool = False  # ray.autoscaling: request the target's bundles
     metrics_prefix: str = "fleet"
 
 
@@ -198,8 +200,9 @@ class ElasticFleet:
         elif running > self.target:
             self._shrink(running - self.target)
         self._check_minimum(alive)
-        bundles = [dict(self.settings.bundle) for _ in range(self.target)]
-        await asyncio.to_thread(self.cluster.request, self.settings.fleet, bundles)
+        if self.settings.ask_autoscaler:
+            bundles = [dict(self.settings.bundle) for _ in range(self.target)]
+            await asyncio.to_thread(self.cluster.request, self.settings.fleet, bundles)
 
     def _lose_engines_of_gone_nodes(self, alive: dict[str, NodeView]) -> None:
         for name in self.fleet.engine_names():

@@ -72,6 +72,7 @@ class Harness:
             wait_bound_s=wait_s,
             drain_timeout_s=drain_s,
             abort_on_drain=pause_abort,
+            ask_autoscaler=True,
         )
         self.elastic = ElasticFleet(
             self.fleet,
