@@ -213,9 +213,11 @@ class ElasticFleet:
             del self._arrivals[node]
 
     def _lose(self, name: str, node: str) -> None:
+        counted = self._status(name) in LIVE | {S.PLACING}  # not one already leaving
         self.fleet.lose_engine(name, f"its node {node[:12]} left the cluster")
         self.lost += 1
-        self.target = max(self.settings.min_engines, self.target - 1)
+        if counted:
+            self.target = max(self.settings.min_engines, self.target - 1)
         log.warning(
             "%s fleet: %s lost with node %s; target now %d",
             self.settings.fleet, name, node[:12], self.target,
@@ -272,11 +274,13 @@ class ElasticFleet:
             return rank, -int(name.rsplit("-", 1)[-1])
 
         for name in sorted(self.fleet.engine_names(LIVE | {S.PLACING}), key=order)[:excess]:
-            if self._status(name) in NOT_SERVING_YET:
+            serving = self._status(name) not in NOT_SERVING_YET
+            self.membership.drain(name, "scale-down")  # now: the next round counts it gone
+            if serving:
+                self._spawn(self._drain(name))
+            else:
                 self._spawn(self.fleet.remove_engine(name, "not needed (scale-down)"))
                 self.leaves += 1
-            else:
-                self._spawn(self._drain(name))
 
     def _check_minimum(self, alive: dict[str, NodeView]) -> None:
         running = len(self.fleet.engine_names(LIVE))
@@ -321,23 +325,19 @@ class ElasticFleet:
         return True
 
     async def _drain(self, name: str) -> None:
+        """``name`` is DRAINING: let its requests finish (or abort them), then stop it."""
         started = self._clock()
-        try:
-            self.membership.drain(name, "scale-down")
-        except MembershipError as err:  # it died or left meanwhile
-            log.info("%s: not drained (%s)", name, err)
-        else:
-            if self.settings.abort_on_drain:
-                await self._abort_quietly(name)
-            deadline = started + self.settings.drain_timeout_s
-            while self._in_flight(name) and self._clock() < deadline:
+        if self.settings.abort_on_drain:
+            await self._abort_quietly(name)
+        deadline = started + self.settings.drain_timeout_s
+        while self._in_flight(name) and self._clock() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self._in_flight(name):
+            log.info("%s: %d requests still in flight after %.0fs; aborting them", name, self._in_flight(name), self.settings.drain_timeout_s)  # fmt: skip
+            await self._abort_quietly(name)
+            grace = self._clock() + ABORT_GRACE_S
+            while self._in_flight(name) and self._clock() < grace:
                 await asyncio.sleep(DRAIN_POLL_S)
-            if self._in_flight(name):
-                log.info("%s: %d requests still in flight after %.0fs; aborting them", name, self._in_flight(name), self.settings.drain_timeout_s)  # fmt: skip
-                await self._abort_quietly(name)
-                grace = self._clock() + ABORT_GRACE_S
-                while self._in_flight(name) and self._clock() < grace:
-                    await asyncio.sleep(DRAIN_POLL_S)
         await self.fleet.remove_engine(name, "drained (scale-down)")
         self.leaves += 1
         self.drain_s = self._clock() - started

@@ -300,8 +300,15 @@ class EngineFleet:
             await asyncio.sleep(self.settings.health_check_interval_s)
 
     async def check_once(self) -> None:
-        """One round of health checks over all slots (replacements run in the background)."""
-        slots = [s for s in self._slots.values() if s.replacing is None and not s.given_up]
+        """One round of health checks over all slots (replacements run in the background;
+        a draining engine is leaving and never replaced)."""
+        slots = [
+            s
+            for s in self._slots.values()
+            if s.replacing is None
+            and not s.given_up
+            and self._state(s.name) is not EngineStatus.DRAINING
+        ]
         await asyncio.gather(*(self._check(slot) for slot in slots))
 
     async def wait_replacements(self) -> None:
@@ -446,8 +453,8 @@ class EngineFleet:
             await self.remove_engine(slot.name, f"placement failed: {err!r}", graceful=False)
             return
         slot.replacing = None
-        if self._slots.get(slot.name) is not slot:  # removed while it started
-            return
+        if self._slots.get(slot.name) is not slot or self._state(slot.name) is not EngineStatus.PLACING:  # fmt: skip
+            return  # removed or drained while it started: remove_engine stops it
         self.membership.launch(slot.name, url, node=node)
         log.info("engine %s started on node %s in %.1f s", slot.name, node[:12], time.monotonic() - started)  # fmt: skip
         self._serve_or_wait(slot.name, "joined the fleet")

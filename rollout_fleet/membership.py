@@ -8,7 +8,7 @@ below, each of which checks the rule and raises ``IllegalTransition`` otherwise:
                          |                              |          |
                          +--require_weights(v)--> NEEDS_WEIGHTS(v) <+
                                                         |
-           any live state --drain--> DRAINING --die--> DEAD --launch--> STARTING (new incarnation)
+   any live state, PLACING --drain--> DRAINING --die--> DEAD --launch--> STARTING (new incarnation)
            any live state, PLACING --die---------------^      remove (DRAINING | DEAD) -> forgotten
 
     READY | SUSPECT --release--> RELEASED --weights_loaded(v)--> READY
@@ -95,7 +95,7 @@ RULES: dict[str, frozenset[EngineStatus | None]] = {
     "suspect": frozenset(SERVING),
     "release": frozenset(SERVING),
     "clear_suspect": frozenset({S.SUSPECT}),
-    "drain": frozenset(LIVE),
+    "drain": frozenset({*LIVE, S.PLACING}),
     "die": frozenset({*LIVE, S.DRAINING, S.PLACING}),
     "remove": frozenset({S.DRAINING, S.DEAD}),
 }
@@ -288,7 +288,8 @@ class Membership:
         self._emit(event)
 
     def drain(self, name: str, reason: str = "leaving") -> None:
-        """No new groups for ``name``; its requests in flight finish."""
+        """No new groups (and no new version) for ``name``; its requests in flight finish or
+        are aborted and resubmitted elsewhere. A placement no longer wanted drains too."""
         with self._lock:
             member = self._member(name, None)
             self._check("drain", name, member.status)

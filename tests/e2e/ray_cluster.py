@@ -15,7 +15,7 @@ import secrets
 import signal
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from launcher.supervision import import_psutil
@@ -53,10 +53,8 @@ class LocalCluster:
 
     def end_orphans(self) -> None:
         for pid in self.orphans:
-            try:
+            with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 @contextmanager

@@ -35,6 +35,7 @@ RESULT = {
 # the legal table written out once more by hand, so a change to RULES must be deliberate
 LEGAL = {
     ("place", None), ("place", S.DEAD), ("launch", S.PLACING), ("die", S.PLACING),
+    ("drain", S.PLACING),
     ("launch", None), ("launch", S.DEAD),
     ("weights_loaded", S.STARTING), ("weights_loaded", S.NEEDS_WEIGHTS),
     ("weights_loaded", S.READY), ("weights_loaded", S.SUSPECT),
