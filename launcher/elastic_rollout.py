@@ -232,7 +232,8 @@ class RolloutScaling:
                 needs_version=row.get("needs_version"),  # type: ignore[arg-type]
                 in_flight=int(in_flight(engine)),
                 groups=int(row.get("groups", 0)),  # type: ignore[arg-type]
-                reason=str(row.get("reason") or ""),
+                # why it is not serving (a serving engine's last reason is history)
+                reason="" if row["state"] == "ready" else str(row.get("reason") or ""),
             )
             for engine, row in sorted(snapshot.items())
         ]

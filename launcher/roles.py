@@ -623,7 +623,8 @@ class RolloutRole:
         weights that do not answer now (a hung or paused engine would stall the publish
         until its timeout; the fleet's health checks replace it if it never answers).
         Co-located engines get their weight memory back first."""
-        return await self._ready_to_receive((await self._answering_targets())[0])
+        targets = await self._ready_to_receive((await self._answering_targets())[0])
+        return self.membership.begin_sync(targets)
 
     async def rejoin_targets(self) -> WeightTargets | None:
         """Targets for a publish of the current version when an engine that waits for
@@ -640,7 +641,7 @@ class RolloutRole:
         if self.colocation is None and self.cfg.learner.lora.rank == 0:
             behind = set(self.membership.behind())
             targets = WeightTargets(engines=tuple(t for t in targets.engines if t.name in behind))
-        return await self._ready_to_receive(targets, rejoin=True)
+        return self.membership.begin_sync(await self._ready_to_receive(targets, rejoin=True))
 
     async def _ready_to_receive(
         self, targets: WeightTargets, rejoin: bool = False

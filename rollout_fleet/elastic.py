@@ -30,9 +30,11 @@ Draining one engine (scale-down): DRAINING in the membership, so no new request 
 new version reaches it; its requests in flight finish there (``weight_sync.pause_mode``
 in_place, up to ``drain_timeout_s``) or are aborted at once (abort, retract), and then
 also after the deadline: ``/pause_generation`` with mode abort returns every partial,
-which the sample runner resubmits elsewhere with its tokens so far. Then the engine is
-stopped, its actor killed (its bundle released) and it is forgotten. The weight group
-drops it at the next publish.
+which the sample runner resubmits elsewhere with its tokens so far. Then, once no publish
+on its way counts on it (``Membership.syncing``: a member of a weight group killed
+mid-broadcast would stall the others' broadcast until its timeout), the engine is
+stopped, its actor killed (its bundle released) and it is forgotten. The next publish's
+weight group leaves it out.
 
 An engine that dies on a node still in the cluster (a crash) is replaced in place by the
 fleet, as in a fixed fleet; the fleet asks ``engine_died`` first, which says whether the
@@ -69,6 +71,7 @@ log = get_logger(__name__)
 S = EngineStatus
 DRAIN_POLL_S = 0.2
 ABORT_GRACE_S = 10.0  # after an abort, partials this long to come back before the stop
+SYNC_WAIT_S = 600.0  # a leaving engine a publish still counts on waits this long for it
 PROGRESS_S = 10.0  # below the minimum: a line saying what is missing, this often
 NOT_SERVING_YET = frozenset({S.PLACING, S.STARTING, S.NEEDS_WEIGHTS})
 
@@ -151,8 +154,8 @@ class ElasticFleet:
         while not self._stopping:
             try:
                 await self.reconcile()
-            except (OSError, RuntimeError, ValueError) as err:  # a GCS hiccup: next round
-                log.warning("%s fleet: reconcile failed: %r", self.settings.fleet, err)
+            except Exception:  # noqa: BLE001 - a service loop: a GCS hiccup must not end it
+                log.exception("%s fleet: reconcile failed; next round", self.settings.fleet)
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.settings.check_interval_s)
@@ -279,7 +282,7 @@ class ElasticFleet:
             if serving:
                 self._spawn(self._drain(name))
             else:
-                self._spawn(self.fleet.remove_engine(name, "not needed (scale-down)"))
+                self._spawn(self._stop(name, "not needed (scale-down)"))
                 self.leaves += 1
 
     def _check_minimum(self, alive: dict[str, NodeView]) -> None:
@@ -338,10 +341,19 @@ class ElasticFleet:
             grace = self._clock() + ABORT_GRACE_S
             while self._in_flight(name) and self._clock() < grace:
                 await asyncio.sleep(DRAIN_POLL_S)
-        await self.fleet.remove_engine(name, "drained (scale-down)")
+        await self._stop(name, "drained (scale-down)")
         self.leaves += 1
         self.drain_s = self._clock() - started
         log.info("%s fleet: %s drained and stopped in %.1fs", self.settings.fleet, name, self.drain_s)  # fmt: skip
+
+    async def _stop(self, name: str, reason: str) -> None:
+        """Stop a leaving engine once no publish on its way counts on it: killing a member
+        of a weight group mid-broadcast would stall the broadcast to the others until its
+        timeout."""
+        deadline = self._clock() + SYNC_WAIT_S
+        while self.membership.syncing(name) and self._clock() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        await self.fleet.remove_engine(name, reason)
 
     async def _abort_quietly(self, name: str) -> None:
         if self._abort is None:

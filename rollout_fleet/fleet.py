@@ -483,6 +483,11 @@ class EngineFleet:
 
     def _forget(self, name: str, reason: str) -> None:
         state = self._state(name)
+        if state is not None:  # its health client's HTTP session goes with it
+            client = self._health_clients.pop(self.membership.url(name), None)
+            close = getattr(client, "close", None)
+            if close is not None and inspect.iscoroutinefunction(close):
+                asyncio.ensure_future(close())
         if state not in (EngineStatus.DEAD, None):
             self.membership.die(name, reason)
         if state is not None:

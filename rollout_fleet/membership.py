@@ -197,6 +197,9 @@ class Membership:
         self._incarnations = 0
         self._listeners: list[Listener] = []
         self.latest_version = 0  # the newest version any publish delivered
+        # the engines a publish on its way goes to (begin_sync .. apply_sync): an engine
+        # leaving the fleet is stopped only once no broadcast waits for it
+        self._syncing: frozenset[str] = frozenset()
 
     # ---- transitions --------------------------------------------------------------------
 
@@ -314,8 +317,21 @@ class Membership:
             event = msgspec.structs.replace(self._event(member, "removed"), removed=True)
         self._emit(event)
 
+    def begin_sync(self, targets: WeightTargets) -> WeightTargets:
+        """A publish to ``targets`` starts (its outcome comes back through ``apply_sync``)."""
+        with self._lock:
+            self._syncing = frozenset(t.name for t in targets.engines)
+        return targets
+
+    def syncing(self, name: str) -> bool:
+        """Whether a publish on its way counts on ``name`` (its weight group includes it)."""
+        with self._lock:
+            return name in self._syncing
+
     def apply_sync(self, outcome: SyncOutcome) -> None:
         """Turn one publish's outcome into transitions (targets replaced meanwhile are skipped)."""
+        with self._lock:
+            self._syncing = frozenset()
         for target in outcome.targets:
             try:
                 if target.name in outcome.failed:

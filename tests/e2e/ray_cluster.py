@@ -57,6 +57,21 @@ class LocalCluster:
                 os.kill(pid, signal.SIGKILL)
 
 
+def _auth_env(values: dict[str, str | None]) -> None:
+    """Set (None: unset) Ray's auth variables, and make this process see them: Ray caches
+    its config and the token at first use."""
+    from ray._private.authentication.authentication_token_setup import Config
+    from ray._raylet import AuthenticationTokenLoader
+
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 @contextmanager
 def local_cluster(head_cpus: int, head_resources: dict[str, float]) -> Iterator[LocalCluster]:
     """A head node with ``head_cpus`` CPUs and ``head_resources``; shut down on exit."""
@@ -65,7 +80,7 @@ def local_cluster(head_cpus: int, head_resources: dict[str, float]) -> Iterator[
 
     token = secrets.token_hex(32)
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
-    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    _auth_env({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})
     write_address = ray._private.utils.write_ray_address
     ray._private.utils.write_ray_address = lambda *args, **kwargs: None
     cluster = None
@@ -89,8 +104,4 @@ def local_cluster(head_cpus: int, head_resources: dict[str, float]) -> Iterator[
             local.end_orphans()
     finally:
         ray._private.utils.write_ray_address = write_address
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _auth_env(saved)

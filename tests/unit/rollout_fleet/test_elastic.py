@@ -269,3 +269,22 @@ def test_an_engine_that_dies_on_a_live_node_is_replaced_in_place_on_a_gone_node_
         assert "engine-1" not in h.members.names() and h.elastic.lost == 1
 
     run(scenario())
+
+
+def test_a_drained_engine_that_a_publish_on_its_way_counts_on_stops_only_after_it_lands():
+    h = Harness(start=2, low=1, high=2, drain_s=0.0)
+
+    async def scenario():
+        await h.start()
+        targets = h.members.begin_sync(h.members.weight_targets())  # a publish to both starts
+        h.elastic.set_target(1)
+        await h.settle()
+        await asyncio.sleep(0.5)
+        assert h.members.status("engine-1") is S.DRAINING  # out of routing, still running
+        assert not [a for a in h.actors if a.spec.name == "engine-1"][0].killed
+        h.members.apply_sync(SyncOutcome(version=1, targets=targets.engines))  # it landed
+        await asyncio.sleep(0.5)
+        assert h.members.names() == ["engine-0"]
+        assert h.members.status("engine-0") is S.READY  # the outcome skipped the leaver
+
+    run(scenario())
