@@ -68,13 +68,13 @@ class ScaleAt(threading.Thread):
         self.run_dir, self.step, self.engines = run_dir, step, engines
         self.sent_at_step: int | None = None
         self.error = ""
-        self._stop = threading.Event()
+        self._done = threading.Event()
 
     def run(self) -> None:
         from launcher.fleet_control import ControlError, ErrorReply, ScaleRequest, call
 
         metrics = self.run_dir / "metrics.jsonl"
-        while not self._stop.wait(0.2):
+        while not self._done.wait(0.2):
             rows = read_metrics(metrics) if metrics.is_file() else []
             steps = [r["step"] for r in rows if first_number(r, ("timing_s/step",)) is not None]
             if len(steps) < self.step:
@@ -90,7 +90,7 @@ class ScaleAt(threading.Thread):
             return
 
     def stop(self) -> None:
-        self._stop.set()
+        self._done.set()
         self.join(timeout=5)
 
 

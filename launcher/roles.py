@@ -553,6 +553,7 @@ class RolloutRole:
             lora=cfg.learner.lora.rank > 0,
             # elastic: the concurrency cap follows the engines serving (admission's capacity)
             serving_share=self.scaling.serving_share if cfg.rollout.elastic else None,
+            max_failed_reward_groups=cfg.reward.max_failed_groups,
         )
         return urls
 
@@ -609,13 +610,18 @@ class RolloutRole:
         fleet = self.reward_servers.fleet if self.reward_servers is not None else None
         return fleet.servers() if fleet is not None else {}
 
-    async def check(self) -> str:
-        """Raise if the generation loop died; why the run must stop otherwise ("" when
-        nothing is wrong: an elastic fleet below its minimum for too long is)."""
+    async def check(self) -> str | None:
+        """Raise if the generation loop died; why the run should stop, if it should (its
+        reward failed on every sample of ``reward.max_failed_groups`` groups in a row)."""
         if self._task is not None and self._task.done() and not self._task.cancelled():
             err = self._task.exception()
             if err is not None:
                 raise RuntimeError(f"rollout loop failed: {err!r}") from err
+        return self.worker.reward_streak.stop_reason if self.worker is not None else None
+
+    async def fleet_failure(self) -> str:
+        """Why the run must stop for its fleets ("" when nothing is wrong): an elastic fleet
+        below its minimum for longer than ray.placement_timeout_s."""
         return self.scaling.failure() if self.scaling is not None else ""
 
     async def weight_targets(self) -> WeightTargets:

@@ -57,6 +57,11 @@ class StopRequested(Exception):
     """A stop signal arrived while waiting; the loop checkpoints and ends cleanly."""
 
 
+class RewardsFailing(StopRequested):
+    """The reward failed on every sample for ``reward.max_failed_groups`` groups in a row:
+    the run stops as on a signal (a checkpoint written), then exits non-zero with why."""
+
+
 class Run:
     """The roles of one run, created by ``start`` and ended by ``close`` (in that order).
 
@@ -404,7 +409,10 @@ class Run:
         ):
             if check_stop is not None:
                 check_stop()
-            problem = ray.get(self.rollout.check.remote())  # raises if generation died
+            reason = ray.get(self.rollout.check.remote())
+            if reason is not None:
+                raise RewardsFailing(reason)
+            problem = ray.get(self.rollout.fleet_failure.remote())
             if problem:  # an elastic fleet stayed below its minimum
                 raise TrainingStopped(f"{problem}; {self.resume_hint()}")
             self.rejoin_engines()  # with every engine dead, waiting alone never ends
