@@ -41,52 +41,33 @@ log = get_logger(__name__)
 ANSWER_TIMEOUT_S = 20.0
 
 
-def rollout_settings(cfg: RunConfig) -> ElasticSettings:
+def fleet_settings(cfg: RunConfig, fleet: str) -> ElasticSettings:
+    """The elastic settings of the ``rollout`` fleet or the ``reward`` fleet of a run: each
+    its own range, resources and node marker; the rollout section's timing for both. A
+    rollout engine leaving aborts at once unless engines pause in place; a reward server's
+    batches always finish (they are short)."""
     rollout = cfg.rollout
-    low, high = rollout.engine_range
+    section, key, marker = (
+        (rollout, "rollout", cfg.ray.rollout_resource)
+        if fleet == "rollout"
+        else (cfg.reward.model, "reward.model", cfg.ray.reward_resource)
+    )
+    low, high = section.engine_range
+    bundle = engine_bundle(section.cpus_per_engine, section.gpus_per_engine, marker, NODE_MARKER_SHARE)  # fmt: skip
     return ElasticSettings(
-        fleet="rollout",
-        key="rollout",
-        start=rollout.num_engines,
+        fleet=fleet,
+        key=key,
+        start=section.num_engines,
         min_engines=low,
         max_engines=high,
-        bundle=engine_bundle(
-            rollout.cpus_per_engine,
-            rollout.gpus_per_engine,
-            cfg.ray.rollout_resource,
-            NODE_MARKER_SHARE,
-        ),
-        marker=cfg.ray.rollout_resource,
+        bundle=bundle,
+        marker=marker,
         check_interval_s=rollout.placement_check_interval_s,
         wait_bound_s=cfg.ray.placement_timeout_s,
         drain_timeout_s=rollout.drain_timeout_s,
-        abort_on_drain=cfg.weight_sync.pause_mode != "in_place",
+        abort_on_drain=fleet == "rollout" and cfg.weight_sync.pause_mode != "in_place",
         ask_autoscaler=cfg.ray.autoscaling,
-        metrics_prefix="fleet",
-    )
-
-
-def reward_settings(cfg: RunConfig) -> ElasticSettings:
-    model = cfg.reward.model
-    low, high = model.engine_range
-    return ElasticSettings(
-        fleet="reward",
-        key="reward.model",
-        start=model.num_engines,
-        min_engines=low,
-        max_engines=high,
-        bundle=engine_bundle(
-            model.cpus_per_engine,
-            model.gpus_per_engine,
-            cfg.ray.reward_resource,
-            NODE_MARKER_SHARE,
-        ),
-        marker=cfg.ray.reward_resource,
-        check_interval_s=cfg.rollout.placement_check_interval_s,
-        wait_bound_s=cfg.ray.placement_timeout_s,
-        drain_timeout_s=cfg.rollout.drain_timeout_s,
-        ask_autoscaler=cfg.ray.autoscaling,
-        metrics_prefix="reward_fleet",
+        metrics_prefix="fleet" if fleet == "rollout" else "reward_fleet",
     )
 
 
@@ -116,7 +97,7 @@ class RolloutScaling:
             cluster = cluster or RayCluster()
             self.rollout = ElasticFleet(
                 fleet,
-                rollout_settings(cfg),
+                fleet_settings(cfg, "rollout"),
                 cluster,
                 in_flight=self._requests_on,
                 abort=self._abort_requests,
@@ -124,7 +105,7 @@ class RolloutScaling:
             if self._reward_fleet() is not None:
                 self.reward = ElasticFleet(
                     self._reward_fleet(),
-                    reward_settings(cfg),
+                    fleet_settings(cfg, "reward"),
                     cluster,
                     in_flight=reward_servers.client.in_flight,
                 )

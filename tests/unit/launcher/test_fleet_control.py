@@ -154,3 +154,23 @@ def test_a_missing_or_broken_control_file_is_one_line_with_status_2(tmp_path, ca
     (tmp_path / CONTROL_FILE).write_text(json.dumps({"address": "tcp://127.0.0.1:1"}))
     assert cli(["fleet", "status", "--run", str(tmp_path)]) == 2
     assert "not a fleet control file" in capsys.readouterr().err
+
+
+def test_each_fleet_gets_its_own_range_resources_and_marker():
+    from launcher.elastic_rollout import fleet_settings
+
+    cfg = load_run_config(
+        "configs/demo_cpu.yaml",
+        [
+            "rollout.elastic=true", "rollout.max_engines=3", "rollout.cpus_per_engine=2",
+            "weight_sync.pause_mode=abort", "reward.model.path=/rm", "reward.model.num_engines=2",
+            "reward.model.min_engines=1", "reward.model.max_engines=4",
+        ],
+    )  # fmt: skip
+    rollout, reward = fleet_settings(cfg, "rollout"), fleet_settings(cfg, "reward")
+    assert (rollout.start, rollout.min_engines, rollout.max_engines) == (1, 1, 3)
+    assert rollout.bundle == {"CPU": 2.0, "GPU": 0.0, "rollout": 0.001} and rollout.abort_on_drain
+    assert (reward.start, reward.min_engines, reward.max_engines) == (2, 1, 4)
+    assert reward.bundle == {"CPU": 1.0, "GPU": 0.0, "reward": 0.001}
+    assert reward.key == "reward.model" and not reward.abort_on_drain
+    assert reward.metrics_prefix == "reward_fleet"
