@@ -14,6 +14,11 @@ Figures per join run (its ``metrics.jsonl``): the step at which every joined eng
 served (``fleet/joins``), the seconds from placement to serving (``fleet/join_s_max``),
 and samples/s over steps, the same step windows in both arms:
 
+Each run trains ``ELASTIC_STEPS_QUICK`` steps (``ELASTIC_STEPS_FULL`` for the full sizes):
+an engine takes tens of seconds to start (a process, torch, the model) while a quick step
+takes well under one, and the compared window must come after the join. Validation runs
+once, at the end.
+
 - ``before``: the measured steps before the scale request (one engine against N);
 - ``after``: from two versions after the join (``sync_every`` steps per version) to the
   end: the headline ``join_vs_fixed`` = samples/s(join, after) ÷ samples/s(fixed, the same
@@ -55,6 +60,9 @@ log = get_logger(__name__)
 
 ARMS = ("join", "fixed")
 JOIN_STEP = 6  # the scale request is sent once this many steps are logged
+# steps of each run: an engine takes tens of seconds to start (a process, torch, the model)
+# while a quick step takes well under one, so the run must outlast the join by a window
+ELASTIC_STEPS_QUICK, ELASTIC_STEPS_FULL = 200, 400
 VERSIONS_TO_SETTLE = 2  # the goal: within two versions of the join
 GOAL_RATIO = 0.9
 GOAL_LOST_SHARE = 0.05
@@ -142,7 +150,9 @@ def run(
     """Both arms ``reps`` times, alternated; write ``e2e.json`` (see the module docstring)."""
     started = time.monotonic()
     engines = max(2, sizes.engines)
-    sizes = dataclasses.replace(sizes, engines=engines)
+    steps = ELASTIC_STEPS_QUICK if sizes.total_steps <= ELASTIC_STEPS_QUICK else ELASTIC_STEPS_FULL
+    # validation once, at the end: the same for both arms, outside the compared windows
+    sizes = dataclasses.replace(sizes, engines=engines, total_steps=steps, test_freq=steps)
     train = train_fn or default_train_fn()
     work = Path(out_dir) / "e2e"
     plan = [(rep, arm) for rep in range(reps) for arm in (ARMS if rep % 2 == 0 else ARMS[::-1])]
@@ -206,7 +216,8 @@ def summarise(runs: list[dict[str, Any]], sizes: E2ESizes, per_step: int) -> dic
         fixed = next((r for r in runs if r["rep"] == rep and r["arm"] == "fixed"), None)
         if joined is None or fixed is None or joined.get("settled_at_step") is None:
             continue
-        last, sent = sizes.total_steps, joined["scale_sent_at_step"]
+        steps = [[r["step"] for r in run["rows"] if "timing_s/step" in r] for run in (joined, fixed)]  # fmt: skip
+        last, sent = min(max(s, default=0) for s in steps), joined["scale_sent_at_step"]
         settled = joined["settled_at_step"]
         start = sizes.warmup_steps + 1
         pair = ratio(window_rate(joined["rows"], settled + 1, last, per_step), window_rate(fixed["rows"], settled + 1, last, per_step))  # fmt: skip
