@@ -38,6 +38,7 @@ stands in for it: placement on a new node is the same code after the node is see
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -89,6 +90,8 @@ class ScaleAt(threading.Thread):
                 continue
             try:
                 reply = call(self.run_dir, ScaleRequest(fleet="rollout", engines=self.engines))
+            except FileNotFoundError:  # not serving its endpoint yet
+                continue
             except (ControlError, OSError, ValueError) as err:
                 self.error = str(err)
                 return
@@ -178,6 +181,7 @@ def run(
         run_dir = work / "runs" / f"rep{rep}-elastic-{arm}"
         overrides = workload.overrides(sizes, eta=eta, correction="decoupled", run_dir=run_dir, max_eta=eta)  # fmt: skip
         scaler = None
+        shutil.rmtree(run_dir, ignore_errors=True)  # no earlier run's metrics for the scaler
         if arm == "join":
             overrides += ["rollout.num_engines=1", "rollout.elastic=true", f"rollout.max_engines={engines}"]  # fmt: skip
             scaler = ScaleAt(run_dir, join_step, engines)

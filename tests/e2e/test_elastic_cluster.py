@@ -7,10 +7,10 @@ order:
   1. a rollout node joins (a raylet with `rollout: 1`)   -> an engine is placed there and
                                                             serves a version no older than
                                                             the one current before it came;
-  2. `fleetrl fleet scale --engines 3`                   -> a third engine serves;
-  3. `fleetrl fleet scale --reward-engines 2`, then 1    -> a reward server joins, then one
-                                                            drains and stops;
-  4. the joined node's raylet is killed by pid           -> its engine is dead at once and not
+  2. `fleetrl fleet scale --engines 3 --reward-engines 2` -> a third engine and a second
+                                                            reward server serve;
+  3. `fleetrl fleet scale --reward-engines 1`            -> a reward server drains and stops;
+  4. meanwhile the joined node's raylet is killed by pid -> its engine is dead at once and not
                                                             replaced (target 2);
   5. `fleetrl fleet scale --engines 1`                   -> an engine drains and stops;
   6. SIGTERM                                             -> a checkpoint, exit 0.
@@ -113,22 +113,17 @@ def test_engines_join_and_leave_a_training_run_on_a_cluster_and_nothing_is_lost(
                 "an engine serving on the node that joined", proc, log_a,
             )  # fmt: skip
             assert _fleet(_status(run_dir), "rollout").target == 2
-            # 2. scale up to the maximum; past it is refused
+            # 2. + 3. both fleets up to their maximum at once; past it is refused
             before_scale = _status(run_dir).policy_version
             assert cli(["fleet", "scale", "--run", str(run_dir), "--engines", "4"]) == 2
-            _scale(run_dir, "--engines", "3")
+            _scale(run_dir, "--engines", "3", "--reward-engines", "2")
             _until(lambda: len(_serving(run_dir, "rollout")) == 3, "3 engines", proc, log_a)
             scaled = sorted(set(_serving(run_dir, "rollout")) - {"engine-0", *joined})
-            # 3. the reward fleet: up to its maximum, then down again
-            _scale(run_dir, "--reward-engines", "2")
             _until(lambda: len(_serving(run_dir, "reward")) == 2, "2 reward servers", proc, log_a)
-            _scale(run_dir, "--reward-engines", "1")
-            _until(
-                lambda: len(_fleet(_status(run_dir), "reward").engines) == 1,
-                "a reward server drained", proc, log_a,
-            )  # fmt: skip
-            # 4. the joined node leaves: its engine is dead at once, not replaced
+            # 3. + 4. a reward server drains while the joined node leaves: its engine is dead
+            # at once and not replaced
             at_loss = _step(run_dir)
+            _scale(run_dir, "--reward-engines", "1")
             cluster.kill_raylet(node)
             _until(
                 lambda: joined[0] not in [e.name for e in _fleet(_status(run_dir), "rollout").engines],  # fmt: skip
@@ -136,6 +131,10 @@ def test_engines_join_and_leave_a_training_run_on_a_cluster_and_nothing_is_lost(
             )  # fmt: skip
             rollout = _fleet(_status(run_dir), "rollout")
             assert rollout.target == 2 and rollout.lost == 1
+            _until(
+                lambda: len(_fleet(_status(run_dir), "reward").engines) == 1,
+                "a reward server drained", proc, log_a,
+            )  # fmt: skip
             # 5. scale down to one: the newest engine drains and stops
             _scale(run_dir, "--engines", "1")
             _until(
