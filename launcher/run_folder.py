@@ -9,8 +9,8 @@ run's policy on new data or settings and rewrite its ``config.yaml``. So, before
   and differs refuses the run, naming the keys (``folder_findings``). Keys that do not
   change the run do not count: how long it runs (``trainer.total_steps``, raised to go on),
   where and how it logs, validates, profiles and saves, which Ray it runs on, and how many
-  engines and reward servers generate and score (``UNCOUNTED``). ``fleetrl train --resume-with-changes`` continues with the changed keys
-  on purpose;
+  engines and reward servers generate and score (``UNCOUNTED``). ``fleetrl train
+  --resume-with-changes`` continues with the changed keys on purpose;
 - ``trainer.resume=disable`` into a folder with checkpoints refuses too: starting afresh
   there would write new checkpoints over that run's;
 - a run already at its last step says so and exits 0 without starting Ray
