@@ -18,8 +18,9 @@ VLLM   ?= vllm==0.34.0
 DEMO_OUT ?= runs/demo/run
 DEMO_RM_OUT ?= runs/demo/rm
 DEMO_RLHF_OUT ?= runs/demo/rlhf
+DEMO_ELASTIC_OUT ?= runs/demo/elastic
 
-.PHONY: demo demo-rm demo-rlhf test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
+.PHONY: demo demo-rm demo-rlhf demo-elastic test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
 
 venv: $(STAMP)
 
@@ -54,6 +55,12 @@ demo-rlhf: $(STAMP)
 	rm -rf $(DEMO_RLHF_OUT)
 	$(VENV)/bin/fleetrl train --config configs/demo_rlhf_cpu.yaml trainer.output_dir=$(DEMO_RLHF_OUT) \
 		reward.model.path=$(DEMO_RM_OUT)/reward_model
+
+# The demo with an elastic fleet: one engine, three from step 10 (fleetrl fleet scale), one
+# again from step 25 (scripts/demo_elastic.py; figures in docs/cluster.md), afresh.
+demo-elastic: $(STAMP)
+	rm -rf $(DEMO_ELASTIC_OUT)
+	env -u RAY_ADDRESS $(PY) scripts/demo_elastic.py --out $(DEMO_ELASTIC_OUT)
 
 # Each tier in a fresh interpreter, the fast one first: one tier's process state (loaded
 # libraries, their caches and patches) never reaches another's; every tier runs, then the

@@ -68,6 +68,7 @@ SIZE_PARAMETERS: dict[str, tuple[str, ...]] = {
     "device": ("device",),
     "headline_eta": ("headline_eta",),
     "placement": ("placement",),
+    "elastic": ("elastic",),
 }
 CHILD_ENV = "FLEETRL_BENCH_CHILD"  # set for the children of `all`: the parent reports
 # --quick: seconds each child may run in `all` (unused time passes on to the next suite)
@@ -270,6 +271,8 @@ def _child_command(suite: str, args: argparse.Namespace, reps: int | None) -> li
         value = getattr(args, flag, None)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
+    if getattr(args, "elastic", None):
+        cmd.append("--elastic")
     cmd += ["--device", str(args.device or "cpu")]
     return cmd
 

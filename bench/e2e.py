@@ -455,10 +455,12 @@ def run(
     train_fn: TrainFn | None = None,
     sizes: E2ESizes | None = None,
     placement: str | None = None,
+    elastic: bool | None = None,
 ) -> dict[str, Any]:
     """Train every η ``reps`` times, alternated (and once with the bypass loss at the
     largest η); write ``e2e.json``. ``placement="colocated"``: co-located engines beside
-    disaggregated ones instead (``bench.e2e_placement``)."""
+    disaggregated ones instead (``bench.e2e_placement``); ``elastic``: engines joining a
+    running job against the same engines from the start (``bench.e2e_elastic``)."""
     if 0 not in etas or len(etas) < 2:
         raise ValueError(f"e2e: etas must include 0 and at least one async bound, got {list(etas)}")
     if headline_eta not in etas or headline_eta == 0:
@@ -478,6 +480,12 @@ def run(
         device=device,
     )
     reps = max(1, reps) if reps is not None else (QUICK_REPS if quick else FULL_REPS)
+    if elastic:
+        from bench import e2e_elastic
+
+        return e2e_elastic.run(
+            out_dir, sizes, reps, eta=headline_eta, base_config=base_config, train_fn=train_fn
+        )
     if placement == "colocated":
         from bench import e2e_placement
 

@@ -129,9 +129,30 @@ PLACEMENT_HEADLINES: list[tuple[str, str, str]] = [
 ]
 
 
+# ``fleetrl bench e2e --elastic`` (bench.e2e_elastic) measures these instead
+ELASTIC_HEADLINES: list[tuple[str, str, str]] = [
+    (
+        "join_vs_fixed",
+        "samples/s from two versions after engines joined a running job ÷ the same engines "
+        "from the start, same steps, median of alternated repetitions (goal >= 0.9)",
+        "a fleet of that size from the start",
+    ),
+    (
+        "others_lost_share",
+        "generation time the engines already serving lost to the join (pauses beyond the "
+        "median, plus the weight group's re-formation) ÷ the wall time of the join (goal <= 0.05)",
+        "0 (no join)",
+    ),
+]
+
+
 def suite_headlines(suite: str, record: Mapping[str, Any] | None) -> list[tuple[str, str, str]]:
-    """The headline ratios of a suite's record (the placement comparison has its own)."""
-    placement = ((record or {}).get("config") or {}).get("placement")
+    """The headline ratios of a suite's record (the placement and elastic comparisons have
+    their own)."""
+    config = (record or {}).get("config") or {}
+    if suite == "e2e" and config.get("elastic"):
+        return ELASTIC_HEADLINES
+    placement = config.get("placement")
     return PLACEMENT_HEADLINES if suite == "e2e" and placement == "colocated" else HEADLINES[suite]
 
 

@@ -36,6 +36,8 @@ HANDLERS: dict[str, str] = {
     "rm eval": "launcher.rm_eval:main",
     "eval": "launcher.evaluate:main",
     "weights push": "launcher.weights_push:main",
+    "fleet scale": "launcher.fleet_cmd:scale",
+    "fleet status": "launcher.fleet_cmd:status",
     "inspect rollouts": "buffer.inspect:main",
     "bench": "bench.cli:main",
 }
@@ -244,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
 
+    p = sub.add_parser("fleet", help="the engine fleets of a running job: status, scale")
+    from launcher.fleet_cmd import add_arguments as add_fleet_arguments
+
+    add_fleet_arguments(p)
+
     p = sub.add_parser("inspect", help="inspect run artefacts")
     isub = p.add_subparsers(dest="inspect_command", required=True)
     r = isub.add_parser(
@@ -304,6 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="e2e: colocated runs co-located engines beside disaggregated ones on the same "
         "resources, alternated, and reports the ratio and the switch's share of a step",
     )
+    p.add_argument(
+        "--elastic",
+        action="store_const",
+        const=True,
+        default=None,
+        help="e2e: one engine at the start joined by more mid-run (fleetrl fleet scale) against "
+        "the same engines from the start: samples/s after the join and what it cost the others",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     return parser
 
@@ -317,6 +332,7 @@ def _handler_key(args: argparse.Namespace) -> str:
         "inspect_command",
         "weights_command",
         "rm_command",
+        "fleet_command",
     ):
         if getattr(args, attr, None):
             key = f"{key} {getattr(args, attr)}"

@@ -451,3 +451,55 @@ def colocated_engines_get_weights_after_every_step(cfg: RunConfig) -> Iterator[C
             "the LoRA sync sends adapters only, so base weights an engine released for the step "
             "could not be restored; set learner.lora.rank=0 or rollout.placement=disaggregated",
         )
+
+
+@rule
+def elastic_fleets_have_a_range(cfg: RunConfig) -> Iterator[ConfigError]:
+    # the start size lies inside the range; a range needs rollout.elastic, and only fleets
+    # placed on nodes of their own can follow the cluster
+    rollout, model = cfg.rollout, cfg.reward.model
+    fleets = [("rollout", rollout.num_engines, rollout.min_engines, rollout.max_engines)]
+    if cfg.reward.places_fleet:
+        fleets.append(("reward.model", model.num_engines, model.min_engines, model.max_engines))
+    elif model.min_engines or model.max_engines:
+        yield refuse(
+            "reward.model.max_engines" if model.max_engines else "reward.model.min_engines",
+            "reward.model.path",
+            f"a range with reward.model.urls={model.urls} or no path",
+            "only a reward fleet the run places (reward.model.path, no urls) can grow or "
+            "shrink; leave min_engines and max_engines at 0",
+        )
+    for section, start, low, high in fleets:
+        fewest, most = low or start, high or start
+        if fewest > start:
+            yield refuse(
+                f"{section}.min_engines",
+                f"{section}.num_engines",
+                f"{fewest} > {start}",
+                f"the fleet starts with num_engines, inside the range; set {section}.min_engines "
+                f"<= {start}",
+            )
+        if most < start:
+            yield refuse(
+                f"{section}.max_engines",
+                f"{section}.num_engines",
+                f"{most} < {start}",
+                f"the fleet starts with num_engines, inside the range; set {section}.max_engines "
+                f">= {start}",
+            )
+        if (fewest, most) != (start, start) and not rollout.elastic:
+            yield refuse(
+                f"{section}.max_engines" if most != start else f"{section}.min_engines",
+                "rollout.elastic",
+                f"{fewest}..{most} engines with elastic=false",
+                "a fleet size that changes while the run trains needs rollout.elastic=true "
+                "(or leave min_engines and max_engines at 0)",
+            )
+    if rollout.elastic and rollout.colocated:
+        yield refuse(
+            "rollout.elastic",
+            "rollout.placement",
+            "true with 'colocated'",
+            "co-located engines are one per learner rank, on its device: their number is the "
+            "learner's; set rollout.placement=disaggregated or rollout.elastic=false",
+        )

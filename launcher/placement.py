@@ -54,11 +54,15 @@ class PlacementTimeout(TrainingStopped):
 
 
 def requested_cpus(cfg: RunConfig) -> float:
+    """CPUs of every role at once; an elastic fleet counts at its largest (a local instance
+    then has room for ``fleetrl fleet scale`` to grow it)."""
     reward = cfg.reward.model
+    engines = cfg.rollout.engine_range[1] if cfg.rollout.elastic else cfg.rollout.num_engines
+    servers = reward.engine_range[1] if cfg.rollout.elastic else reward.num_engines
     return (
         cfg.learner.num_ranks * cfg.learner.cpus_per_rank
-        + cfg.rollout.num_engines * cfg.rollout.cpus_per_engine
-        + (reward.num_engines * reward.cpus_per_engine if cfg.reward.places_fleet else 0.0)
+        + engines * cfg.rollout.cpus_per_engine
+        + (servers * reward.cpus_per_engine if cfg.reward.places_fleet else 0.0)
     )
 
 

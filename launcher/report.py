@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from launcher.sample_account import account_line
 from launcher.tracking import read_metrics
 
 
@@ -93,6 +94,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             f"trained on {summary['samples']} samples in {summary['train_wall_s']:.0f}s "
             f"({summary['samples'] / summary['train_wall_s']:.1f} samples/s); whole run {summary['wall_s']:.0f}s"
         )
+    if summary.get("sample_account"):
+        lines.append(account_line(summary["sample_account"]))
     if summary.get("plot"):
         lines.append(f"score curve: {summary['plot']}")
     lines.append(f"run directory: {summary['run_dir']}")

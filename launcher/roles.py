@@ -41,6 +41,7 @@ from fleetrl.log import get_logger, setup_logging
 from fleetrl.profiling import TraceSpan, step_dir
 from launcher.config import RunConfig, resolve_device
 from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
+from launcher.sample_account import TRAINED_GROUPS_FILE  # the audit trail of learner steps
 from rollout_fleet.membership import SyncOutcome, WeightTargets
 from rollout_fleet.validation import Validation
 
@@ -52,7 +53,6 @@ BATCH_POLL_S = 2.0  # how long one fetch waits in the buffer before the driver l
 BUFFER_REPLY_TIMEOUT_S = 5.0
 HEALTH_LOOP_RETRY_S = 1.0
 RECONCILE_INTERVAL_S = 2.0  # how often the fleet asks which sent groups the buffer holds
-TRAINED_GROUPS_FILE = "trained_groups.jsonl"  # audit trail: the groups of every learner step
 
 
 def _config(raw: dict[str, Any]) -> RunConfig:
@@ -414,6 +414,7 @@ class RolloutRole:
         curve: Any = None,
         reward_api_key: str | None = None,
         placement_group: Any = None,
+        control_keys: Any = None,
     ):
         from buffer.transport import BufferClient, TrajectorySender
         from fleetrl.data.reader import PromptReader
@@ -428,6 +429,9 @@ class RolloutRole:
         self.cfg = cfg
         self.api_key = api_key
         self.run_dir = run_dir
+        self.local = local
+        self.control_keys = control_keys  # the fleet control endpoint's CURVE server keys
+        self.scaling: Any = None  # launcher.elastic_rollout.RolloutScaling, once engines run
         self.tokenizer = load_tokenizer(cfg.model.path)
         reader_args = cfg.data.reader_options()
         self.reader = PromptReader(
@@ -519,12 +523,20 @@ class RolloutRole:
         return await self.colocation.yield_devices()
 
     async def start_engines(self) -> dict[str, str]:
+        from launcher.elastic_rollout import RolloutScaling
         from rollout_fleet.engine_api import rollout_client_class
         from rollout_fleet.worker import RolloutWorker
 
         engine_client_class = rollout_client_class(self.cfg.rollout.backend)
         urls, _ = await asyncio.gather(self.fleet.start(), self._start_reward_servers())
         cfg = self.cfg
+        self.scaling = RolloutScaling(
+            cfg,
+            fleet=self.fleet,
+            router=self.router,
+            reward_servers=self.reward_servers,
+            api_key=self.api_key,
+        )
         self.worker = RolloutWorker(
             cfg.rollout,
             engines={
@@ -544,11 +556,18 @@ class RolloutRole:
                 url, api_key=self.api_key, timeout_s=cfg.rollout.request_timeout_s
             ),
             lora=cfg.learner.lora.rank > 0,
+            # elastic: the concurrency cap follows the engines serving (admission's capacity)
+            serving_share=self.scaling.serving_share if cfg.rollout.elastic else None,
             max_failed_reward_groups=cfg.reward.max_failed_groups,
         )
         return urls
 
+    async def serve_control(self) -> str:
+        """Start the fleet control endpoint (``fleetrl fleet status|scale``); its address."""
+        return self.scaling.serve(self.control_keys, node_ip(self.local))
+
     async def start_generation(self) -> None:
+        self.scaling.start()  # elastic fleets follow the cluster from here
         self._task = asyncio.create_task(self.worker.run())
         self._health_task = asyncio.create_task(self._watch_engines())
         self._reconcile_task = asyncio.create_task(self._reconcile_loop())
@@ -605,18 +624,35 @@ class RolloutRole:
                 raise RuntimeError(f"rollout loop failed: {err!r}") from err
         return self.worker.reward_streak.stop_reason if self.worker is not None else None
 
+    async def fleet_failure(self) -> str:
+        """Why the run must stop for its fleets ("" when nothing is wrong): an elastic fleet
+        below its minimum for longer than ray.placement_timeout_s."""
+        return self.scaling.failure() if self.scaling is not None else ""
+
     async def weight_targets(self) -> WeightTargets:
         """The engines the next publish goes to: every live one, but those waiting for
         weights that do not answer now (a hung or paused engine would stall the publish
         until its timeout; the fleet's health checks replace it if it never answers).
         Co-located engines get their weight memory back first."""
-        return await self._ready_to_receive((await self._answering_targets())[0])
+        targets = await self._ready_to_receive((await self._answering_targets())[0])
+        return self.membership.begin_sync(targets)
 
     async def rejoin_targets(self) -> WeightTargets | None:
         """Targets for a publish of the current version when an engine that waits for
-        weights answers now (a replacement, or one that missed a version); else None."""
+        weights answers now (a replacement, a joiner, one that missed a version); else None.
+
+        Only those engines: the others keep generating while the joiners load the version
+        (they enter the others' weight group at the next publish, formed before that
+        publish pauses anyone). Co-located and LoRA runs send to every live engine, as
+        their pushes pause no one that holds the version (LoRA) or go by device (co-located).
+        """
         targets, joining = await self._answering_targets()
-        return await self._ready_to_receive(targets, rejoin=True) if joining else None
+        if not joining:
+            return None
+        if self.colocation is None and self.cfg.learner.lora.rank == 0:
+            behind = set(self.membership.behind())
+            targets = WeightTargets(engines=tuple(t for t in targets.engines if t.name in behind))
+        return self.membership.begin_sync(await self._ready_to_receive(targets, rejoin=True))
 
     async def _ready_to_receive(
         self, targets: WeightTargets, rejoin: bool = False
@@ -663,6 +699,8 @@ class RolloutRole:
     async def metrics(self) -> dict[str, float]:
         out = dict(self.worker.metrics()) if self.worker else {}
         out.update(self.fleet.metrics())
+        if self.scaling is not None:
+            out.update(self.scaling.metrics())
         if self.colocation is not None:
             out.update(self.colocation.metrics())
         out.update(self.delivery.metrics())
@@ -720,6 +758,8 @@ class RolloutRole:
         self.delivery.load_state_dict(state)
 
     async def stop(self, deadline_s: float = 5.0) -> None:
+        if self.scaling is not None:  # no engine joins or leaves from here on
+            await self.scaling.stop()
         for task in (self._health_task, self._reconcile_task, self._reward_watch):
             if task is not None:
                 task.cancel()

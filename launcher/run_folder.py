@@ -8,9 +8,9 @@ run's policy on new data or settings and rewrite its ``config.yaml``. So, before
   changes what is trained (model, data, rollout, reward, buffer, learner, weight sync, seed)
   and differs refuses the run, naming the keys (``folder_findings``). Keys that do not
   change the run do not count: how long it runs (``trainer.total_steps``, raised to go on),
-  where and how it logs, validates, profiles and saves, and which Ray it runs on
-  (``UNCOUNTED``). ``fleetrl train --resume-with-changes`` continues with the changed keys
-  on purpose;
+  where and how it logs, validates, profiles and saves, which Ray it runs on, and how many
+  engines and reward servers generate and score (``UNCOUNTED``). ``fleetrl train
+  --resume-with-changes`` continues with the changed keys on purpose;
 - ``trainer.resume=disable`` into a folder with checkpoints refuses too: starting afresh
   there would write new checkpoints over that run's;
 - a run already at its last step says so and exits 0 without starting Ray
@@ -62,6 +62,16 @@ UNCOUNTED = (
     "data.val_files",
     "data.val_max_samples",
     "reward.max_failed_groups",
+    # the fleets' sizes: how fast samples come, not which (resume on a smaller or larger fleet)
+    "rollout.num_engines",
+    "rollout.min_engines",
+    "rollout.max_engines",
+    "rollout.elastic",
+    "rollout.drain_timeout_s",
+    "rollout.placement_check_interval_s",
+    "reward.model.num_engines",
+    "reward.model.min_engines",
+    "reward.model.max_engines",
 )
 SHOWN_KEYS = 6  # differing keys named in the refusal; the rest counted
 

@@ -21,6 +21,7 @@ from typing import Any
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig
+from launcher.fleet_control import make_control_keys, write_control_file
 from launcher.results import (
     CheckpointRecord,
     PublishResult,
@@ -96,6 +97,8 @@ class Run:
         self.placement_group: Any = None
         self.started = False  # every role up and serving: from here a stop checkpoints
         self.phase = "preparing"  # what start() is doing, for a stop's one-line message
+        self.control_file: Path | None = None  # fleet_control.json while the run listens
+        self.published_to: frozenset[str] = frozenset()  # the engines of the last publish
 
     # ---- set-up ---------------------------------------------------------------------------
     def start(self, after_ray_init: Callable[[], None] | None = None) -> StartRecord:
@@ -164,6 +167,7 @@ class Run:
 
         if cfg.rollout.colocated:  # the engines start on the learner's devices: leave them room
             gather([w.offload.remote() for w in self.learners], "offloading the learner")
+        control_server, control_client = make_control_keys()  # `fleetrl fleet ...` reaches it
         self.rollout = remote_class(RolloutRole, num_cpus=0, max_concurrency=16).remote(
             self.raw,
             ingest,
@@ -174,12 +178,15 @@ class Run:
             self.secrets.rollout_client,
             reward_api_key=cfg.reward.model.api_key(os.environ),  # read here: the driver's env
             placement_group=pg if cfg.rollout.colocated else None,
+            control_keys=control_server,
         )
         self.supervisor.register("rollout supervisor", self.rollout)
         self.phase = "placing and starting the engines"
         if not local:
             wait_for_engine_room(cfg)
         ray.get(self.rollout.start_engines.remote())
+        address = ray.get(self.rollout.serve_control.remote())
+        self.control_file = write_control_file(self.run_dir, address, control_client)
         self.write_roster()
         if extra.get("reader"):
             ray.get(self.rollout.load_reader_state.remote(extra["reader"]))
@@ -367,17 +374,30 @@ class Run:
 
         self.version = version
         what = f"publishing version {version}"
+        everyone = targets is None  # not a rejoin's push to the engines behind only
         for attempt in range(2):
             if targets is None or attempt:
                 targets = ray.get(self.rollout.weight_targets.remote())
             calls = [w.publish.remote(version, targets, restored) for w in self.learners]
             out = merge_publish_results(gather(calls, what))
+            if everyone:
+                self._note_membership_change(targets, out)
             ray.get(self.rollout.weights_published.remote(out))
             if not out.needs_resend:
                 break
             # a failure mid-stream left survivors with partial weights: send the version again
             log.warning("version %d reached some engines partially; publishing it again", version)
         return out
+
+    def _note_membership_change(self, targets: WeightTargets, out: PublishResult) -> None:
+        """``fleet/regroup_s``: a publish to every engine whose engines differ from the last
+        one's formed the weight group again (an engine joined, left or was replaced); what
+        that took, before the engines paused (SGLang's schedulers hold generation for it,
+        the embedded engine does not)."""
+        engines = frozenset(f"{t.name}#{t.incarnation}" for t in targets.engines)
+        if self.published_to and engines != self.published_to:
+            out.metrics["fleet/regroup_s"] = out.metrics.get("weight_sync/group_setup_s", 0.0)
+        self.published_to = engines
 
     def wait_for_batch(self, version: int, check_stop: Any = None) -> float:
         """Block until learner rank 0 holds B whole groups; returns the seconds waited.
@@ -396,6 +416,9 @@ class Run:
             reason = ray.get(self.rollout.check.remote())
             if reason is not None:
                 raise RewardsFailing(reason)
+            problem = ray.get(self.rollout.fleet_failure.remote())
+            if problem:  # an elastic fleet stayed below its minimum
+                raise TrainingStopped(f"{problem}; {self.resume_hint()}")
             self.rejoin_engines()  # with every engine dead, waiting alone never ends
             waited = time.monotonic() - started
             if waited > STALL_WARN_S and not warned:
@@ -521,6 +544,7 @@ class Run:
         """End every role; after a role died (``failed``) kill them, as they may be stuck."""
         import ray
 
+        self.forget_control_file()
         if not ray.is_initialized():  # ray.init did not complete
             if self.started_ray:
                 ray.shutdown()
@@ -542,6 +566,12 @@ class Run:
             _quietly(lambda: ray.get(self.buffer.stop.remote(), timeout=30), "buffer stop")
         if self.started_ray:
             ray.shutdown()
+
+    def forget_control_file(self) -> None:
+        """The run stops listening: ``fleetrl fleet`` finds no endpoint to call."""
+        if self.control_file is not None:
+            self.control_file.unlink(missing_ok=True)
+            self.control_file = None
 
     def end_partial_start(self) -> None:
         """A stop during start-up: end every role started so far, whatever its state.

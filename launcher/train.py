@@ -60,6 +60,7 @@ from launcher.prepare import prepare
 from launcher.report import summary_lines, write_score_plot
 from launcher.results import StartRecord
 from launcher.run_folder import finished_line, read_folder, write_config
+from launcher.sample_account import sample_account
 from launcher.session import RewardsFailing, Run, StopRequested
 from launcher.supervision import BadStepGuard, TrainingStopped
 from launcher.tracking import Tracker
@@ -137,6 +138,7 @@ class Progress:
     samples: int = 0
     waited_s: float = 0.0  # time the learner waited for batches (trainer/idle_fraction)
     checkpointed_step: int = -1
+    last_metrics: dict[str, Any] = field(default_factory=dict)  # the last step's, as logged
     val_scores: list[tuple[int, float]] = field(default_factory=list)
     # the rule score of the held-out samples, apart from the reward (a run that learns from
     # a reward model: did the policy move toward what the rule says?)
@@ -213,6 +215,7 @@ def train_loop(roles: Any, cfg: RunConfig, progress: Progress, tracker: Any, sto
             roles.stop_profile(progress.step)
         m.update(roles.role_metrics())
         m.update(roles.supervision_metrics())
+        progress.last_metrics = m
         tracker.log(progress.step, m | clock_metrics(progress, m, waited, t_step, devices))
 
 
@@ -311,6 +314,9 @@ def execute(session: Any, cfg: RunConfig, tracker: Any, stop: Any) -> dict[str, 
         session.close(failed=roles.failed)
         summary["samples"] = progress.samples
         summary.update(measured_scores(progress, rule=cfg.reward.uses_model))
+        if progress.last_metrics:
+            account = sample_account(cfg.trainer.output_dir, progress.last_metrics, cfg.rollout.n)
+            summary["sample_account"] = account
     if interrupted_start is not None:
         raise interrupted_start
     if failing is not None:

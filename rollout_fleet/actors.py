@@ -154,13 +154,23 @@ class EngineActor:
         return self._url
 
     def ping(self) -> dict[str, Any]:
-        """Liveness of the actor process (the fleet checks the engine's HTTP health apart)."""
+        """Liveness of the actor process (the fleet checks the engine's HTTP health apart)
+        and the Ray node it runs on."""
+        import ray
+
         alive = self._url != ""
         if self._engine is not None and engine_kind(self.spec.backend).gpu_server:
             alive = alive and self._engine.alive()
         elif self._engine is not None:
             alive = alive and self._engine.alive
-        return {"name": self.spec.name, "pid": os.getpid(), "url": self._url, "alive": alive}
+        node = ray.get_runtime_context().get_node_id()
+        return {
+            "name": self.spec.name,
+            "pid": os.getpid(),
+            "url": self._url,
+            "alive": alive,
+            "node": node,
+        }
 
     def stop(self) -> None:
         engine, self._engine = self._engine, None
@@ -278,6 +288,14 @@ def engine_actor_class() -> Any:
 
         _REMOTE_CLASS = ray.remote(max_concurrency=4, max_restarts=0)(EngineActor)
     return _REMOTE_CLASS
+
+
+def node_strategy(node_id: str) -> Any:
+    """Ray's scheduling strategy that places an actor on node ``node_id`` or nowhere (an
+    elastic fleet chose that node: it has room, or it just joined)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
 
 
 def create_engine_actor(

@@ -14,6 +14,11 @@ from rollout_fleet.multi_turn.config import MultiTurnConfig
 MemoryTag = Literal["kv_cache", "weights", "cuda_graph"]
 
 
+def engine_range(start: int, fewest: int, most: int) -> tuple[int, int]:
+    """A fleet's (min, max) engines from its config, where 0 stands for the start size."""
+    return (fewest or start, most or start)
+
+
 class ColocateConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How co-located engines give their devices to the learner (``rollout.placement: colocated``)."""
 
@@ -58,6 +63,40 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ge=1, description="Number of rollout engines (scaled independently of learner ranks)."
         ),
     ] = 1
+    min_engines: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Elastic fleets (rollout.elastic): the fewest engines. Engines whose node left are not replaced down to this many; below it the fleet waits for room, saying what is missing, and stops the run after ray.placement_timeout_s. 0 = rollout.num_engines.",
+        ),
+    ] = 0
+    max_engines: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Elastic fleets (rollout.elastic): the most engines, the top of `fleetrl fleet scale --engines` and of the engines placed on rollout nodes that join the cluster. 0 = rollout.num_engines.",
+        ),
+    ] = 0
+    elastic: Annotated[
+        bool,
+        Meta(
+            description="The fleet follows the cluster between min_engines and max_engines, starting at num_engines: a rollout node that joins gets as many engines as fit on it, a node that leaves takes its engines with it (their requests regenerated elsewhere, not replaced down to min_engines), and `fleetrl fleet scale --run RUN_DIR --engines N` sets the target while the run trains (scale-down drains). The reward fleet follows the same rule on reward nodes (reward.model.min_engines, max_engines)."
+        ),
+    ] = False
+    drain_timeout_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="Scale-down: with weight_sync.pause_mode in_place, requests in flight on a leaving engine get this long to finish there; the rest (and, with abort or retract, all of them at once) are aborted and resubmitted elsewhere with their tokens so far.",
+        ),
+    ] = 60.0
+    placement_check_interval_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="An elastic fleet looks at the cluster's nodes this often: arrivals, losses, and room for the engines it still wants.",
+        ),
+    ] = 2.0
     n: Annotated[int, Meta(ge=1, description="Samples per prompt (the GRPO group size).")] = 4
     temperature: Annotated[
         float,
@@ -210,6 +249,11 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = "disaggregated"
     colocate: ColocateConfig = msgspec.field(default_factory=ColocateConfig)
     multi_turn: MultiTurnConfig = msgspec.field(default_factory=MultiTurnConfig)
+
+    @property
+    def engine_range(self) -> tuple[int, int]:
+        """(fewest, most) engines: ``min_engines`` and ``max_engines``, 0 read as ``num_engines``."""
+        return engine_range(self.num_engines, self.min_engines, self.max_engines)
 
     @property
     def colocated(self) -> bool:

@@ -30,20 +30,29 @@ The same supervision serves any pool of engine actors: ``EngineFleet(rollout_con
 builds the rollout engines' specs from the rollout section, ``EngineFleet.of_specs(specs,
 FleetSettings(...))`` takes them ready-made (the reward-model servers of
 ``rollout_fleet.rewards.fleet``, which never take weight pushes and report
-``reward_fleet/*`` metrics). Left out: elastic scale-up/down at runtime (the membership
-supports drain and remove; the fleet keeps N).
+``reward_fleet/*`` metrics).
+
+Elastic fleets (``rollout_fleet.elastic`` decides when and where) grow and shrink through
+three calls: ``place_engine(node)`` adds a slot whose actor is created on that node
+(PLACING, then launched and brought up to date as a replacement is); ``remove_engine``
+stops one and forgets it (a drained engine, a cancelled placement); ``lose_engine``
+declares one dead at once and forgets it (its node left the cluster: its requests in flight
+are regenerated elsewhere). Before replacing a dead engine in place the fleet asks
+``on_engine_death`` (set by the elastic controller): an engine whose node left is lost,
+not replaced on a node that is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fleetrl.log import get_logger
-from rollout_fleet.actors import EngineSpec, create_engine_actor, engine_spec
+from rollout_fleet.actors import EngineSpec, create_engine_actor, engine_spec, node_strategy
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.engine_api import rollout_client_class
 from rollout_fleet.engine_kinds import engine_kind
@@ -54,6 +63,8 @@ log = get_logger(__name__)
 _STOP_TIMEOUT_S = 30.0
 
 HealthProbe = Callable[[str], Awaitable[bool]]
+# (name, why it died) -> True when the death is handled (the engine is lost, not replaced)
+DeathHandler = Callable[[str, str], Awaitable[bool]]
 
 
 @dataclass
@@ -63,8 +74,9 @@ class _Slot:
     actor: Any = None
     failures: int = 0
     restarts: int = 0
-    replacing: asyncio.Task[None] | None = None
+    replacing: asyncio.Task[None] | None = None  # a replacement or (elastic) a placement
     given_up: bool = False
+    node: str = ""  # elastic placement: the node its actor was created on
 
 
 @dataclass(frozen=True)
@@ -124,8 +136,8 @@ class EngineFleet:
         lora_rank: int = 0,
         lora_target_modules: list[str] | None = None,
     ):
-        specs = [
-            engine_spec(
+        def spec_of(name: str, index: int = -1) -> EngineSpec:
+            return engine_spec(
                 config,
                 name,
                 model_path,
@@ -137,12 +149,11 @@ class EngineFleet:
                 pause_mode=pause_mode,
                 lora_rank=lora_rank,
                 lora_target_modules=lora_target_modules,
-                colocated=config.is_colocated_slot(index),
+                colocated=index >= 0 and config.is_colocated_slot(index),
             )
-            for index, name in ((i, f"{name_prefix}-{i}") for i in range(config.num_engines))
-        ]
+
         self._setup(
-            specs,
+            [spec_of(f"{name_prefix}-{i}", i) for i in range(config.num_engines)],
             FleetSettings.of_rollout(config),
             membership=membership,
             api_key=api_key,
@@ -150,6 +161,8 @@ class EngineFleet:
             weights_pushed=weights_pushed,
             health_probe=health_probe,
             actor_factory=actor_factory,
+            spec_factory=spec_of,  # engines an elastic fleet adds (never co-located)
+            name_prefix=name_prefix,
         )
 
     @classmethod
@@ -158,7 +171,8 @@ class EngineFleet:
     ) -> EngineFleet:
         """A fleet of one engine per spec (their names are the slots); ``options`` are the
         constructor's ``membership``, ``api_key``, ``resource_name``, ``weights_pushed``,
-        ``health_probe`` and ``actor_factory``."""
+        ``health_probe`` and ``actor_factory``, and ``spec_factory`` (name -> spec: how
+        ``place_engine`` makes the spec of an engine it adds) with ``name_prefix``."""
         fleet = cls.__new__(cls)
         fleet._setup(specs, settings, **options)
         return fleet
@@ -174,6 +188,9 @@ class EngineFleet:
         weights_pushed: bool = False,
         health_probe: HealthProbe | None = None,
         actor_factory: Callable[[EngineSpec], Any] | None = None,
+        spec_factory: Callable[[str], EngineSpec] | None = None,
+        name_prefix: str = "engine",
+        node_actor_factory: Callable[[EngineSpec, str], Any] | None = None,
     ) -> None:
         self.settings = settings
         self.membership = membership
@@ -188,12 +205,26 @@ class EngineFleet:
                 resource_name=resource_name,
             )
         )
+        # an engine placed on a chosen node (elastic): the same actor, pinned to that node
+        self._node_actor_factory = node_actor_factory or (
+            lambda spec, node: create_engine_actor(
+                spec,
+                num_cpus=settings.cpus_per_engine,
+                num_gpus=settings.gpus_per_engine,
+                resource_name=resource_name,
+                scheduling_strategy=node_strategy(node),
+            )
+        )
+        self._spec_factory = spec_factory
+        self._name_prefix = name_prefix
         self._slots = {spec.name: _Slot(spec.name, spec) for spec in specs}
         self._client_class = rollout_client_class(specs[0].backend if specs else "embedded")
         self._health_clients: dict[str, Any] = {}
         self._stopping = False
+        self.on_engine_death: DeathHandler | None = None  # set by an elastic controller
         self.health_failures = 0
         self.engine_restarts = 0
+        self.placement_failures = 0
 
     @property
     def weights_from_disk(self) -> bool:
@@ -216,8 +247,8 @@ class EngineFleet:
             await self.stop()
             name, err = errors[0]
             raise RuntimeError(f"engine {name} failed to start: {err!r}") from err
-        for slot, url in zip(self._slots.values(), results, strict=True):
-            self.membership.launch(slot.name, url)
+        for slot, (url, node) in zip(self._slots.values(), results, strict=True):
+            self.membership.launch(slot.name, url, node=node)
             if self.weights_from_disk and not self.weights_pushed:
                 self.membership.weights_loaded(slot.name, 0)
         return self.urls()
@@ -228,7 +259,7 @@ class EngineFleet:
         for slot in self._slots.values():
             if slot.replacing is not None:
                 slot.replacing.cancel()
-        await asyncio.gather(*(self._kill(slot) for slot in self._slots.values()))
+        await asyncio.gather(*(self._kill(slot) for slot in list(self._slots.values())))
         for client in self._health_clients.values():
             close = getattr(client, "close", None)
             if close is not None and inspect.iscoroutinefunction(close):
@@ -248,7 +279,10 @@ class EngineFleet:
         states = [self._state(name) for name in self._slots]
         p = self.settings.metrics_prefix
         return {
+            f"{p}/engines": float(sum(s in SERVING for s in states)),  # routable
             f"{p}/engines_alive": float(sum(s in SERVING for s in states)),
+            f"{p}/engines_placing": float(sum(s is EngineStatus.PLACING for s in states)),
+            f"{p}/engines_draining": float(sum(s is EngineStatus.DRAINING for s in states)),
             f"{p}/engines_starting": float(sum(s is EngineStatus.STARTING for s in states)),
             f"{p}/engines_needing_weights": float(
                 sum(s is EngineStatus.NEEDS_WEIGHTS for s in states)
@@ -257,6 +291,7 @@ class EngineFleet:
             f"{p}/engines_released": float(sum(s is EngineStatus.RELEASED for s in states)),
             f"{p}/engine_restarts": float(self.engine_restarts),
             f"{p}/health_failures": float(self.health_failures),
+            f"{p}/placement_failures": float(self.placement_failures),
         }
 
     # ---- health ---------------------------------------------------------------------------
@@ -268,8 +303,15 @@ class EngineFleet:
             await asyncio.sleep(self.settings.health_check_interval_s)
 
     async def check_once(self) -> None:
-        """One round of health checks over all slots (replacements run in the background)."""
-        slots = [s for s in self._slots.values() if s.replacing is None and not s.given_up]
+        """One round of health checks over all slots (replacements run in the background;
+        a draining engine is leaving and never replaced)."""
+        slots = [
+            s
+            for s in self._slots.values()
+            if s.replacing is None
+            and not s.given_up
+            and self._state(s.name) is not EngineStatus.DRAINING
+        ]
         await asyncio.gather(*(self._check(slot) for slot in slots))
 
     async def wait_replacements(self) -> None:
@@ -289,6 +331,8 @@ class EngineFleet:
         self.health_failures += 1
         slot.failures += 1
         if fatal or slot.failures >= self.settings.health_failures_before_dead:
+            if self.on_engine_death is not None and await self.on_engine_death(slot.name, reason):
+                return  # lost with its node (the elastic controller forgot it)
             self._replace(slot, reason)
         else:
             log.warning(
@@ -351,34 +395,117 @@ class EngineFleet:
             self.engine_restarts += 1
             log.warning("replacing engine %s (restart %d): %s", slot.name, slot.restarts, reason)
             try:
-                url = await self._launch(slot)
+                url, node = await self._launch(slot)
             except Exception as err:  # noqa: BLE001 - any start failure: count it, retry next round
                 log.error("engine %s failed to restart: %r", slot.name, err)
                 await self._kill(slot)
                 return
             slot.failures = 0
-            self.membership.launch(slot.name, url)
-            if self.weights_pushed:  # the next publish (the driver's rejoin) makes it READY
-                version = self.membership.latest_version
-                self.membership.require_weights(slot.name, version, "replacement")
-            else:  # nobody pushes weights: it serves those it loaded from disk
-                self.membership.weights_loaded(slot.name, 0)
+            self.membership.launch(slot.name, url, node=node)
+            self._serve_or_wait(slot.name, "replacement")
         finally:
             slot.replacing = None
 
-    async def _launch(self, slot: _Slot) -> str:
-        """Create and start the slot's actor; the engine's URL."""
-        slot.actor = self._actor_factory(slot.spec)
-        return await asyncio.wait_for(
-            _awaitable(slot.actor.start.remote()), self.settings.engine_startup_timeout_s
-        )
+    def _serve_or_wait(self, name: str, why: str) -> None:
+        """A new process of ``name`` launched: under weight sync it waits for the current
+        version (the driver's rejoin sends it), else it serves the weights it loaded."""
+        if self.weights_pushed:
+            self.membership.require_weights(name, self.membership.latest_version, why)
+        else:
+            self.membership.weights_loaded(name, 0)
 
-    async def _kill(self, slot: _Slot) -> None:
+    async def _launch(self, slot: _Slot) -> tuple[str, str]:
+        """Create and start the slot's actor (on ``slot.node`` when one was chosen); the
+        engine's URL and the Ray node it runs on ("" when the actor does not say)."""
+        if slot.node:
+            slot.actor = self._node_actor_factory(slot.spec, slot.node)
+        else:
+            slot.actor = self._actor_factory(slot.spec)
+        timeout = self.settings.engine_startup_timeout_s
+        url = await asyncio.wait_for(_awaitable(slot.actor.start.remote()), timeout)
+        info = await asyncio.wait_for(_awaitable(slot.actor.ping.remote()), timeout)
+        return url, str(info.get("node", "") or slot.node)
+
+    # ---- elastic: engines added and removed while the run trains ---------------------------
+
+    def place_engine(self, node: str = "") -> str:
+        """Add an engine slot, its actor created on Ray node ``node`` (any rollout node when
+        ""): PLACING until it starts, then brought up to date as a replacement is. Its name."""
+        if self._spec_factory is None:
+            raise RuntimeError("this fleet has no spec factory: it cannot add engines")
+        index = 0
+        while f"{self._name_prefix}-{index}" in self._slots:
+            index += 1
+        name = f"{self._name_prefix}-{index}"
+        slot = _Slot(name, self._spec_factory(name), node=node)
+        self._slots[name] = slot
+        self.membership.place(name, node)
+        slot.replacing = asyncio.ensure_future(self._join(slot))
+        return name
+
+    async def _join(self, slot: _Slot) -> None:
+        started = time.monotonic()
+        try:
+            url, node = await self._launch(slot)
+        except Exception as err:  # noqa: BLE001 - any placement or start failure: forget the slot
+            self.placement_failures += 1
+            log.error("engine %s could not be placed or started: %r", slot.name, err)
+            slot.replacing = None
+            await self.remove_engine(slot.name, f"placement failed: {err!r}", graceful=False)
+            return
+        slot.replacing = None
+        if self._slots.get(slot.name) is not slot or self._state(slot.name) is not EngineStatus.PLACING:  # fmt: skip
+            return  # removed or drained while it started: remove_engine stops it
+        self.membership.launch(slot.name, url, node=node)
+        log.info("engine %s started on node %s in %.1f s", slot.name, node[:12], time.monotonic() - started)  # fmt: skip
+        self._serve_or_wait(slot.name, "joined the fleet")
+
+    async def remove_engine(self, name: str, reason: str, *, graceful: bool = True) -> None:
+        """Stop engine ``name`` (a drained one, or a placement no longer wanted), release its
+        actor's resources and forget it."""
+        slot = self._slots.pop(name, None)
+        if slot is None:
+            return
+        if slot.replacing is not None:
+            slot.replacing.cancel()
+            await asyncio.gather(slot.replacing, return_exceptions=True)
+        self._forget(name, reason)
+        await self._kill(slot, graceful=graceful and slot.actor is not None)
+
+    def lose_engine(self, name: str, reason: str) -> None:
+        """Engine ``name`` is gone with its node: dead at once (its requests in flight are
+        regenerated elsewhere), forgotten, its actor killed in the background."""
+        slot = self._slots.pop(name, None)
+        self._forget(name, reason)
+        if slot is not None:
+            if slot.replacing is not None:
+                slot.replacing.cancel()
+            asyncio.ensure_future(self._kill(slot, graceful=False))
+
+    def _forget(self, name: str, reason: str) -> None:
+        state = self._state(name)
+        if state is not None:  # its health client's HTTP session goes with it
+            client = self._health_clients.pop(self.membership.url(name), None)
+            close = getattr(client, "close", None)
+            if close is not None and inspect.iscoroutinefunction(close):
+                asyncio.ensure_future(close())
+        if state not in (EngineStatus.DEAD, None):
+            self.membership.die(name, reason)
+        if state is not None:
+            self.membership.remove(name)
+
+    def engine_names(self, statuses: frozenset[EngineStatus] | None = None) -> list[str]:
+        """This fleet's engines (in ``statuses``, when given)."""
+        return [n for n in self._slots if statuses is None or self._state(n) in statuses]
+
+    async def _kill(self, slot: _Slot, *, graceful: bool = True) -> None:
+        """Stop the slot's engine (``graceful``: ask the actor first) and kill its actor."""
         actor, slot.actor = slot.actor, None
         if actor is None:
             return
         try:
-            await asyncio.wait_for(_awaitable(actor.stop.remote()), _STOP_TIMEOUT_S)
+            if graceful:
+                await asyncio.wait_for(_awaitable(actor.stop.remote()), _STOP_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - a dead actor cannot stop its engine: expected
             log.info("engine %s: stop() did not complete (%s); killing its actor", slot.name, err)
         kill = getattr(actor, "kill", None)

@@ -3,16 +3,20 @@
 Every engine of the fleet is in exactly one state, changed only by the methods
 below, each of which checks the rule and raises ``IllegalTransition`` otherwise::
 
+    (new) --place(node)--> PLACING --launch--> STARTING      (an elastic fleet's new engine)
     (new) --launch--> STARTING --weights_loaded(v)--> READY <--> SUSPECT
                          |                              |          |
                          +--require_weights(v)--> NEEDS_WEIGHTS(v) <+
                                                         |
-           any live state --drain--> DRAINING --die--> DEAD --launch--> STARTING (new incarnation)
-           any live state --die------------------------^      remove (DRAINING | DEAD) -> forgotten
+   any live state, PLACING --drain--> DRAINING --die--> DEAD --launch--> STARTING (new incarnation)
+           any live state, PLACING --die---------------^      remove (DRAINING | DEAD) -> forgotten
 
     READY | SUSPECT --release--> RELEASED --weights_loaded(v)--> READY
                                     +------require_weights(v)--> NEEDS_WEIGHTS(v)
 
+- PLACING: an elastic fleet created its actor (on ``node`` when it chose one) and waits
+  for Ray to place it and for the engine to start: no URL yet, never routed to, no
+  weights sent. Dies (a placement that failed or was cancelled) or launches.
 - STARTING: launched, weights not known to be current: never routed to.
 - NEEDS_WEIGHTS(v): alive but must load version v first (it missed a version, holds
   part of one, or is a replacement): never routed to; the next publish targets it.
@@ -22,7 +26,8 @@ below, each of which checks the rule and raises ``IllegalTransition`` otherwise:
   (``rollout_fleet.colocation``): paused, its memory released, never routed to; its
   requests in flight are not cancelled (the pause returned or kept their partials). The
   next publish targets it; only a push that reaches it makes it READY again.
-- DRAINING: leaving (scale-down): no new groups; requests in flight finish.
+- DRAINING: leaving (scale-down): no new groups, no new versions; requests in flight
+  finish or are aborted and resubmitted elsewhere (``rollout_fleet.elastic``).
 - DEAD: gone; its requests in flight are regenerated elsewhere. A replacement
   (same name, new process) starts again at STARTING with a new *incarnation*, so
   a late report about the old process (a lease, a weight-sync outcome) is told
@@ -41,6 +46,10 @@ learner: every transition except "weights loaded" is observed on the rollout sid
 (launches, health checks, failed requests), and routing consults it per request,
 so the state lives where it is read most and changes most; weight sync needs it
 only once per version and gets it as data.
+
+Each member also records the Ray node it runs on (``node``: where an elastic fleet
+placed it, or what its actor reported at launch), so a node that leaves the cluster
+names the engines it takes with it (``on_node``).
 
 Thread-safe (one lock); listeners are called outside the lock, on the thread that
 made the change. Left out: persisting membership across a restart of the rollout
@@ -63,6 +72,7 @@ log = get_logger(__name__)
 
 
 class EngineStatus(enum.StrEnum):
+    PLACING = "placing"
     STARTING = "starting"
     NEEDS_WEIGHTS = "needs_weights"
     READY = "ready"
@@ -78,14 +88,15 @@ SERVING = frozenset({S.READY, S.SUSPECT})
 
 # action -> the states it may start from (``None``: the engine is not known yet)
 RULES: dict[str, frozenset[EngineStatus | None]] = {
-    "launch": frozenset({None, S.DEAD}),
+    "place": frozenset({None, S.DEAD}),
+    "launch": frozenset({None, S.DEAD, S.PLACING}),
     "weights_loaded": frozenset({S.STARTING, S.NEEDS_WEIGHTS, S.READY, S.SUSPECT, S.RELEASED}),
     "require_weights": frozenset(LIVE),
     "suspect": frozenset(SERVING),
     "release": frozenset(SERVING),
     "clear_suspect": frozenset({S.SUSPECT}),
-    "drain": frozenset(LIVE),
-    "die": frozenset({*LIVE, S.DRAINING}),
+    "drain": frozenset({*LIVE, S.PLACING}),
+    "die": frozenset({*LIVE, S.DRAINING, S.PLACING}),
     "remove": frozenset({S.DRAINING, S.DEAD}),
 }
 
@@ -118,6 +129,7 @@ class MembershipEvent(msgspec.Struct, frozen=True, kw_only=True):
     incarnation: int
     reason: str = ""
     removed: bool = False
+    joined_s: float | None = None  # a placed engine's first READY: seconds since its place()
 
 
 class EngineTarget(msgspec.Struct, frozen=True, kw_only=True):
@@ -159,9 +171,11 @@ class _Member:
     url: str
     status: EngineStatus
     incarnation: int
+    node: str = ""  # the Ray node it runs on ("" = not known)
     version: int | None = None  # the weights it holds, once known
     needs_version: int | None = None  # NEEDS_WEIGHTS: what it must load before serving
     suspect_since: float = 0.0
+    placed_at: float | None = None  # place() time, until it first serves (join time)
     reason: str = ""
 
 
@@ -183,18 +197,41 @@ class Membership:
         self._incarnations = 0
         self._listeners: list[Listener] = []
         self.latest_version = 0  # the newest version any publish delivered
+        # the engines a publish on its way goes to (begin_sync .. apply_sync): an engine
+        # leaving the fleet is stopped only once no broadcast waits for it
+        self._syncing: frozenset[str] = frozenset()
 
     # ---- transitions --------------------------------------------------------------------
 
-    def launch(self, name: str, url: str) -> int:
-        """A new process serves ``name`` at ``url`` (first start or a replacement); its incarnation."""
+    def place(self, name: str, node: str = "") -> int:
+        """An elastic fleet created ``name``'s actor (on ``node``, if it chose one) and waits
+        for it to start; its incarnation."""
+        with self._lock:
+            old = self._members.get(name)
+            self._check("place", name, old.status if old else None)
+            self._incarnations += 1
+            member = _Member(name, "", S.PLACING, self._incarnations, node=node)
+            member.placed_at = self._clock()
+            self._members[name] = member
+            event = self._event(member, f"placing on node {node[:12]}" if node else "placing")
+        self._emit(event)
+        return member.incarnation
+
+    def launch(self, name: str, url: str, *, node: str = "") -> int:
+        """A new process serves ``name`` at ``url`` on ``node`` (first start, a replacement,
+        or a placed engine that started); its incarnation."""
         with self._lock:
             old = self._members.get(name)
             self._check("launch", name, old.status if old else None)
-            self._incarnations += 1
-            member = _Member(name, url, S.STARTING, self._incarnations)
-            self._members[name] = member
-            event = self._event(member, "launched")
+            if old is not None and old.status is S.PLACING:  # the placed process, now serving
+                member = old
+                member.url, member.node = url, node or old.node
+                event = self._move(member, S.STARTING, "launched")
+            else:
+                self._incarnations += 1
+                member = _Member(name, url, S.STARTING, self._incarnations, node=node)
+                self._members[name] = member
+                event = self._event(member, "launched")
         self._emit(event)
         return member.incarnation
 
@@ -210,6 +247,10 @@ class Membership:
                 )
             member.version, member.needs_version = version, None
             event = self._move(member, S.READY, f"holds version {version}")
+            if event is not None and member.placed_at is not None:  # a placed engine joined
+                joined = self._clock() - member.placed_at
+                member.placed_at = None
+                event = msgspec.structs.replace(event, joined_s=joined)
         self._emit(event)
 
     def require_weights(
@@ -250,7 +291,8 @@ class Membership:
         self._emit(event)
 
     def drain(self, name: str, reason: str = "leaving") -> None:
-        """No new groups for ``name``; its requests in flight finish."""
+        """No new groups (and no new version) for ``name``; its requests in flight finish or
+        are aborted and resubmitted elsewhere. A placement no longer wanted drains too."""
         with self._lock:
             member = self._member(name, None)
             self._check("drain", name, member.status)
@@ -275,8 +317,21 @@ class Membership:
             event = msgspec.structs.replace(self._event(member, "removed"), removed=True)
         self._emit(event)
 
+    def begin_sync(self, targets: WeightTargets) -> WeightTargets:
+        """A publish to ``targets`` starts (its outcome comes back through ``apply_sync``)."""
+        with self._lock:
+            self._syncing = frozenset(t.name for t in targets.engines)
+        return targets
+
+    def syncing(self, name: str) -> bool:
+        """Whether a publish on its way counts on ``name`` (its weight group includes it)."""
+        with self._lock:
+            return name in self._syncing
+
     def apply_sync(self, outcome: SyncOutcome) -> None:
         """Turn one publish's outcome into transitions (targets replaced meanwhile are skipped)."""
+        with self._lock:
+            self._syncing = frozenset()
         for target in outcome.targets:
             try:
                 if target.name in outcome.failed:
@@ -319,9 +374,32 @@ class Membership:
             return sorted(self._members)
 
     def urls(self) -> dict[str, str]:
-        """URL of every engine whose process is running (not dead)."""
+        """URL of every engine whose process is running (not dead, not still placing)."""
         with self._lock:
-            return {m.name: m.url for m in self._members.values() if m.status is not S.DEAD}
+            return {
+                m.name: m.url for m in self._members.values() if m.status not in (S.DEAD, S.PLACING)
+            }
+
+    def node(self, name: str) -> str:
+        with self._lock:
+            return self._member(name, None).node
+
+    def on_node(self, node: str) -> list[str]:
+        """Engines (placing or running, not dead) on Ray node ``node``."""
+        with self._lock:
+            return sorted(
+                m.name for m in self._members.values() if m.node == node and m.status is not S.DEAD
+            )
+
+    def count(self, statuses: frozenset[EngineStatus] | set[EngineStatus]) -> int:
+        """How many engines are in one of ``statuses``."""
+        with self._lock:
+            return sum(m.status in statuses for m in self._members.values())
+
+    def in_state(self, statuses: frozenset[EngineStatus] | set[EngineStatus]) -> list[str]:
+        """Names of the engines in one of ``statuses``, sorted."""
+        with self._lock:
+            return sorted(m.name for m in self._members.values() if m.status in statuses)
 
     def routable(self) -> list[tuple[str, int, EngineStatus]]:
         """(name, incarnation, status) of the engines a new request may go to: READY ones,
@@ -365,8 +443,10 @@ class Membership:
                     "state": str(m.status),
                     "url": m.url,
                     "incarnation": m.incarnation,
+                    "node": m.node,
                     "version": m.version,
                     "needs_version": m.needs_version,
+                    "reason": m.reason,
                 }
                 for m in self._members.values()
             }
@@ -405,7 +485,7 @@ class Membership:
         if member.status is status:
             return None
         previous, member.status, member.reason = member.status, status, reason
-        (log.info if status in (S.READY, S.STARTING, S.RELEASED) else log.warning)(
+        (log.info if status in (S.READY, S.STARTING, S.RELEASED, S.DRAINING) else log.warning)(
             "engine %s: %s -> %s%s", member.name, previous, status, f" ({reason})" if reason else ""
         )
         return self._event(member, reason)

@@ -330,8 +330,8 @@ class SampleRunner:
                     "removed" if event.removed else event.status,
                     len(lost),
                 )
-            if event.removed:
-                self.clients.pop(event.name, None)
+            if event.removed and (gone := self.clients.pop(event.name, None)) is not None:
+                self._close_later(gone)  # its HTTP session, without blocking the loop
         elif event.url and self.client_factory is not None:
             old = self.clients.get(event.name)
             old_url = self._client_urls.get(event.name) or getattr(old, "base_url", None)

@@ -43,6 +43,11 @@ greedy sample per prompt by default, multi-turn too when it is on) and returns
 mean scores per data source (the combined reward ``val/score`` and, apart, the rule
 score and the model score), and a fixed choice of its samples (rollout_fleet/validation.py).
 
+An elastic fleet (``serving_share``) scales the concurrency cap with the engines serving
+now, as a share of ``rollout.num_engines``: a fleet grown to three engines starts groups for
+three, one shrunk to one for one. The staleness window itself does not change: η holds
+whatever the fleet's size.
+
 Staleness: ``running_groups`` counts groups from start until fully sent, plus
 (with a ``ledger``, rollout_fleet/delivery.py) those sent whole that the buffer
 has not yet been seen to hold: without the ledger a group in ZeroMQ transit is
@@ -55,8 +60,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import inspect
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -172,9 +179,13 @@ class RolloutWorker:
         client_factory: Callable[[str], RolloutEngine] | None = None,
         ledger: SentLedger | None = None,
         lora: bool = False,
+        serving_share: Callable[[], float] | None = None,
         max_failed_reward_groups: int = 0,
     ):
         self.config = config
+        # elastic fleets: the engines serving now over the start size; the concurrency cap
+        # (rollout.max_concurrent_groups, sized for num_engines) scales with it
+        self._serving_share = serving_share
         self.router = router
         # lora: requests name the engines' current LoRA adapter (rollout_fleet.adapters)
         self.runner = SampleRunner(
@@ -386,9 +397,11 @@ class RolloutWorker:
         if state is None:
             return 0
         self.last_admission = state
-        return StalenessAdmission.from_state(state).capacity(
-            state.policy_version, state.accepted_groups, self.running_groups
-        )
+        admission = StalenessAdmission.from_state(state)
+        if self._serving_share is not None:  # the fleet's current capacity, at least one group
+            cap = math.ceil(admission.max_concurrent * self._serving_share())
+            admission = dataclasses.replace(admission, max_concurrent=max(1, cap))
+        return admission.capacity(state.policy_version, state.accepted_groups, self.running_groups)
 
     async def _poll_admission(self) -> AdmissionCounters | None:
         try:

@@ -33,6 +33,7 @@ class SyncMetrics:
     pause_s: float = 0.0
     group_setup_s: float = 0.0
     resume_s: float = 0.0
+    paused_s: float = 0.0  # the engines' pause window: pause sent -> every continue answered
     verify_s: float = 0.0  # keeping the sent rows plus the engines' /model_info and row replies
     write_s: float = 0.0  # LoRA: writing the adapter folder the engines load (adapter_sender)
     total_s: float = 0.0
@@ -55,6 +56,7 @@ class SyncMetrics:
             "pause_s",
             "group_setup_s",
             "resume_s",
+            "paused_s",
             "verify_s",
             "write_s",
             "total_s",

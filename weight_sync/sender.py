@@ -10,11 +10,15 @@ to ``publish``, the other ranks drain theirs (``drain_stream``):
     drain_stream(worker.named_full_tensors())                          # ranks > 0
 
 ``publish`` in order (SGLang 0.5.23's protocol, DESIGN.md §5):
-  1. pause every engine (``config.pause_mode``) - concurrently;
-  2. (re)form the group if membership changed: rank 0 serves a TCPStore, POSTs
+  1. (re)form the group if membership changed: rank 0 serves a TCPStore, POSTs
      ``/init_weights_update_group`` to each engine with its ``rank_offset``
      (an engine with TP t takes t consecutive ranks) while joining as rank 0
-     the way SGLang's engine ranks join (see ``group``);
+     the way SGLang's engine ranks join (see ``group``). Before any pause: an
+     engine that joined the fleet (or one that left) costs the others no paused
+     time here (the embedded engine forms the group on a thread of its own while
+     it generates; SGLang's scheduler holds generation for the rendezvous);
+  2. pause every engine (``config.pause_mode``) - concurrently; an engine that
+     fails it is dropped and the group formed again without it;
   3. ``/begin_weight_update`` on every engine (SGLang refuses updates outside);
   4. pack the stream into dtype-grouped flat buckets of ``bucket_mb`` (on CPU,
      tensors of at least ``config.ZERO_COPY_MB`` go uncopied in per-tensor
@@ -183,11 +187,15 @@ class WeightSender(Publisher):
         )
 
         t0 = time.perf_counter()
-        errors.update(self._call_all(lambda c: c.pause(self.config.pause_mode), "pause"))
-        metrics.pause_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        errors.update(self._ensure_group())
+        errors.update(self._ensure_group())  # a new member joins while the others generate
         metrics.group_setup_s = time.perf_counter() - t0
+        paused_at = time.perf_counter()
+        errors.update(self._call_all(lambda c: c.pause(self.config.pause_mode), "pause"))
+        metrics.pause_s = time.perf_counter() - paused_at
+        if errors:  # an engine dropped by its pause must leave the group first
+            t0 = time.perf_counter()
+            errors.update(self._ensure_group())
+            metrics.group_setup_s += time.perf_counter() - t0
 
         sent = SentRows(self.config.verify_rows) if verify else None
         if sent is not None:
@@ -226,6 +234,7 @@ class WeightSender(Publisher):
         t0 = time.perf_counter()
         errors.update(self._call_all(lambda c: c.resume(), "continue"))
         metrics.resume_s = time.perf_counter() - t0
+        metrics.paused_s = time.perf_counter() - paused_at
         self.latest_version = version
 
         mismatched: dict[str, str] = {}

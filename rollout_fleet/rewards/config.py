@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from rollout_fleet.config import engine_range
+
 
 class CustomFunctionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     path: Annotated[
@@ -76,6 +78,20 @@ class RewardModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         int,
         Meta(ge=1, description="Reward-model servers placed (on nodes with ray.reward_resource)."),
     ] = 1
+    min_engines: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="With rollout.elastic: the fewest reward servers (servers whose node left are not replaced down to this many). 0 = num_engines.",
+        ),
+    ] = 0
+    max_engines: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="With rollout.elastic: the most reward servers, the top of `fleetrl fleet scale --reward-engines` and of the servers placed on reward nodes that join the cluster. 0 = num_engines.",
+        ),
+    ] = 0
     cpus_per_engine: Annotated[
         float, Meta(ge=0, description="Ray CPUs reserved per reward server.")
     ] = 1.0
@@ -129,6 +145,12 @@ class RewardModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     retry_backoff_s: Annotated[
         float, Meta(ge=0, description="Pause before a failed /classify is retried.")
     ] = 0.5
+
+    @property
+    def engine_range(self) -> tuple[int, int]:
+        """(fewest, most) placed servers: ``min_engines`` and ``max_engines``, 0 read as
+        ``num_engines``."""
+        return engine_range(self.num_engines, self.min_engines, self.max_engines)
 
     def api_key(self, env: Mapping[str, str]) -> str | None:
         """The bearer key of the servers in ``urls``: ``env[api_key_env]`` (None: unset)."""

@@ -18,7 +18,10 @@ client sends. Whoever scores (``RewardModelClient``) learns the serving URLs thr
 ``on_servers``: called with every serving server (name -> URL) whenever one starts,
 dies or is replaced, so a replacement's new port reaches the client before its next batch.
 
-Left out: scaling the reward fleet at runtime, sharing reward servers between runs.
+With ``rollout.elastic`` the reward fleet grows and shrinks as the rollout fleet does,
+between ``reward.model.min_engines`` and ``max_engines``, on ``reward`` nodes
+(``rollout_fleet.elastic``; servers it adds are ``reward-<i>`` too). Left out: sharing
+reward servers between runs.
 """
 
 from __future__ import annotations
@@ -59,30 +62,52 @@ def reward_server_specs(
     log_dir: str | None = None,
 ) -> list[EngineSpec]:
     """One ``EngineSpec`` per reward server (``reward-0`` ... ``reward-{N-1}``)."""
-    backend = reward_backend(model, rollout)
-    gpus = model.gpus_per_engine
     return [
-        EngineSpec(
-            name=f"{NAME_PREFIX}-{i}",
-            model_path=model.path,
-            backend=backend,  # type: ignore[arg-type]
-            device="cuda" if gpus > 0 else "cpu",
+        reward_server_spec(
+            model,
+            rollout,
+            f"{NAME_PREFIX}-{i}",
             dtype=dtype,
-            # embedded: a client batch is one forward; SGLang sizes its own from memory
-            max_running_requests=None if engine_kind(backend).gpu_server else model.batch_size,
-            expose_on_node_ip=expose_on_node_ip,
             api_key=api_key,
-            torch_threads=max(1, int(model.cpus_per_engine)),
-            tp_size=max(1, int(gpus)) if engine_kind(backend).gpu_server else 1,
-            mem_fraction_static=model.mem_fraction_static,
-            load_format="auto",  # its own weights, from the folder: never pushed
-            is_embedding=True,
-            extra_args=list(model.sglang_extra_args),
-            startup_timeout_s=rollout.engine_startup_timeout_s,
+            expose_on_node_ip=expose_on_node_ip,
             log_dir=log_dir,
         )
         for i in range(model.num_engines)
     ]
+
+
+def reward_server_spec(
+    model: RewardModelConfig,
+    rollout: RolloutConfig,
+    name: str,
+    *,
+    dtype: str = "float32",
+    api_key: str | None = None,
+    expose_on_node_ip: bool = False,
+    log_dir: str | None = None,
+) -> EngineSpec:
+    """The ``EngineSpec`` of reward server ``name``."""
+    backend = reward_backend(model, rollout)
+    gpus = model.gpus_per_engine
+    return EngineSpec(
+        name=name,
+        model_path=model.path,
+        backend=backend,  # type: ignore[arg-type]
+        device="cuda" if gpus > 0 else "cpu",
+        dtype=dtype,
+        # embedded: a client batch is one forward; SGLang sizes its own from memory
+        max_running_requests=None if engine_kind(backend).gpu_server else model.batch_size,
+        expose_on_node_ip=expose_on_node_ip,
+        api_key=api_key,
+        torch_threads=max(1, int(model.cpus_per_engine)),
+        tp_size=max(1, int(gpus)) if engine_kind(backend).gpu_server else 1,
+        mem_fraction_static=model.mem_fraction_static,
+        load_format="auto",  # its own weights, from the folder: never pushed
+        is_embedding=True,
+        extra_args=list(model.sglang_extra_args),
+        startup_timeout_s=rollout.engine_startup_timeout_s,
+        log_dir=log_dir,
+    )
 
 
 def reward_fleet_settings(model: RewardModelConfig, rollout: RolloutConfig) -> FleetSettings:
@@ -117,15 +142,14 @@ class RewardFleet:
     ) -> None:
         self.membership = Membership(suspect_cooldown_s=rollout.suspect_cooldown_s)
         self._on_servers = on_servers
+        options = {
+            "dtype": dtype,
+            "api_key": api_key,
+            "expose_on_node_ip": expose_on_node_ip,
+            "log_dir": log_dir,
+        }
         self.fleet = EngineFleet.of_specs(
-            reward_server_specs(
-                model,
-                rollout,
-                dtype=dtype,
-                api_key=api_key,
-                expose_on_node_ip=expose_on_node_ip,
-                log_dir=log_dir,
-            ),
+            reward_server_specs(model, rollout, **options),  # type: ignore[arg-type]
             reward_fleet_settings(model, rollout),
             membership=self.membership,
             api_key=api_key,
@@ -133,6 +157,8 @@ class RewardFleet:
             weights_pushed=False,  # reward servers never take weight updates
             actor_factory=actor_factory,
             health_probe=health_probe,
+            spec_factory=lambda name: reward_server_spec(model, rollout, name, **options),  # type: ignore[arg-type]
+            name_prefix=NAME_PREFIX,
         )
         self.membership.subscribe(self._changed)
 

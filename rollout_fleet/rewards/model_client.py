@@ -124,6 +124,7 @@ class RewardModelClient:
         self.max_attempts = max_attempts
         self.retry_backoff_s = retry_backoff_s
         self._servers: dict[str, _Server] = {}
+        self._retired: dict[str, _Server] = {}  # left the pool with attempts still running
         self._pool_changed: asyncio.Event | None = None
         self._session: aiohttp.ClientSession | None = None
         self._turn = 0  # round-robin among equally loaded servers
@@ -158,6 +159,9 @@ class RewardModelClient:
             kept[name] = old if old is not None and old.url == url else _Server(name, url)
         if {n: s.url for n, s in kept.items()} != self.servers:
             log.info("reward servers: %s", {n: s.url for n, s in kept.items()} or "none")
+        for name, old in self._servers.items():
+            if kept.get(name) is not old and old.in_flight:
+                self._retired[name] = old
         self._servers = kept
         if self._pool_changed is not None:
             self._pool_changed.set()
@@ -165,6 +169,16 @@ class RewardModelClient:
     @property
     def servers(self) -> dict[str, str]:
         return {name: s.url for name, s in self._servers.items()}
+
+    def in_flight(self, name: str) -> int:
+        """Attempts running on server ``name``, in the pool or taken out of it (a server
+        that drains before it stops waits for these)."""
+        retired = self._retired.get(name)
+        if retired is not None and not retired.in_flight:
+            del self._retired[name]
+            retired = None
+        server = self._servers.get(name)
+        return (server.in_flight if server else 0) + (retired.in_flight if retired else 0)
 
     def _pick(self, avoid: set[str]) -> _Server | None:
         """Servers this batch has not failed on first, then those not cooling after a

@@ -40,3 +40,44 @@ def test_embedded_engine_receives_every_version_bit_exact(tiny_model_dir):
                     assert torch.equal(held[name], tensor), name  # bit for bit
     finally:
         engine.stop()
+
+
+def test_an_engine_that_joins_enters_the_group_before_anyone_pauses(tiny_model_dir, monkeypatch):
+    # the weight group is formed again with the joiner while the engine already serving
+    # generates; only then are both paused for the version, and the pause window is timed
+    from weight_sync.engine_client import EngineClient
+
+    calls: list[tuple[str, str]] = []
+    for method in ("init_group", "pause", "resume"):
+        original = getattr(EngineClient, method)
+
+        def recorded(self, *args, _original=original, _method=method, **kwargs):
+            calls.append((_method, self.name))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(EngineClient, method, recorded)
+    from transformers import AutoModelForCausalLM
+
+    learner = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    engines = [
+        server.EmbeddedEngine(str(tiny_model_dir), engine_id=f"join-{i}", device="cpu")
+        for i in range(2)
+    ]
+    urls = [engine.start_server("127.0.0.1", 0) for engine in engines]
+    try:
+        config = WeightSyncConfig(bucket_mb=0.1, timeout_s=30, pause_mode="in_place")
+        with WeightSender(config) as sender:
+            sender.connect([EngineEndpoint("serving", urls[0], None)])
+            sender.publish(module_named_tensors(learner), 0)
+            calls.clear()
+            sender.add_engine(EngineEndpoint("joiner", urls[1], None))
+            metrics = sender.publish(module_named_tensors(learner), 1)
+        assert calls.index(("init_group", "joiner")) < calls.index(("pause", "serving"))
+        assert calls.index(("init_group", "serving")) < calls.index(("pause", "serving"))
+        assert {n for m, n in calls if m == "pause"} == {"serving", "joiner"}
+        assert metrics.group_setup_s > 0 and metrics.paused_s >= metrics.pause_s > 0
+        for url in urls:
+            assert requests.get(url + "/model_info", timeout=30).json()["weight_version"] == "1"
+    finally:
+        for engine in engines:
+            engine.stop()

@@ -291,6 +291,52 @@ def test_missing_config_file_is_named():
             "rollout.placement",
             "sends adapters only",
         ),
+        (
+            [
+                "rollout.elastic=true",
+                "rollout.num_engines=2",
+                "rollout.min_engines=3",
+                "rollout.max_engines=4",
+            ],  # fmt: skip
+            "rollout.min_engines",
+            "rollout.num_engines",
+            "set rollout.min_engines <= 2",
+        ),
+        (
+            ["rollout.elastic=true", "rollout.num_engines=2", "rollout.max_engines=1"],
+            "rollout.max_engines",
+            "rollout.num_engines",
+            "set rollout.max_engines >= 2",
+        ),
+        (
+            ["rollout.max_engines=3"],
+            "rollout.max_engines",
+            "rollout.elastic",
+            "needs rollout.elastic=true",
+        ),
+        (
+            [
+                "rollout.elastic=true",
+                "reward.model.path=/rm",
+                "reward.model.num_engines=2",
+                "reward.model.min_engines=3",
+            ],  # fmt: skip
+            "reward.model.min_engines",
+            "reward.model.num_engines",
+            "set reward.model.min_engines <= 2",
+        ),
+        (
+            ["reward.model.max_engines=2"],
+            "reward.model.max_engines",
+            "reward.model.path",
+            "only a reward fleet the run places",
+        ),
+        (
+            ["rollout.elastic=true", "rollout.placement=colocated"],
+            "rollout.elastic",
+            "rollout.placement",
+            "their number is the learner's",
+        ),
     ],
 )
 def test_cross_section_rule_refused_at_load_naming_both_keys(overrides, key, other, fragment):

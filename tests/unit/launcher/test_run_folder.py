@@ -94,7 +94,9 @@ def test_keys_that_do_not_change_the_run_do_not_count(tmp_path):
     cfg = load_run_config(
         None,
         overrides(tmp_path, "trainer.total_steps=80", "logging.console_every=1", "ray.num_cpus=2",
-                  "trainer.test_freq=5", "reward.max_failed_groups=0"),
+                  "trainer.test_freq=5", "reward.max_failed_groups=0",
+                  # another fleet size: resumed on more (or fewer) engines
+                  "rollout.num_engines=2", "rollout.elastic=true", "rollout.max_engines=4"),
     )  # fmt: skip
     assert differing_keys(old, cfg) == []
     assert folder_findings(cfg, read_folder(cfg), resume_with_changes=False) == []

@@ -197,9 +197,10 @@ class FakeActor:
 
     launched = 0
 
-    def __init__(self, spec, fail_start=False):
+    def __init__(self, spec, fail_start=False, node=""):
         FakeActor.launched += 1
         self.spec = spec
+        self.node = node  # the Ray node it reports
         self.dead = False
         self.killed = False
         self.number = FakeActor.launched
@@ -216,7 +217,7 @@ class FakeActor:
     def _ping(self):
         if self.dead:
             raise ConnectionError("actor died")
-        return {"alive": True}
+        return {"alive": True, "node": self.node}
 
     def kill(self):
         self.killed = True

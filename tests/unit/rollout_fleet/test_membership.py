@@ -20,6 +20,7 @@ S = EngineStatus
 
 # the state each action leads to when legal
 RESULT = {
+    "place": S.PLACING,
     "launch": S.STARTING,
     "weights_loaded": S.READY,
     "require_weights": S.NEEDS_WEIGHTS,
@@ -33,6 +34,8 @@ RESULT = {
 
 # the legal table written out once more by hand, so a change to RULES must be deliberate
 LEGAL = {
+    ("place", None), ("place", S.DEAD), ("launch", S.PLACING), ("die", S.PLACING),
+    ("drain", S.PLACING),
     ("launch", None), ("launch", S.DEAD),
     ("weights_loaded", S.STARTING), ("weights_loaded", S.NEEDS_WEIGHTS),
     ("weights_loaded", S.READY), ("weights_loaded", S.SUSPECT),
@@ -55,6 +58,9 @@ def in_state(status: EngineStatus | None) -> Membership:
     m = Membership()
     if status is None:
         return m
+    if status is S.PLACING:
+        m.place("e", "node-a")
+        return m
     m.launch("e", "http://e")
     path = {
         S.STARTING: [],
@@ -73,6 +79,7 @@ def in_state(status: EngineStatus | None) -> Membership:
 
 def act(m: Membership, action: str) -> None:
     calls = {
+        "place": lambda: m.place("e", "node-b"),
         "launch": lambda: m.launch("e", "http://e2"),
         "weights_loaded": lambda: m.weights_loaded("e", 5),
         "require_weights": lambda: m.require_weights("e", 5, "behind"),
@@ -238,3 +245,30 @@ def test_a_released_engine_is_never_routed_and_only_a_push_that_reaches_it_retur
     assert m.status("e") is S.NEEDS_WEIGHTS and "e" not in [n for n, _, _ in m.routable()]
     m.apply_sync(SyncOutcome(version=1, targets=(target,)))
     assert m.status("e") is S.READY
+
+
+def test_a_placed_engine_keeps_its_incarnation_and_node_when_it_starts_and_is_never_routed_before():
+    m = Membership()
+    events = []
+    m.subscribe(events.append)
+    placed = m.place("e", "node-a")
+    assert m.status("e") is S.PLACING and m.node("e") == "node-a"
+    assert m.urls() == {} and m.routable() == [] and m.weight_targets().engines == ()
+    assert m.behind() == []  # nothing to send weights to before it has a URL
+    assert m.launch("e", "http://e") == placed  # the same process, now serving
+    assert m.status("e") is S.STARTING and m.urls() == {"e": "http://e"}
+    assert m.node("e") == "node-a" and m.behind() == ["e"]
+    assert [(e.status, e.url) for e in events] == [(S.PLACING, ""), (S.STARTING, "http://e")]
+
+
+def test_engines_are_found_by_the_node_they_run_on():
+    m = Membership()
+    m.launch("a", "http://a", node="n1")
+    m.launch("b", "http://b", node="n2")
+    m.place("c", "n1")
+    m.launch("d", "http://d", node="n1")
+    m.die("d", "gone")
+    assert m.on_node("n1") == ["a", "c"]  # placing counts, dead does not
+    assert m.snapshot()["a"]["node"] == "n1"
+    assert m.count({S.STARTING, S.PLACING}) == 3
+    assert m.in_state({S.PLACING}) == ["c"]

@@ -41,6 +41,7 @@ def make_worker(
     ledger=None,
     rewards=None,
     max_failed_reward_groups=0,
+    serving_share=None,
     **config,
 ):
     router = Router(Membership(suspect_cooldown_s=config.get("suspect_cooldown_s", 30.0)))
@@ -69,6 +70,7 @@ def make_worker(
         rewards=rewards if rewards is not None else fake_rewards(),
         tokenizer=FakeTokenizer(),
         ledger=ledger,
+        serving_share=serving_share,
         max_failed_reward_groups=max_failed_reward_groups,
     )
     return worker, router, sender
@@ -253,6 +255,29 @@ def test_concurrency_cap_bounds_groups_in_flight():
         assert engine.max_inflight_groups <= 3
 
     asyncio.run(scenario())
+
+
+def test_an_elastic_fleets_concurrency_cap_follows_its_serving_engines_within_the_window():
+    # rollout.max_concurrent_groups is sized for num_engines: a fleet grown to 3 of 2 engines
+    # starts half as many groups again, one shrunk to 1 of 2 half as many; the staleness
+    # window (η) bounds both whatever the fleet's size
+    async def scenario(share, groups_per_version, allowed):
+        engine = FakeEngine("a")
+        engine.hold = True
+        worker, _, _ = make_worker(
+            [engine], n=2, max_concurrent_groups=4, groups_per_version=groups_per_version,
+            serving_share=lambda: share,
+        )  # fmt: skip
+        task = asyncio.create_task(worker.run(num_groups=20))
+        await wait_for(lambda: worker.groups_started >= allowed)
+        await asyncio.sleep(0.2)  # admission polls every 10 ms: no group beyond them starts
+        assert worker.groups_started == allowed == engine.max_inflight_groups
+        engine.release()
+        await task
+
+    asyncio.run(scenario(0.5, 1000, allowed=2))
+    asyncio.run(scenario(1.5, 1000, allowed=6))
+    asyncio.run(scenario(1.5, 5, allowed=5))  # the window: (η + 1) x groups per version
 
 
 def test_abort_mode_partials_are_resubmitted_and_versions_kept_per_piece():
