@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml tests/conformance/requirements-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[dev,tensorboard,mlflow]"
+	$(PY) -m pip install -q -e ".[dev,tensorboard,mlflow,agent]"
 	$(PY) -m pip install -q --no-deps "$(SGLANG)"
 	$(PY) -m pip install -q -r tests/conformance/requirements-cpu.txt
 	touch $(STAMP)

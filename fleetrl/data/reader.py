@@ -62,12 +62,31 @@ class PromptItem:
     row: int = -1
 
 
+def render_chat_text(
+    tokenizer: ChatTokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The chat template's text for ``messages`` (and the ``tools`` offered, when given): the
+    one rendering the dataset's prompts and the agent gateway's calls share."""
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+    )
+
+
 def render_prompt(
-    tokenizer: ChatTokenizer, messages: list[dict[str, str]], apply_chat_template: bool
+    tokenizer: ChatTokenizer,
+    messages: list[dict[str, str]],
+    apply_chat_template: bool,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of ``messages``: chat template with generation prompt, or contents joined by newlines."""
+    """Token ids of ``messages``: chat template with generation prompt (and ``tools``), or
+    contents joined by newlines."""
     if apply_chat_template:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = render_chat_text(tokenizer, messages, add_generation_prompt=True, tools=tools)
     else:
         text = "\n".join(message["content"] for message in messages)
     return list(tokenizer.encode(text, add_special_tokens=False))
