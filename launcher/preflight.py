@@ -45,6 +45,7 @@ from urllib.parse import urlparse
 
 from fleetrl.log import get_logger
 from launcher.config import RunConfig, load_run_config_named
+from launcher.preflight_agent import check_agent
 from launcher.preflight_findings import (
     Finding,
     Node,
@@ -435,7 +436,7 @@ def run_checks(
     """Every check; every finding (warnings included), in the order a user fixes them."""
     probes = probes or Probes()
     target = resolve_address(cfg, address, probes.env)
-    findings = check_data(cfg) + check_model(cfg) + check_rewards(cfg)
+    findings = check_data(cfg) + check_model(cfg) + check_rewards(cfg) + check_agent(cfg)
     findings += check_reward_urls(cfg, probes)
     if target:
         cluster_findings, nodes = check_cluster(cfg, target, probes)

@@ -437,6 +437,7 @@ class RolloutRole:
             **reader_args,
         )
         self.val_files = cfg.data.val_files
+        self.gateway_host = node_ip(local)  # rollout.agent: where agents reach the gateway
         self._reader_args = reader_args
         self.membership = Membership(suspect_cooldown_s=cfg.rollout.suspect_cooldown_s)
         self.router = Router(self.membership)
@@ -539,6 +540,8 @@ class RolloutRole:
                 url, api_key=self.api_key, timeout_s=cfg.rollout.request_timeout_s
             ),
             lora=cfg.learner.lora.rank > 0,
+            max_prompt_tokens=cfg.data.max_prompt_length,
+            gateway_host=self.gateway_host,
         )
         return urls
 

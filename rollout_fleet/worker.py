@@ -290,6 +290,8 @@ class RolloutWorker:
                 await self._drain(0.0)
                 raise RuntimeError(f"rollout group crashed: {self._fatal!r}") from self._fatal
             await self._drain(None if not self._stopping else self._stop_deadline_s)
+            if self._fatal is not None:  # a group crashed while the last ones drained
+                raise RuntimeError(f"rollout group crashed: {self._fatal!r}") from self._fatal
         finally:
             self._running = False
             self._stopped.set()

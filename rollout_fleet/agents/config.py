@@ -53,6 +53,10 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             description="Seconds between the rollout role's probes of the gateway; one that does not answer is restarted and its episodes in flight fail (counted).",
         ),
     ] = 5.0
+    health_check_timeout_s: Annotated[
+        float,
+        Meta(gt=0, description="A gateway probe taking longer than this counts as failed."),
+    ] = 5.0
 
     def __post_init__(self) -> None:
         if self.entrypoint:

@@ -135,7 +135,7 @@ class AgentRollout:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
-            if not await self.gateway.healthy(self.config.health_check_interval_s):
+            if not await self.gateway.healthy(self.config.health_check_timeout_s):
                 log.error(
                     "agent gateway on %s does not answer: restarting it", self.gateway.base_url
                 )

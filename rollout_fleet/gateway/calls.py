@@ -108,6 +108,7 @@ class CallRunner:
             reply = ChatMessage("assistant", choice.reply.content, choice.reply.tool_calls)
             child = fork(start)
             child.add_turn(choice.turn)
+            child.finish(choice.turn.final_finish_reason)
             branch = Branch(child, list(choice.turn.output_ids), [*keys, reply.key],
                             [*rendered, {"role": "assistant", "content": raw}], offered)  # fmt: skip
             episode.add(branch, parent)
@@ -127,6 +128,7 @@ class CallRunner:
         for choice in choices:
             child = fork(start)
             child.add_turn(choice.turn)
+            child.finish(choice.turn.final_finish_reason)
             episode.add(Branch(child, list(choice.turn.output_ids), chat=False), parent)
         return choices
 
@@ -135,9 +137,9 @@ class CallRunner:
         if len(delta) >= start.remaining_tokens:
             self.refused_context += 1
             raise context_length_exceeded(
-                f"the conversation needs {len(delta)} more tokens before the reply, and only "
-                f"{start.remaining_tokens} of the episode's {start.max_new_tokens}-token budget "
-                "(rollout.max_new_tokens) are left",
+                f"the conversation needs {len(delta)} more tokens before the reply and "
+                f"{start.remaining_tokens} of its {start.max_new_tokens}-token budget "
+                "(rollout.max_new_tokens) are left: no room for a reply",
                 param,
             )
         if delta:

@@ -117,8 +117,8 @@ class AgentGateway:
         await self.stop()
         failed = self.sessions.fail_all(RESTART_REASON)
         self.episodes_failed_by_restart += failed
+        await self.start(self.host, self.port)  # OSError if the port is not free yet
         self.restarts += 1
-        await self.start(self.host, self.port)
         log.warning(
             "agent gateway restarted on %s: %d episodes in flight failed", self.base_url, failed
         )
