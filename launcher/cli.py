@@ -216,7 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     r = isub.add_parser(
         "rollouts", help="counts and reward/length/staleness statistics of a rollout bank"
     )
-    r.add_argument("dir")
+    r.add_argument("dir", help="a rollout bank, or a run directory (its rollout_bank)")
+    r.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per accepted trajectory: token_ids, loss_mask, logprobs, versions, "
+        "reward, episode, ...",
+    )
 
     p = sub.add_parser(
         "bench", help="throughput harness: each stage against its baseline, as ratios"
