@@ -12,8 +12,9 @@ SGLANG ?= sglang==0.5.23
 DEMO_OUT ?= runs/demo/run
 DEMO_RM_OUT ?= runs/demo/rm
 DEMO_RLHF_OUT ?= runs/demo/rlhf
+DEMO_AGENT ?= runs/demo/agent
 
-.PHONY: demo demo-rm demo-rlhf test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
+.PHONY: demo demo-rm demo-rlhf demo-agent test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
 
 venv: $(STAMP)
 
@@ -46,6 +47,14 @@ demo-rlhf: $(STAMP)
 	rm -rf $(DEMO_RLHF_OUT)
 	$(VENV)/bin/fleetrl train --config configs/demo_rlhf_cpu.yaml trainer.output_dir=$(DEMO_RLHF_OUT) \
 		reward.model.path=$(DEMO_RM_OUT)/reward_model
+
+# The agent demo (configs/demo_agent_cpu.yaml): an agent program written against OpenAI's API
+# is the rollout; GRPO teaches the tiny model to call its calculator tool right. The data and
+# the warm-started model are built once; the run starts afresh each time.
+demo-agent: $(STAMP)
+	$(PY) examples/agents/build_calculator_demo.py --out $(DEMO_AGENT)
+	rm -rf $(DEMO_AGENT)/run
+	$(VENV)/bin/fleetrl train --config configs/demo_agent_cpu.yaml trainer.output_dir=$(DEMO_AGENT)/run
 
 # Each tier in a fresh interpreter, the fast one first: one tier's process state (loaded
 # libraries, their caches and patches) never reaches another's; every tier runs, then the

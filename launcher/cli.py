@@ -237,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
             "e2e",
             "accuracy",
             "reward",
+            "agent",
             "all",
         ],
     )

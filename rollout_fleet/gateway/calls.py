@@ -79,6 +79,7 @@ class CallRunner:
         self.refused_context = 0
         self.tool_calls = 0
         self.malformed_tool_calls = 0
+        self.sampling_overridden = 0  # calls that asked for another temperature or top_p
         self.call_s = 0.0  # wall time of served calls, gateway included
         self.generate_s = 0.0  # of which the fleet generated (SampleRunner.generate)
 
@@ -164,6 +165,7 @@ class CallRunner:
             req.top_p is not None and req.top_p != base["top_p"]
         ):
             episode.sampling_overridden += 1
+            self.sampling_overridden += 1
         params = {**base, "max_new_tokens": max_new}
         if req.stop:
             params["stop"] = _stops(req.stop)
@@ -223,4 +225,5 @@ class CallRunner:
             "agent/gateway_context_refusals": float(self.refused_context),
             "agent/tool_calls": float(self.tool_calls),
             "agent/tool_calls_malformed": float(self.malformed_tool_calls),
+            "agent/sampling_overridden": float(self.sampling_overridden),
         }
