@@ -75,10 +75,9 @@ def build(out: Path, args: argparse.Namespace) -> None:
     )
     import pyarrow.parquet as pq
 
-    questions = [
-        row[0]["content"]
-        for row in pq.read_table(train, columns=["prompt"]).column("prompt").to_pylist()
-    ]
+    rows = pq.read_table(train, columns=["prompt"]).column("prompt").to_pylist()
+    # the warm start draws from the first --warmstart-questions (each rendered once, cached)
+    questions = [row[0]["content"] for row in rows[: args.warmstart_questions]]
     partial = out / "model.partial"
     shutil.rmtree(partial, ignore_errors=True)
     make_tiny_model(partial, layers=args.layers, hidden=args.hidden, heads=args.heads,
@@ -118,6 +117,7 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--label-noise", type=float, default=0.8)
+    parser.add_argument("--warmstart-questions", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     setup_logging("demo-agent", "INFO")
