@@ -93,7 +93,7 @@ def in_subprocess(base_url, api_key, sample):
     """The agent is another process: it gets the episode's base_url and key on its command line."""
     done = subprocess.run(
         [sys.executable, "-c", SUBPROCESS_AGENT, base_url, api_key, json.dumps(sample["prompt"])],
-        capture_output=True, text=True, timeout=60, check=True,
+        capture_output=True, text=True, timeout=240, check=True,
     )  # fmt: skip
     return json.loads(done.stdout.strip().splitlines()[-1])["reward"]
 
@@ -167,7 +167,9 @@ def test_async_agent_is_scored_by_the_reward_pipeline(engines, tokenizer):
 
 
 def test_agent_in_a_subprocess_trains_like_any_other(engines, tokenizer):
-    worker, sink = agent_worker(engines(1), tokenizer, ["p 0"], "in_subprocess", n=1)
+    # generous: a fresh interpreter importing openai takes seconds, more on a loaded machine
+    worker, sink = agent_worker(engines(1), tokenizer, ["p 0"], "in_subprocess", n=1,
+                                timeout_s=240.0)  # fmt: skip
     run_then_close(worker, worker.run(num_groups=1))
     assert len(sink.trajectories) == 1
     assert all(0.0 <= t.score <= 0.5 and len(t.response_ids) <= 5 for t in sink.trajectories)
