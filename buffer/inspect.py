@@ -1,5 +1,8 @@
 """``fleetrl inspect rollouts DIR``: what a rollout bank holds, read-only.
 
+DIR is a run folder (its bank: ``buffer.bank_dir`` from its config.yaml, else
+``rollout_bank/``) or a bank folder itself; a folder that is neither is an error, not zeros.
+
 Prints counts (segments, samples, groups complete/partial, hand-outs, commits,
 refusals, filter drops), the score distribution (of the samples whose reward was
 scored) and the samples whose reward failed, with their most common causes, the
@@ -18,7 +21,7 @@ the mask is 0) and ``versions`` (the policy version that made each token; -1 on 
 prompt); ``prompt_length``, ``reward`` (``null`` when it failed: ``reward_error``
 says why), ``episode`` (the agent episode it is a branch of, "" for plain samples),
 ``uid``, ``group_id``, ``prompt_index``, ``data_source``, ``finish_reason``,
-``engine_id``. The folder may be a run directory (its ``rollout_bank``) or a bank.
+``engine_id``.
 """
 
 from __future__ import annotations
@@ -55,26 +58,46 @@ from buffer.bank import (
     read_segment,
 )
 
+RUN_BANK = "rollout_bank"  # a run folder's bank, unless buffer.bank_dir puts it elsewhere
+
 
 class BankNotFoundError(ValueError):
-    """The folder given to ``inspect rollouts`` does not exist."""
+    """The folder given to ``inspect rollouts`` is neither a run folder nor a rollout bank."""
 
 
-def bank_folder(path: str | Path) -> Path:
-    """The bank in ``path``: the folder itself, or a run directory's ``rollout_bank``."""
-    root = Path(path)
-    if not root.is_dir():
-        raise BankNotFoundError(f"rollout bank {root} is not a folder")
-    inner = root / "rollout_bank"
-    if not list_segments(root) and inner.is_dir():
-        return inner
+def bank_folder(folder: str | Path) -> Path:
+    """The rollout bank ``folder`` names: itself when it is one, else its run's bank."""
+    root = Path(folder)
+    if (root / LEDGER_NAME).exists() or list_segments(root):
+        return root
+    config = root / "config.yaml"
+    if config.is_file():
+        import yaml
+
+        bank_dir = ((yaml.safe_load(config.read_text()) or {}).get("buffer") or {}).get("bank_dir")
+        if bank_dir:
+            return Path(bank_dir)
+    return root / RUN_BANK
+
+
+def _existing_bank(folder: str | Path) -> Path:
+    """The bank ``folder`` names (see ``bank_folder``), refused when there is none."""
+    given = Path(folder)
+    if not given.is_dir():
+        raise BankNotFoundError(f"{given.absolute()} is not a folder")
+    root = bank_folder(given)
+    if not list_segments(root) and not (root / LEDGER_NAME).exists():
+        raise BankNotFoundError(
+            f"{given.absolute()} holds no rollout bank (no ledger, no segments): give a run "
+            f"folder or its {RUN_BANK}/"
+        )
     return root
 
 
 def trajectory_records(bank_dir: str | Path) -> Iterator[dict[str, Any]]:
     """One plain record per accepted trajectory (see ``--json`` in the module docstring)."""
     seen: set[str] = set()
-    for _, path in list_segments(bank_folder(bank_dir)):
+    for _, path in list_segments(_existing_bank(bank_dir)):
         for batch in read_segment(path):
             for traj in arrow_to_trajectories(batch):
                 if traj.uid in seen:
@@ -108,8 +131,9 @@ def _record(traj: Any) -> dict[str, Any]:
 
 
 def summarize(bank_dir: str | Path) -> dict[str, Any]:
-    """Every statistic ``inspect rollouts`` prints, as plain data."""
-    root = bank_folder(bank_dir)
+    """Every statistic ``inspect rollouts`` prints, as plain data (``bank_dir``: a bank, or a
+    run folder holding one)."""
+    root = _existing_bank(bank_dir)
     segments = list_segments(root)
     seen: set[str] = set()
     group_size: dict[str, int] = {}

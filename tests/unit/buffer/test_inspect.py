@@ -93,3 +93,21 @@ def test_json_prints_each_accepted_trajectory_once_with_its_episode(tmp_path, ca
     assert first["logprobs"][:3] == [0.0] * 3 and first["logprobs"][4:6] == [0.0, 0.0]
     assert first["reward"] == pytest.approx(branch.score, abs=1e-6)
     assert lines[1]["reward"] is None and lines[1]["reward_error"] == "scorer raised"
+    (tmp_path / "empty").mkdir()
+    assert main(argparse.Namespace(dir=str(tmp_path / "empty"), json=True)) == 2
+    assert "holds no rollout bank" in capsys.readouterr().err
+
+
+def test_a_run_folder_reads_its_bank_and_a_folder_without_one_is_an_error(tmp_path, capsys):
+    run = tmp_path / "run"
+    core = BufferCore(
+        BufferConfig(max_staleness=2), bank_dir=run / "rollout_bank", groups_per_version=1,
+        max_concurrent_groups=4,
+    )  # fmt: skip
+    core.ingest(make_group("a", 2, version=0))
+    assert main(argparse.Namespace(dir=str(run))) == 0
+    assert "samples 2" in " ".join(capsys.readouterr().out.split())
+    assert summarize(run)["samples"] == summarize(run / "rollout_bank")["samples"] == 2
+    (tmp_path / "empty").mkdir()
+    assert main(argparse.Namespace(dir=str(tmp_path / "empty"))) == 2
+    assert "holds no rollout bank" in capsys.readouterr().err
