@@ -86,7 +86,9 @@ def supervised_warmstart_rows(
         input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
         label_ids = torch.tensor([r + [-100] * (width - len(r)) for r in labels], device=device)
         attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)  # fmt: skip
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
+        loss = model(
+            input_ids=input_ids, attention_mask=attention, labels=label_ids, use_cache=False
+        ).loss  # no KV cache in training
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -57,6 +57,13 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         float,
         Meta(gt=0, description="A gateway probe taking longer than this counts as failed."),
     ] = 5.0
+    health_check_failures: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Failed probes in a row after which the gateway is restarted (a loaded machine can delay one).",
+        ),
+    ] = 3
 
     def __post_init__(self) -> None:
         if self.entrypoint:

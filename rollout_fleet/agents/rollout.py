@@ -111,17 +111,22 @@ class AgentRollout:
         self._threads = ThreadedCalls(config.max_concurrency)
         self._slots: asyncio.Semaphore | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self._starting = asyncio.Lock()
         self.episodes = 0
         self.failures: Counter[str] = Counter()
         self.episode_s = 0.0
         self.trajectories = 0
 
     async def start(self) -> str:
-        """Bind the gateway (once) and start its watchdog; the base_url agents get."""
-        if not self.gateway.serving:
-            await self.gateway.start(self.host, self.config.port)
-            self._slots = asyncio.Semaphore(self.config.max_concurrency)
-            self._watchdog = asyncio.create_task(self._watch(), name="agent-gateway-watchdog")
+        """Bind the gateway and start its one watchdog, once; the base_url agents get.
+
+        Later episodes get the same address, also while the watchdog restarts the gateway
+        on it (an episode never binds a gateway of its own)."""
+        async with self._starting:
+            if self._watchdog is None:
+                await self.gateway.start(self.host, self.config.port)
+                self._slots = asyncio.Semaphore(self.config.max_concurrency)
+                self._watchdog = asyncio.create_task(self._watch(), name="agent-gateway-watchdog")
         return self.gateway.base_url
 
     async def close(self) -> None:
@@ -133,16 +138,27 @@ class AgentRollout:
         await self.gateway.stop()
 
     async def _watch(self) -> None:
+        """Restart the gateway after ``health_check_failures`` probes in a row failed (one
+        slow probe on a loaded machine is not a dead gateway), or at once when a restart
+        left it unbound."""
+        missed = 0
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
-            if not await self.gateway.healthy(self.config.health_check_timeout_s):
-                log.error(
-                    "agent gateway on %s does not answer: restarting it", self.gateway.base_url
-                )
-                try:
-                    await self.gateway.restart()
-                except OSError as err:  # the port is taken meanwhile: try again next round
-                    log.error("agent gateway restart failed: %s", err)
+            if await self.gateway.healthy(self.config.health_check_timeout_s):
+                missed = 0
+                continue
+            missed += 1
+            if self.gateway.serving and missed < self.config.health_check_failures:
+                continue
+            log.error(
+                "agent gateway on %s did not answer %d probes: restarting it",
+                self.gateway.base_url, missed,
+            )  # fmt: skip
+            try:
+                await self.gateway.restart()
+                missed = 0
+            except OSError as err:  # the port is taken meanwhile: try again next round
+                log.error("agent gateway restart failed: %s", err)
 
     async def run_episode(
         self, group_id: str, index: int, prompt: Any, sampling: dict[str, Any]

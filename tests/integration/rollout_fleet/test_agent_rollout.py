@@ -197,6 +197,34 @@ def test_a_gateway_that_stops_answering_is_restarted_and_its_episodes_fail(engin
     assert m["agent/episodes_failed/gateway_restart"] == 2 and m["rollout/groups_failed"] == 1
 
 
+def test_a_slow_probe_is_not_a_dead_gateway_and_episodes_share_one_watchdog(engines, tokenizer):
+    # a loaded machine delays probes: the gateway is restarted only after
+    # health_check_failures of them in a row failed, and episodes starting meanwhile
+    # neither bind a gateway of their own nor start another watchdog
+    worker, _ = agent_worker(engines(1), tokenizer, ["s"], "two_calls", health_s=0.05)
+    agents = worker.agents.agents
+    probes: list[bool] = []
+
+    async def slow_then_fine(timeout_s: float) -> bool:
+        probes.append(len(probes) >= 2)  # the first two probes time out
+        return probes[-1]
+
+    async def scenario():
+        agents.gateway.healthy = slow_then_fine
+        urls = await asyncio.gather(*(agents.start() for _ in range(8)))
+        watchdog = agents._watchdog
+        while len(probes) < 5:
+            await asyncio.sleep(0.05)
+        assert set(urls) == {agents.gateway.base_url} and agents._watchdog is watchdog
+        assert agents.gateway.restarts == 0  # 2 failed probes < health_check_failures (3)
+        agents.gateway.healthy = lambda timeout_s: asyncio.sleep(0, result=False)
+        while agents.gateway.restarts == 0:  # 3 in a row: restarted
+            await asyncio.sleep(0.05)
+        assert await agents.start() == urls[0]  # same address after the restart
+
+    run_then_close(worker, scenario())
+
+
 def test_a_weight_update_inside_a_call_tags_both_versions(engines, tokenizer):
     (engine,) = engines(1)
     worker, sink = agent_worker([engine], tokenizer, ["u 0", "u 1"], "one_long_call", n=2)
