@@ -19,8 +19,9 @@ DEMO_OUT ?= runs/demo/run
 DEMO_RM_OUT ?= runs/demo/rm
 DEMO_RLHF_OUT ?= runs/demo/rlhf
 DEMO_ELASTIC_OUT ?= runs/demo/elastic
+DEMO_AGENT ?= runs/demo/agent
 
-.PHONY: demo demo-rm demo-rlhf demo-elastic test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
+.PHONY: demo demo-rm demo-rlhf demo-elastic demo-agent test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
 
 venv: $(STAMP)
 
@@ -28,7 +29,7 @@ $(STAMP): pyproject.toml tests/conformance/requirements-cpu.txt tests/conformanc
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[dev,tensorboard,mlflow]"
+	$(PY) -m pip install -q -e ".[dev,tensorboard,mlflow,agent]"
 	$(PY) -m pip install -q --no-deps "$(SGLANG)"
 	$(PY) -m pip install -q -r tests/conformance/requirements-cpu.txt
 	$(PY) -m pip install -q --no-deps --no-compile "$(VLLM)"
@@ -61,6 +62,14 @@ demo-rlhf: $(STAMP)
 demo-elastic: $(STAMP)
 	rm -rf $(DEMO_ELASTIC_OUT)
 	env -u RAY_ADDRESS $(PY) scripts/demo_elastic.py --out $(DEMO_ELASTIC_OUT)
+
+# The agent demo (configs/demo_agent_cpu.yaml): an agent program written against OpenAI's API
+# is the rollout; GRPO teaches the tiny model to call its calculator tool right. The data and
+# the warm-started model are built once; the run starts afresh each time.
+demo-agent: $(STAMP)
+	$(PY) examples/agents/build_calculator_demo.py --out $(DEMO_AGENT)
+	rm -rf $(DEMO_AGENT)/run
+	$(VENV)/bin/fleetrl train --config configs/demo_agent_cpu.yaml trainer.output_dir=$(DEMO_AGENT)/run
 
 # Each tier in a fresh interpreter, the fast one first: one tier's process state (loaded
 # libraries, their caches and patches) never reaches another's; every tier runs, then the

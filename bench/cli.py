@@ -56,6 +56,7 @@ SUITE_MODULES: dict[str, str] = {
     "e2e": "bench.e2e",
     "accuracy": "bench.accuracy",
     "reward": "bench.reward",
+    "agent": "bench.agent",
 }
 # harness flag -> parameter names a suite's ``run`` may use for it (first match wins)
 SIZE_PARAMETERS: dict[str, tuple[str, ...]] = {
@@ -82,6 +83,7 @@ QUICK_BUDGET_S: dict[str, float] = {
     # batched vs per-sample (a server, 256 samples x (5 reps + warm-up) x 2 arms: ~60 s),
     # then the e2e half: a warm start and 4 training runs (473 s in all at load 6-8)
     "reward": 540.0,
+    "agent": 420.0,  # gateway overhead rounds, then the agent demo at eta 0 and 2
 }
 
 

@@ -111,6 +111,14 @@ HEADLINES: dict[str, list[tuple[str, str, str]]] = {
             "rule-based rewards only (no reward model)",
         ),
     ],
+    "agent": [
+        (
+            "eta2_vs_eta0",
+            "agent episodes/s of the agent demo at η = 2 ÷ at η = 0 (steps after the warm-up),"
+            " same resources",
+            "synchronous agent rollout (η = 0)",
+        ),
+    ],
 }
 SUITES: tuple[str, ...] = tuple(HEADLINES)
 # ``fleetrl bench e2e --placement colocated`` (bench.e2e_placement) measures these instead

@@ -257,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
         "rollouts", help="counts and reward/length/staleness statistics of a rollout bank"
     )
     r.add_argument("dir", help="a run folder (its rollout_bank/ is read) or a rollout bank")
+    r.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per accepted trajectory: token_ids, loss_mask, logprobs, versions, "
+        "reward, episode, ...",
+    )
 
     p = sub.add_parser(
         "bench", help="throughput harness: each stage against its baseline, as ratios"
@@ -271,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
             "e2e",
             "accuracy",
             "reward",
+            "agent",
             "all",
         ],
         help="the stage to measure against its baseline, or all",

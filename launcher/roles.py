@@ -443,6 +443,7 @@ class RolloutRole:
             **reader_args,
         )
         self.val_files = cfg.data.val_files
+        self.gateway_host = node_ip(local)  # rollout.agent: where agents reach the gateway
         self._reader_args = reader_args
         self.membership = Membership(suspect_cooldown_s=cfg.rollout.suspect_cooldown_s)
         self.router = Router(self.membership)
@@ -558,6 +559,8 @@ class RolloutRole:
             lora=cfg.learner.lora.rank > 0,
             # elastic: the concurrency cap follows the engines serving (admission's capacity)
             serving_share=self.scaling.serving_share if cfg.rollout.elastic else None,
+            max_prompt_tokens=cfg.data.max_prompt_length,
+            gateway_host=self.gateway_host,
             max_failed_reward_groups=cfg.reward.max_failed_groups,
         )
         return urls
