@@ -8,8 +8,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from rollout_fleet.engine_kinds import engine_kind
 from rollout_fleet.agents.config import AgentConfig
+from rollout_fleet.engine_kinds import engine_kind
 from rollout_fleet.multi_turn.config import MultiTurnConfig
 
 MemoryTag = Literal["kv_cache", "weights", "cuda_graph"]
