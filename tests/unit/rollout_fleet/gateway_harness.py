@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from rollout_fleet.client import EngineError
+from rollout_fleet.client import EngineError, generate_sample_sglang
 from rollout_fleet.gateway.calls import CallRunner
 from rollout_fleet.gateway.episodes import SessionTable
 from rollout_fleet.gateway.rendering import ChatRenderer
@@ -51,6 +51,8 @@ class ScriptedEngine:
         self.fail_next = 0  # requests to fail with a connection error before answering
         self.requests: list[dict[str, Any]] = []
         self.outputs: list[list[int]] = []
+
+    generate_sample = generate_sample_sglang  # the engine interface over SGLang's format
 
     async def generate(self, input_ids, sampling_params, return_logprob=True, rid=None, **extra):
         self.requests.append({"input_ids": list(input_ids), "params": dict(sampling_params),
