@@ -3,6 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 # torch and torchvision as the matching pair SGLang 0.5.23 pins (torch 2.14.1);
 # an unpinned torch would pull whatever is newest. It runs on the CPU here.
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
@@ -25,6 +26,11 @@ $(STAMP): pyproject.toml tests/conformance/requirements-cpu.txt
 	$(PY) -m pip install -q --no-deps "$(SGLANG)"
 	$(PY) -m pip install -q -r tests/conformance/requirements-cpu.txt
 	touch $(STAMP)
+
+# The `bench` extra (TRL, the vs-trl suite's baseline): make test and make bench install it.
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
+	touch $(BENCH_STAMP)
 
 # The demo run starts afresh each time (the tiny model and data it built are reused).
 demo: $(STAMP)
@@ -52,7 +58,7 @@ demo-rlhf: $(STAMP)
 # status says whether all passed.
 TIERS := unit conformance integration e2e
 
-test: $(STAMP) lint
+test: $(STAMP) $(BENCH_STAMP) lint
 	@status=0; for tier in $(TIERS); do \
 		echo "== tests/$$tier"; \
 		env -u RAY_ADDRESS $(PY) -m pytest -q tests/$$tier || status=1; \
@@ -61,7 +67,7 @@ test: $(STAMP) lint
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
-test-integration: $(STAMP)
+test-integration: $(STAMP) $(BENCH_STAMP)
 	env -u RAY_ADDRESS $(PY) -m pytest -q tests/integration
 
 test-e2e: $(STAMP)
@@ -79,7 +85,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: $(STAMP)
+bench: $(STAMP) $(BENCH_STAMP)
 	$(VENV)/bin/fleetrl bench all --quick --out runs/bench
 
 # On a machine with a GPU and this virtualenv: every stage of the GPU check on CUDA (the SGLang

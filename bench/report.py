@@ -111,6 +111,30 @@ HEADLINES: dict[str, list[tuple[str, str, str]]] = {
             "rule-based rewards only (no reward model)",
         ),
     ],
+    "vs-trl": [
+        (
+            "demo_time_to_target_speedup",
+            "demo: TRL's training time to held-out 0.9 ÷ fleetrl's at the demo's η (median of"
+            " seeds; > 1: fleetrl gets there sooner)",
+            "TRL GRPOTrainer, same model, data and hyperparameters",
+        ),
+        (
+            "demo_command_time_ratio",
+            "demo: fleetrl's whole command ÷ TRL's, start to exit (< 1: fleetrl is shorter)",
+            "TRL GRPOTrainer",
+        ),
+        (
+            "demo_samples_to_target_ratio_sync",
+            "demo: samples fleetrl needs to held-out 0.9 at η = 0 ÷ TRL's",
+            "TRL GRPOTrainer (on-policy)",
+        ),
+        (
+            "generation_bound_time_to_target_speedup",
+            "generation-bound (long-tailed responses): TRL's training time to the target ÷"
+            " fleetrl's",
+            "TRL GRPOTrainer (transformers generate)",
+        ),
+    ],
 }
 SUITES: tuple[str, ...] = tuple(HEADLINES)
 # ``fleetrl bench e2e --placement colocated`` (bench.e2e_placement) measures these instead

@@ -231,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
             "e2e",
             "accuracy",
             "reward",
+            "vs-trl",
             "all",
         ],
     )
@@ -261,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="e2e: colocated runs co-located engines beside disaggregated ones on the same "
         "resources, alternated, and reports the ratio and the switch's share of a step",
+    )
+    p.add_argument(
+        "--regime",
+        choices=["demo", "generation-bound", "both"],
+        default=None,
+        help="vs-trl: the overhead-bound demo, the generation-bound workload, or both (default)",
     )
     p.add_argument("--device", default="cpu")
     return parser
