@@ -295,7 +295,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     packing: Annotated[
         bool,
         Meta(
-            description="Pack a micro-batch's sequences into rows with restarting position ids (no padding between them); off = right padding."
+            description="Pack a micro-batch's sequences into rows with restarting position ids (no padding between them); off = right padding. Without varlen attention kernels and with the automatic packed_row_tokens, a micro-batch that right padding computes cheaper (short sequences of similar length) is padded instead (learner/packing.py padding_is_cheaper)."
         ),
     ] = True
     packed_row_tokens: Annotated[

@@ -76,6 +76,7 @@ from learner.packing import (
     MicroBatchInputs,
     build_inputs,
     packed_row_budget,
+    padding_is_cheaper,
     policy_forward,
     split_by_sequence,
     value_forward,
@@ -275,18 +276,18 @@ class LearnerWorker:
         return plans[self.dp_rank]
 
     def _inputs(self, batch: GlobalBatch, indices: np.ndarray) -> MicroBatchInputs:
+        packing, lens = self.cfg.packing, batch.seq_lens[indices]
         row_tokens = (
             packed_row_budget(
-                self.attn_implementation,
-                self.cfg.packed_row_tokens,
-                batch.seq_lens[indices],
-                self.sp_size,
+                self.attn_implementation, self.cfg.packed_row_tokens, lens, self.sp_size
             )
-            if self.cfg.packing
+            if packing
             else None
         )
+        if row_tokens is not None and not self.cfg.packed_row_tokens:  # the automatic budget
+            packing = not padding_is_cheaper(lens, row_tokens, self.policy.config.hidden_size)
         return build_inputs(
-            batch, indices, packing=self.cfg.packing, device=self.device, row_tokens=row_tokens
+            batch, indices, packing=packing, device=self.device, row_tokens=row_tokens
         )
 
     @torch.no_grad()
