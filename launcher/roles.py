@@ -39,6 +39,7 @@ from typing import Any
 from fleetrl.config import convert
 from fleetrl.log import get_logger, setup_logging
 from fleetrl.profiling import TraceSpan, step_dir
+from fleetrl.threads import role_threads
 from launcher.config import RunConfig, resolve_device
 from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
 from rollout_fleet.membership import SyncOutcome, WeightTargets
@@ -122,7 +123,7 @@ class LearnerRole:
         import torch
 
         if cfg.trainer.device != "cuda":
-            torch.set_num_threads(max(1, int(cfg.learner.cpus_per_rank)))
+            torch.set_num_threads(role_threads(cfg.learner.cpus_per_rank))
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size

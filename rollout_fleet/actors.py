@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fleetrl.log import get_logger, setup_logging
+from fleetrl.threads import role_threads
 from rollout_fleet.config import RolloutConfig
 
 log = get_logger(__name__)
@@ -105,7 +106,7 @@ def engine_spec(
         max_running_requests=config.max_running_requests,
         expose_on_node_ip=expose_on_node_ip,
         api_key=api_key,
-        torch_threads=max(1, int(config.cpus_per_engine)),
+        torch_threads=role_threads(config.cpus_per_engine),
         tp_size=config.tp_size,
         mem_fraction_static=config.mem_fraction_static,
         load_format=config.sglang_load_format,

@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from fleetrl.log import get_logger
+from fleetrl.threads import role_threads
 from rollout_fleet.actors import EngineSpec
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.fleet import EngineFleet, FleetSettings, HealthProbe
@@ -67,7 +68,7 @@ def reward_server_specs(
             max_running_requests=model.batch_size if backend == "embedded" else None,
             expose_on_node_ip=expose_on_node_ip,
             api_key=api_key,
-            torch_threads=max(1, int(model.cpus_per_engine)),
+            torch_threads=role_threads(model.cpus_per_engine),
             tp_size=max(1, int(gpus)) if backend == "sglang" else 1,
             mem_fraction_static=model.mem_fraction_static,
             load_format="auto",  # its own weights, from the folder: never pushed
