@@ -415,8 +415,6 @@ class RolloutRole:
         placement_group: Any = None,
     ):
         from buffer.transport import BufferClient, TrajectorySender
-        from fleetrl.data.reader import PromptReader
-        from fleetrl.models.loading import load_tokenizer
         from rollout_fleet.fleet import EngineFleet
         from rollout_fleet.membership import Membership
         from rollout_fleet.rewards.pipeline import build_reward_pipeline
@@ -427,18 +425,13 @@ class RolloutRole:
         self.cfg = cfg
         self.api_key = api_key
         self.run_dir = run_dir
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        reader_args = cfg.data.reader_options()
-        self.reader = PromptReader(
-            cfg.data.train_files,
-            self.tokenizer,
-            shuffle=cfg.data.shuffle,
-            seed=cfg.data.seed,
-            max_samples=cfg.data.train_max_samples,
-            **reader_args,
-        )
+        # the tokenizer, the prompt reader and the delivery ledger over it: built while the
+        # engines start (start_engines), as loading a tokenizer imports torch (seconds)
+        self.tokenizer: Any = None
+        self.reader: Any = None
+        self.delivery: Any = None
         self.val_files = cfg.data.val_files
-        self._reader_args = reader_args
+        self._reader_args = cfg.data.reader_options()
         self.membership = Membership(suspect_cooldown_s=cfg.rollout.suspect_cooldown_s)
         self.router = Router(self.membership)
         self.colocation: Any = None  # co-located: launcher.colocated_rollout.RolloutColocation
@@ -466,14 +459,8 @@ class RolloutRole:
                 self.colocation.actor_factory(placement_group) if self.colocation else None
             ),
         )
-        from rollout_fleet.delivery import DeliveryLedger
-
         self.sender = TrajectorySender(ingest, curve=curve, hwm=cfg.buffer.high_water_mark)
         self.control = BufferClient(control, curve=curve, timeout_s=BUFFER_REPLY_TIMEOUT_S)
-        # held until the buffer reports each group accepted: re-sent after a buffer restart,
-        # re-queued after a learner resume; admission counts its sent groups as running
-        # (rollout_fleet/delivery.py)
-        self.delivery = DeliveryLedger(self.reader, self.sender, self.control, cfg.rollout.n)
         self._health_task: asyncio.Task | None = None
         self._reconcile_task: asyncio.Task | None = None
         # the reward-model servers (reward.model.urls, or a reward fleet placed here) and
@@ -517,11 +504,34 @@ class RolloutRole:
         memory (``rollout_fleet.colocation``); how many did."""
         return await self.colocation.yield_devices()
 
+    def _load_prompts(self) -> None:
+        """The tokenizer, the prompt reader, and the delivery ledger: groups are held until
+        the buffer reports them accepted, re-sent after a buffer restart, re-queued after a
+        learner resume; admission counts its sent groups as running (rollout_fleet/delivery.py)."""
+        from fleetrl.data.reader import PromptReader
+        from fleetrl.models.loading import load_tokenizer
+        from rollout_fleet.delivery import DeliveryLedger
+
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.reader = PromptReader(
+            cfg.data.train_files,
+            self.tokenizer,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.data.seed,
+            max_samples=cfg.data.train_max_samples,
+            **self._reader_args,
+        )
+        self.delivery = DeliveryLedger(self.reader, self.sender, self.control, cfg.rollout.n)
+
     async def start_engines(self) -> dict[str, str]:
         from rollout_fleet.client import EngineClient
         from rollout_fleet.worker import RolloutWorker
 
-        urls, _ = await asyncio.gather(self.fleet.start(), self._start_reward_servers())
+        # the prompts load in a thread while the engine processes start (both take seconds)
+        urls, _, _ = await asyncio.gather(
+            self.fleet.start(), self._start_reward_servers(), asyncio.to_thread(self._load_prompts)
+        )
         cfg = self.cfg
         self.worker = RolloutWorker(
             cfg.rollout,
@@ -657,7 +667,8 @@ class RolloutRole:
         out.update(self.fleet.metrics())
         if self.colocation is not None:
             out.update(self.colocation.metrics())
-        out.update(self.delivery.metrics())
+        if self.delivery is not None:  # built by start_engines
+            out.update(self.delivery.metrics())
         if self.reward_servers is not None:
             out.update(self.reward_servers.metrics())
         return out
