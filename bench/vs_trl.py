@@ -134,6 +134,9 @@ def run_command(cmd: list[str], run_dir: Path, timeout_s: float) -> dict[str, An
         except subprocess.TimeoutExpired:
             end_process_group(proc)
             code = None
+        except KeyboardInterrupt:  # the run's whole process group goes with the suite
+            end_process_group(proc)
+            raise
     wall = time.monotonic() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
