@@ -29,9 +29,14 @@ medians over seeds:
 - ``time_to_target_speedup``: TRL's time to the target ÷ fleetrl's (fleetrl ÷
   TRL in speed: > 1, fleetrl gets there sooner);
 - ``samples_per_s_ratio``: fleetrl's samples/s ÷ TRL's;
-- ``command_time_ratio``: fleetrl's whole command ÷ TRL's (< 1: shorter);
+- ``command_time_ratio``: fleetrl's whole command ÷ TRL's (< 1: shorter), and
+  ``command_speedup``, its inverse;
 - ``samples_to_target_ratio`` and ``samples_to_target_ratio_sync``: samples
-  fleetrl needed to reach the target ÷ TRL's, at the regime's η and at η = 0.
+  fleetrl needed to reach the target ÷ TRL's, at the regime's η and at η = 0, and
+  ``sample_efficiency_sync``, the inverse of the latter.
+
+The report's headline ratios are the ones where > 1 means fleetrl is ahead
+(speedups, samples/s, sample efficiency); the others are its fleetrl ÷ TRL figures.
 
 A run that never reaches the target has no time to it; a regime where a system
 never reached it in any seed reports None for that ratio. TRL missing: the suite
@@ -221,11 +226,17 @@ def summarise(runs: list[dict[str, Any]], regimes: Sequence[Regime]) -> dict[str
         summary[f"{prefix}_command_time_ratio"] = ratio(
             med("fleetrl", "command_s"), med("trl", "command_s")
         )
+        summary[f"{prefix}_command_speedup"] = ratio(
+            med("trl", "command_s"), med("fleetrl", "command_s")
+        )
         summary[f"{prefix}_samples_to_target_ratio"] = ratio(
             med("fleetrl", "samples_to_target"), med("trl", "samples_to_target")
         )
         summary[f"{prefix}_samples_to_target_ratio_sync"] = ratio(
             med("fleetrl-sync", "samples_to_target"), med("trl", "samples_to_target")
+        )
+        summary[f"{prefix}_sample_efficiency_sync"] = ratio(
+            med("trl", "samples_to_target"), med("fleetrl-sync", "samples_to_target")
         )
         summary[f"{prefix}_seeds"] = len({r["seed"] for r in mine})
         summary[f"{prefix}_load_mean"] = _median([r.get("load_before") for r in mine])

@@ -80,6 +80,7 @@ def test_ratios_are_fleetrl_over_trl_on_medians_of_seeds():
     summary = vs_trl.summarise(runs, [DEMO])
     assert summary["demo_time_to_target_speedup"] == pytest.approx(2.0 / 1.5)
     assert summary["demo_command_time_ratio"] == pytest.approx(1.2)
+    assert summary["demo_command_speedup"] == pytest.approx(1 / 1.2)
     assert summary["demo_samples_per_s_ratio"] == pytest.approx(0.9)
     assert summary["demo_samples_to_target_ratio"] == pytest.approx(2304 / 2048)
     assert summary["demo_samples_to_target_ratio_sync"] is None  # never reached
