@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -118,7 +117,7 @@ def command_for(arm: Arm, prepared: Prepared, run_dir: Path, seed: int) -> list[
 
 
 def run_command(cmd: list[str], run_dir: Path, timeout_s: float) -> dict[str, Any]:
-    """Run ``cmd`` from the repository root; its wall seconds, CPU seconds, exit status."""
+    """Run ``cmd`` from the repository root; its wall seconds, exit status, the load around it."""
     import shutil
 
     if run_dir.exists():
@@ -126,7 +125,6 @@ def run_command(cmd: list[str], run_dir: Path, timeout_s: float) -> dict[str, An
     run_dir.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load = os.getloadavg()[0]
     started = time.monotonic()
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as out:
@@ -142,12 +140,8 @@ def run_command(cmd: list[str], run_dir: Path, timeout_s: float) -> dict[str, An
         except KeyboardInterrupt:  # the run's whole process group goes with the suite
             end_process_group(proc)
             raise
-    wall = time.monotonic() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {
-        "command_s": wall,
-        "cpu_s": cpu,
+        "command_s": time.monotonic() - started,
         "returncode": code,
         "load_before": load,
         "load_after": os.getloadavg()[0],
@@ -208,7 +202,7 @@ def summarise(runs: list[dict[str, Any]], regimes: Sequence[Regime]) -> dict[str
 
         for arm in ARMS:
             for key in ("time_to_target_s", "samples_to_target", "samples_per_s", "command_s",
-                        "final_score", "cpu_s"):  # fmt: skip
+                        "final_score"):  # fmt: skip
                 summary[f"{prefix}_{arm.replace('-', '_')}_{key}"] = med(arm, key)
             summary[f"{prefix}_{arm.replace('-', '_')}_reached"] = sum(
                 1 for r in mine if r["arm"] == arm and r.get("time_to_target_s") is not None
