@@ -233,7 +233,7 @@ def summarise(runs: list[dict[str, Any]], regimes: Sequence[Regime]) -> dict[str
             med("trl", "samples_to_target"), med("fleetrl-sync", "samples_to_target")
         )
         summary[f"{prefix}_seeds"] = len({r["seed"] for r in mine})
-        summary[f"{prefix}_load_mean"] = _median([r.get("load_before") for r in mine])
+        summary[f"{prefix}_load_median"] = _median([r.get("load_before") for r in mine])
     return summary
 
 
