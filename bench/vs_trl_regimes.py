@@ -5,7 +5,7 @@
   samples, 4 new tokens, lr 3e-4 cosine, 40 steps), its model and data built
   once in the suite's folder. Every cost here is a fixed cost: a step's compute
   is a few tens of milliseconds.
-- ``generation-bound``: a larger policy (hidden 128, 4 layers) warm-started on
+- ``generation-bound``: a wider policy (hidden 128, 2 layers) warm-started on
   answers padded with a lognormal number of spaces (``bench.e2e_workload``: most
   responses stop within a few dozen tokens, a few run to the 384-token cap),
   8 prompts × 8 samples per step. A trainer that generates a batch at a time
@@ -76,11 +76,11 @@ GENERATION_SIZES = E2ESizes(
     train_size=2000,
     val_size=200,
     hidden=128,
-    layers=4,
+    layers=2,
     engines=1,
     learner_ranks=1,
     device="cpu",
-    warmstart_steps=600,
+    warmstart_steps=400,
     task="add2",
 )
 GENERATION_BOUND = Regime(
