@@ -63,6 +63,7 @@ from torch import nn
 
 from fleetrl.log import get_logger
 from fleetrl.models.config import ModelConfig
+from fleetrl.models.config_sizes import model_sizes
 from fleetrl.models.loading import check_model_dir
 from learner import algorithms as alg
 from learner import dist as ldist
@@ -76,6 +77,7 @@ from learner.packing import (
     MicroBatchInputs,
     build_inputs,
     packed_row_budget,
+    packing_allowed,
     padding_is_cheaper,
     policy_forward,
     split_by_sequence,
@@ -210,6 +212,10 @@ class LearnerWorker:
         self.policy_dropout = proximal.has_active_dropout(self.policy)
         # what decides how many rows a packed micro-batch takes (packing.packed_row_budget)
         self.attn_implementation = getattr(self.policy.config, "_attn_implementation", None)
+        self.packing = packing_allowed(
+            self.policy.config, self.cfg.packing, self.sp_size, rank=self.rank
+        )
+        self.hidden_size = model_sizes(self.policy.config).hidden  # padding_is_cheaper's cost
         self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.total_steps)
         if self.uses_reference and not self.uses_lora:  # LoRA: the base is the reference
@@ -271,12 +277,12 @@ class LearnerWorker:
             use_dynamic_bsz=self.cfg.use_dynamic_bsz,
             max_tokens=self.cfg.max_tokens_per_micro_batch * self.sp_size,
             micro_batch_size=self.cfg.micro_batch_size,
-            packing=self.cfg.packing,
+            packing=self.packing,
         )
         return plans[self.dp_rank]
 
     def _inputs(self, batch: GlobalBatch, indices: np.ndarray) -> MicroBatchInputs:
-        packing, lens = self.cfg.packing, batch.seq_lens[indices]
+        packing, lens = self.packing, batch.seq_lens[indices]
         row_tokens = (
             packed_row_budget(
                 self.attn_implementation, self.cfg.packed_row_tokens, lens, self.sp_size
@@ -285,7 +291,7 @@ class LearnerWorker:
             else None
         )
         if row_tokens is not None and not self.cfg.packed_row_tokens:  # the automatic budget
-            packing = not padding_is_cheaper(lens, row_tokens, self.policy.config.hidden_size)
+            packing = not padding_is_cheaper(lens, row_tokens, self.hidden_size)
         return build_inputs(
             batch, indices, packing=packing, device=self.device, row_tokens=row_tokens
         )

@@ -34,7 +34,7 @@ def test_a_local_instance_tells_every_role_its_share(tmp_path, monkeypatch):
     calls = []
     fake = types.SimpleNamespace(init=lambda **kw: calls.append(kw))
     monkeypatch.setitem(sys.modules, "ray", fake)
-    monkeypatch.setattr(placement.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(placement, "usable_cpus", lambda: 16)
     cfg = load_run_config("configs/demo_cpu.yaml", [f"trainer.output_dir={tmp_path}"])
     assert placement.init_ray(cfg, None)  # the demo reserves 1 learner CPU + 1 engine CPU
     env = calls[0]["runtime_env"]["env_vars"]
