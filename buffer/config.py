@@ -19,9 +19,9 @@ class BufferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     admission_lead: Annotated[
         Literal["adaptive", "bound"],
         Meta(
-            description="How far ahead of the learner the fleet generates. bound: as far as max_staleness allows, so a fleet faster than the learner trains every sample at staleness η; adaptive: the fewest versions (1..η) that keep the learner fed, one more whenever it waits for a batch, one fewer when a whole version's groups sit ready at hand-out (buffer/lead.py). max_staleness is the bound either way."
+            description="How far ahead of the learner the fleet generates. bound (the default): as far as max_staleness allows, so a fleet faster than the learner trains every sample at staleness η; adaptive (opt-in): the fewest versions (1..η) that keep the learner fed, one more whenever it waits for a batch, one fewer when a whole version's groups sit ready at hand-out (buffer/lead.py), which trains on fresher samples and changes a run's results. max_staleness is the bound either way; η = 0 stays synchronous."
         ),
-    ] = "adaptive"
+    ] = "bound"
     capacity_groups: Annotated[
         int, Meta(ge=1, description="Groups held before producers block (backpressure).")
     ] = 1024

@@ -21,8 +21,9 @@ place of η (``StalenessAdmission.window_end``):
 The first ``WARMUP`` hand-outs only measure (the fleet starts from nothing), and
 the hand-out after a raise does not raise again (the fleet is catching up). η is
 the bound either way: ℓ never exceeds it, and the buffer's hand-out check is
-unchanged. ``buffer.admission_lead: bound`` keeps ℓ = η (every group starts as
-early as the bound allows). The lead restarts at 1 when the buffer does; it is
+unchanged. ``buffer.admission_lead: bound``, the default, keeps ℓ = η (every
+group starts as early as the bound allows, so existing runs' results stay as
+they were); ``adaptive`` is opt-in. The lead restarts at 1 when the buffer does; it is
 pacing, not state. η = 0 and η = 1 have nothing to adapt.
 
 Left out: leads measured in fractions of a version (a lead of one version whose

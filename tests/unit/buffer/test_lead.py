@@ -98,8 +98,8 @@ def test_the_buffer_reports_its_lead_to_producers_and_in_its_stats(tmp_path, mon
 
     clock = [100.0]
     monkeypatch.setattr(core_module.time, "monotonic", lambda: clock[0])
-    core = BufferCore(BufferConfig(max_staleness=3), bank_dir=tmp_path, groups_per_version=1,
-                      max_concurrent_groups=16)  # fmt: skip
+    config = BufferConfig(max_staleness=3, admission_lead="adaptive")
+    core = BufferCore(config, bank_dir=tmp_path, groups_per_version=1, max_concurrent_groups=16)
     assert core.admission_state().lead == 1
     for i in range(WARMUP + 1):  # the third request waits half a step for its group
         clock[0] += STEP
@@ -111,3 +111,43 @@ def test_the_buffer_reports_its_lead_to_producers_and_in_its_stats(tmp_path, mon
     assert core.admission_state().lead == 2
     stats = core.stats()
     assert stats["admission_lead"] == 2 and stats["admission_lead_raised"] == 1
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2, 3, 5])
+def test_no_schedule_of_waits_and_surpluses_takes_the_window_past_the_bound(eta):
+    """Random waits and surpluses: 1 <= lead <= eta (eta = 0: 0), the window never wider."""
+    import random
+
+    rng = random.Random(eta)
+    lead, clock = AdmissionLead(eta, B, "adaptive"), [0.0]
+    seen = set()
+    for _ in range(2000):
+        clock[0] += rng.uniform(0.01, 2.0)
+        if rng.random() < 0.5:
+            lead.waiting(clock[0])
+            clock[0] += rng.uniform(0.0, 3.0)
+        lead.handed_out(clock[0], rng.choice([0, 1, B - 1, B, 3 * B]))
+        assert (lead.lead == 0) if eta == 0 else (1 <= lead.lead <= eta)
+        seen.add(lead.lead)
+        rule = StalenessAdmission(eta, B, 100, lead=lead.lead)
+        for version in (0, 7):
+            assert rule.window_end(version) <= (eta + version + 1) * B
+    if eta >= 2:
+        assert seen == set(range(1, eta + 1))  # the schedule did move the lead through 1..eta
+
+
+def test_eta_zero_stays_synchronous_and_the_default_is_the_bound(tmp_path):
+    """eta = 0 admits one version at a time whatever the mode; no key set: lead = eta."""
+    from buffer.config import BufferConfig
+    from buffer.core import BufferCore
+
+    assert BufferConfig().admission_lead == "bound"
+    for mode in ("adaptive", "bound"):
+        rule = StalenessAdmission(0, B, 100, lead=AdmissionLead(0, B, mode).lead)
+        assert rule.window_end(5) == (5 + 1) * B  # only the current version's groups
+        assert rule.capacity(5, accepted_groups=5 * B, running_groups=0) == B
+        assert rule.capacity(5, accepted_groups=6 * B, running_groups=0) == 0
+    core = BufferCore(BufferConfig(max_staleness=2), bank_dir=tmp_path, groups_per_version=4,
+                      max_concurrent_groups=16)  # fmt: skip
+    state = core.admission_state()
+    assert state.lead == 2 and StalenessAdmission.from_state(state).window_end(0) == 3 * 4
