@@ -3,6 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 # torch and torchvision as the matching pair SGLang 0.5.23 pins (torch 2.14.1);
 # an unpinned torch would pull whatever is newest. It runs on the CPU here.
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
@@ -35,6 +36,11 @@ $(STAMP): pyproject.toml tests/conformance/requirements-cpu.txt tests/conformanc
 	$(PY) -m pip install -q --no-deps --no-compile "$(VLLM)"
 	$(PY) -m pip install -q --no-deps --no-compile --upgrade --target $(VENV)/vllm-overlay -r tests/conformance/vllm/requirements-cpu.txt
 	touch $(STAMP)
+
+# The `bench` extra (TRL, the vs-trl suite's baseline): make test and make bench install it.
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
+	touch $(BENCH_STAMP)
 
 # The demo run starts afresh each time (the tiny model and data it built are reused).
 demo: $(STAMP)
@@ -76,7 +82,7 @@ demo-agent: $(STAMP)
 # status says whether all passed.
 TIERS := unit conformance integration e2e
 
-test: $(STAMP) lint
+test: $(STAMP) $(BENCH_STAMP) lint
 	@status=0; for tier in $(TIERS); do \
 		echo "== tests/$$tier"; \
 		env -u RAY_ADDRESS $(PY) -m pytest -q tests/$$tier || status=1; \
@@ -85,7 +91,7 @@ test: $(STAMP) lint
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
-test-integration: $(STAMP)
+test-integration: $(STAMP) $(BENCH_STAMP)
 	env -u RAY_ADDRESS $(PY) -m pytest -q tests/integration
 
 test-e2e: $(STAMP)
@@ -103,7 +109,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: $(STAMP)
+bench: $(STAMP) $(BENCH_STAMP)
 	$(VENV)/bin/fleetrl bench all --quick --out runs/bench
 
 # On a machine with a GPU and this virtualenv: every stage of the GPU check on CUDA (the SGLang

@@ -297,6 +297,7 @@ class AdmissionState(_Reply, tag="admission"):
     max_staleness: int
     groups_per_version: int
     max_concurrent: int
+    lead: int = -1  # versions ahead the fleet may generate now (buffer.lead); -1: max_staleness
 
 
 class Stats(_Reply, tag="stats"):

@@ -278,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
             "accuracy",
             "reward",
             "agent",
+            "vs-trl",
             "all",
         ],
         help="the stage to measure against its baseline, or all",
@@ -325,6 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="e2e: one engine at the start joined by more mid-run (fleetrl fleet scale) against "
         "the same engines from the start: samples/s after the join and what it cost the others",
+    )
+    p.add_argument(
+        "--regime",
+        choices=["demo", "generation-bound", "both"],
+        default=None,
+        help="vs-trl: the overhead-bound demo, the generation-bound workload, or both (default)",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     return parser
