@@ -1,5 +1,8 @@
 """``fleetrl inspect rollouts DIR``: what a rollout bank holds, read-only.
 
+DIR is a run folder (its bank: ``buffer.bank_dir`` from its config.yaml, else
+``rollout_bank/``) or a bank folder itself; a folder that is neither is an error, not zeros.
+
 Prints counts (segments, samples, groups complete/partial, hand-outs, commits,
 refusals, filter drops), the score distribution (of the samples whose reward was
 scored) and the samples whose reward failed, with their most common causes, the
@@ -37,17 +40,41 @@ from buffer.bank import (
     read_segment,
 )
 
+RUN_BANK = "rollout_bank"  # a run folder's bank, unless buffer.bank_dir puts it elsewhere
+
 
 class BankNotFoundError(ValueError):
-    """The folder given to ``inspect rollouts`` does not exist."""
+    """The folder given to ``inspect rollouts`` is neither a run folder nor a rollout bank."""
+
+
+def bank_folder(folder: str | Path) -> Path:
+    """The rollout bank ``folder`` names: itself when it is one, else its run's bank."""
+    root = Path(folder)
+    if (root / LEDGER_NAME).exists() or list_segments(root):
+        return root
+    config = root / "config.yaml"
+    if config.is_file():
+        import yaml
+
+        bank_dir = ((yaml.safe_load(config.read_text()) or {}).get("buffer") or {}).get("bank_dir")
+        if bank_dir:
+            return Path(bank_dir)
+    return root / RUN_BANK
 
 
 def summarize(bank_dir: str | Path) -> dict[str, Any]:
-    """Every statistic ``inspect rollouts`` prints, as plain data."""
-    root = Path(bank_dir)
-    if not root.is_dir():
-        raise BankNotFoundError(f"rollout bank {root} is not a folder")
+    """Every statistic ``inspect rollouts`` prints, as plain data (``bank_dir``: a bank, or a
+    run folder holding one)."""
+    given = Path(bank_dir)
+    if not given.is_dir():
+        raise BankNotFoundError(f"{given.absolute()} is not a folder")
+    root = bank_folder(given)
     segments = list_segments(root)
+    if not segments and not (root / LEDGER_NAME).exists():
+        raise BankNotFoundError(
+            f"{given.absolute()} holds no rollout bank (no ledger, no segments): give a run "
+            f"folder or its {RUN_BANK}/"
+        )
     seen: set[str] = set()
     group_size: dict[str, int] = {}
     group_count: Counter[str] = Counter()

@@ -10,6 +10,7 @@ can exit with status 2 and no traceback.
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,7 +30,33 @@ class ConfigError(ValueError):
 
     def __init__(self, path: str, message: str) -> None:
         self.path = path
+        self.message = message
         super().__init__(f"config error at {path or '<root>'}: {message}")
+
+
+class ConfigErrors(ConfigError):
+    """Several configuration problems found at once: the CLI prints ``lines``, one each.
+
+    ``config`` is the validated struct when the problems are rules across keys (the
+    fields themselves converted): preflight then checks it too, and reports everything at
+    once.
+    """
+
+    def __init__(self, errors: list[ConfigError], config: Any = None) -> None:
+        self.errors = list(errors)
+        self.lines = [str(e) for e in self.errors]
+        self.config = config
+        self.path = self.errors[0].path
+        self.message = self.errors[0].message
+        ValueError.__init__(self, "; ".join(self.lines))
+
+
+def raise_all(errors: list[ConfigError], config: Any = None) -> None:
+    """Raise nothing, the one error, or ``ConfigErrors`` of them all."""
+    if len(errors) == 1 and config is None:
+        raise errors[0]
+    if errors:
+        raise ConfigErrors(errors, config)
 
 
 def _dotted(msgspec_path: str) -> str:
@@ -110,9 +137,52 @@ def normalise_switches(cls: type, raw: Any) -> Any:
     return out
 
 
+def suggest(cls: type, where: str, key: str) -> str | None:
+    """The dotted key a misspelt ``key`` under ``where`` most likely meant: a close name in
+    the same section, else the same name in another section (``trainer.n`` -> ``rollout.n``)."""
+    struct = _struct_at(cls, where) if where else cls
+    if struct is not None:
+        close = difflib.get_close_matches(key, struct_keys(struct), n=1, cutoff=0.6)
+        if close:
+            return ".".join(p for p in (where, close[0]) if p)
+    elsewhere = [k for k, *_ in field_docs(cls) if k.rsplit(".", 1)[-1] == key]
+    return elsewhere[0] if len(elsewhere) == 1 else None
+
+
+def unknown_key_error(cls: type, where: str, key: str, prefix: str = "") -> ConfigError:
+    """``unknown key; did you mean X?`` (or the keys accepted there, when nothing is close)."""
+    join = lambda *p: ".".join(x for x in p if x)  # noqa: E731
+    guess = suggest(cls, where, key)
+    if guess is not None:
+        return ConfigError(
+            join(prefix, where, key),
+            f"unknown key; did you mean {join(prefix, guess)}? (every key: docs/configuration.md)",
+        )
+    struct = _struct_at(cls, where) if where else cls
+    accepted = ", ".join(struct_keys(struct)) if struct else "see docs/configuration.md"
+    return ConfigError(join(prefix, where, key), f"unknown key; accepted keys: {accepted}")
+
+
+def unknown_keys(cls: type, raw: Any, where: str = "") -> list[tuple[str, str]]:
+    """Every (section, key) of ``raw`` that ``cls`` does not have, at any depth."""
+    info = _unwrap(msgspec.inspect.type_info(cls))
+    if not isinstance(info, msgspec.inspect.StructType) or not isinstance(raw, dict):
+        return []
+    fields = {f.name: _unwrap(f.type) for f in info.fields}
+    out = []
+    for key, value in raw.items():
+        if key not in fields:
+            out.append((where, str(key)))
+        elif isinstance(fields[key], msgspec.inspect.StructType):
+            out += unknown_keys(fields[key].cls, value, f"{where}.{key}" if where else key)
+    return out
+
+
 def convert(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
-    """Validate ``raw`` into ``cls``; raise ``ConfigError`` naming the dotted path."""
+    """Validate ``raw`` into ``cls``; raise ``ConfigError`` naming the dotted path (every
+    unknown key at once, each with the key it most likely meant)."""
     raw = normalise_switches(cls, raw)
+    raise_all([unknown_key_error(cls, where, key, prefix) for where, key in unknown_keys(cls, raw)])
     try:
         return msgspec.convert(raw, cls, strict=True)
     except msgspec.ValidationError as err:
@@ -125,11 +195,7 @@ def _explain(cls: type, raw: Any, text: str, prefix: str) -> ConfigError:
     body = text[: match.start()] if match else text
     join = lambda *p: ".".join(x for x in p if x)  # noqa: E731
     if m := _UNKNOWN_RE.match(body):
-        struct = _struct_at(cls, where)
-        accepted = ", ".join(struct_keys(struct)) if struct else "see docs/configuration.md"
-        return ConfigError(
-            join(prefix, where, m.group("key")), f"unknown key; accepted keys: {accepted}"
-        )
+        return unknown_key_error(cls, where, m.group("key"), prefix)
     if m := _MISSING_RE.match(body):
         return ConfigError(join(prefix, where, m.group("key")), "required key is missing")
     if not body.startswith(("Expected ", "Invalid ")):  # a struct's own check said why
@@ -192,7 +258,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError("--config", f"file not found: {p}")
+        raise ConfigError("--config", f"file not found: {p.absolute()}")
     try:
         data = yaml.load(p.read_text(), Loader=_Loader) or {}
     except yaml.YAMLError as err:

@@ -43,11 +43,40 @@ class UsageError(ValueError):
     """Bad user input detected by a handler: printed as one line, exit status 2."""
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
+RUN_OVERRIDES = "learner.optim.lr=1e-6 rollout.n=8"  # keys of a run config (docs/configuration.md)
+RM_OVERRIDES = "learner.optim.lr=1e-5 data.train_batch_size=32"  # keys `rm train` reads
+
+
+def _add_config_args(p: argparse.ArgumentParser, example: str = RUN_OVERRIDES) -> None:
     p.add_argument("--config", help="YAML run config (see configs/)")
+    p.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
+
+
+def _add_run_args(p: argparse.ArgumentParser, what: str) -> None:
+    """What `train` and `check` share: the config, the Ray address, the run folder's rule."""
+    _add_config_args(p)
     p.add_argument(
-        "overrides", nargs="*", help="dotted overrides, e.g. learner.optim.lr=1e-6 rollout.n=8"
+        "--address",
+        default=None,
+        help=f"Ray cluster address (default: RAY_ADDRESS or {what})",
     )
+    p.add_argument(
+        "--resume-with-changes",
+        action="store_true",
+        help="continue the run in trainer.output_dir although its config.yaml differs in keys "
+        "that change the run (the earlier config.yaml is kept beside the new one)",
+    )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fleetrl")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from fleetrl import __version__
+
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,27 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fleetrl", description="Asynchronous actor-learner RL (PPO/GRPO) for language models."
     )
+    parser.add_argument("--version", action="version", version=f"fleetrl {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
         "train", help="run fleet, buffer, learner group and weight sync end to end on Ray"
     )
-    _add_config_args(p)
-    p.add_argument(
-        "--address",
-        default=None,
-        help="Ray cluster address (default: RAY_ADDRESS or a new local instance)",
-    )
+    _add_run_args(p, "a new local instance")
 
     p = sub.add_parser(
-        "check", help="check every precondition of a run (resources, backend, credentials, disk)"
+        "check",
+        help="check every precondition of a run (config, data, reward, resources, backend, "
+        "credentials, disk, run folder)",
     )
-    _add_config_args(p)
-    p.add_argument(
-        "--address",
-        default=None,
-        help="Ray cluster address (default: RAY_ADDRESS or the local instance train would start)",
-    )
+    _add_run_args(p, "the local instance train would start")
 
     p = sub.add_parser(
         "plan", help="memory per device and role for a config, before launch (exit 1: does not fit)"
@@ -118,9 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = dsub.add_parser("synth", help="generate the project's synthetic verifiable tasks")
     s.add_argument("--task", default="add", help="task name (see fleetrl.data.synth.TASKS)")
     s.add_argument("--out", required=True, help="output folder")
-    s.add_argument("--train-size", type=int, default=2000)
-    s.add_argument("--test-size", type=int, default=200)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--train-size", type=int, default=2000, help="train rows (default 2000)")
+    s.add_argument("--test-size", type=int, default=200, help="held-out rows (default 200)")
+    s.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     h = dsub.add_parser(
         "hh-rlhf",
         help="convert local Anthropic HH-RLHF files (jsonl[.gz]) to preference Parquet",
@@ -133,13 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("model", help="model utilities")
     msub = p.add_subparsers(dest="model_command", required=True)
     t = msub.add_parser("tiny", help="write a tiny random-init Hugging Face model folder")
-    t.add_argument("--out", required=True)
-    t.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
-    t.add_argument("--layers", type=int, default=2)
-    t.add_argument("--hidden", type=int, default=64)
-    t.add_argument("--heads", type=int, default=4)
-    t.add_argument("--max-positions", type=int, default=256)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True, help="folder to write")
+    t.add_argument(
+        "--arch", default="qwen2", choices=["qwen2", "llama"], help="model family (default qwen2)"
+    )
+    t.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    t.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
+    t.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    t.add_argument(
+        "--max-positions", type=int, default=256, help="context length in tokens (default 256)"
+    )
+    t.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
     t.add_argument(
         "--reward-model",
         action="store_true",
@@ -170,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = rsub.add_parser(
         "train", help="Bradley-Terry reward-model training on the FSDP2 learner group (Ray)"
     )
-    _add_config_args(r)
+    _add_config_args(r, RM_OVERRIDES)
     r.add_argument(
         "--address",
         default=None,
@@ -186,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser("export", help="write a Hugging Face folder from a learner checkpoint")
-    p.add_argument("--ckpt", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--ckpt", required=True, help="a checkpoint folder (RUN_DIR/checkpoints/step_N)")
+    p.add_argument("--out", required=True, help="folder to write the Hugging Face model to")
     p.add_argument(
         "--merged",
         action="store_true",
@@ -216,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = isub.add_parser(
         "rollouts", help="counts and reward/length/staleness statistics of a rollout bank"
     )
-    r.add_argument("dir")
+    r.add_argument("dir", help="a run folder (its rollout_bank/ is read) or a rollout bank")
 
     p = sub.add_parser(
         "bench", help="throughput harness: each stage against its baseline, as ratios"
@@ -233,8 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
             "reward",
             "all",
         ],
+        help="the stage to measure against its baseline, or all",
     )
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="folder for the report, figures and plots")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -244,11 +271,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hidden", type=int, nargs="*", default=None, help="model hidden sizes to sweep"
     )
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--engines", type=int, default=None)
-    p.add_argument("--learner-ranks", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None, help="model layers (default: the suite's)")
+    p.add_argument(
+        "--engines", type=int, default=None, help="rollout engines (default: the suite's)"
+    )
+    p.add_argument(
+        "--learner-ranks", type=int, default=None, help="learner ranks (default: the suite's)"
+    )
+    p.add_argument(
+        "--batch", type=int, default=None, help="prompts per step (default: the suite's)"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="tokens per sample (default: the suite's)"
+    )
     p.add_argument(
         "--headline-eta",
         type=int,
@@ -262,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="e2e: colocated runs co-located engines beside disaggregated ones on the same "
         "resources, alternated, and reports the ratio and the switch's share of a step",
     )
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     return parser
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from fleetrl.config import ConfigError
+from fleetrl.config import ConfigError, raise_all
 from launcher.config import RunConfig
 from learner.config import MIS_MODES
 
@@ -42,14 +42,14 @@ def refuse(key: str, other: str, got: str, why: str) -> ConfigError:
 
 
 def validate_run(cfg: RunConfig, *, training: bool = False) -> RunConfig:
-    """Raise the first cross-section problem of ``cfg`` as a ``ConfigError``; else return it.
+    """Return ``cfg``, or raise every cross-section problem at once (``ConfigErrors``, which
+    carries ``cfg``: preflight checks it too and reports everything in one go).
 
     ``training`` adds the rules only a training run needs (``config show`` of a
     partial config stays possible).
     """
-    for check in RULES + (TRAINING_RULES if training else []):
-        for problem in check(cfg):
-            raise problem
+    problems = [p for check in RULES + (TRAINING_RULES if training else []) for p in check(cfg)]
+    raise_all(problems, config=cfg)
     return cfg
 
 

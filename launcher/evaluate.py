@@ -110,17 +110,17 @@ def tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
 
 def _check_inputs(cfg: RunConfig, model_dirs: Sequence[str | Path]) -> None:
     if not cfg.data.val_files:
-        raise ValueError("fleetrl eval: data.val_files is empty; name the held-out Parquet files")
+        raise ValueError("data.val_files is empty; name the held-out Parquet files")
     if not model_dirs:
-        raise ValueError("fleetrl eval: no model folders to score")
-    missing = [str(d) for d in model_dirs if not (Path(d) / "config.json").is_file()]
+        raise ValueError("no model folders to score")
+    missing = [str(Path(d).absolute()) for d in model_dirs if not (Path(d) / "config.json").is_file()]  # fmt: skip
     if missing:
-        raise ValueError(f"fleetrl eval: no Hugging Face model (config.json) in {missing}")
+        raise ValueError(f"no Hugging Face model (config.json) in {', '.join(missing)}")
     first = tokenizer_files(model_dirs[0])
     for model_dir in model_dirs[1:]:
         if tokenizer_files(model_dir) != first:
             raise ValueError(
-                f"fleetrl eval: the tokenizer of {model_dir} differs from {model_dirs[0]}'s;"
+                f"the tokenizer of {model_dir} differs from {model_dirs[0]}'s;"
                 " one engine scores folders of one tokenizer (run eval once per model family)"
             )
 
@@ -209,10 +209,13 @@ def main(args: argparse.Namespace) -> int:
     if args.snapshots:
         found = snapshot_steps(snapshot_root(args.snapshots))
         if not found:
-            raise UsageError(f"fleetrl eval: no policy snapshots under {args.snapshots}")
+            raise UsageError(
+                f"no policy snapshots under {Path(args.snapshots).absolute()}: a run writes them "
+                "to <run dir>/hf_snapshots with trainer.save_hf_freq=N (every N steps)"
+            )
         models += [str(path) for _, path in found]
     if not models:
-        raise UsageError("fleetrl eval: name at least one --model folder or --snapshots RUN_DIR")
+        raise UsageError("name at least one --model folder or --snapshots RUN_DIR")
     try:
         for record in evaluate(
             cfg, models, engine_url=args.engine_url or None, api_key=args.api_key
@@ -222,5 +225,5 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from None
     except EngineCallError as err:  # the engine refused a folder or did not answer
-        raise UsageError(f"fleetrl eval: {err}") from None
+        raise UsageError(str(err)) from None
     return 0

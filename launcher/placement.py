@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fleetrl.log import get_logger, role_env
+from fleetrl.machine import usable_cpus
 from launcher.config import RunConfig
 from launcher.supervision import TrainingStopped
 
@@ -60,11 +62,30 @@ def requested_cpus(cfg: RunConfig) -> float:
     )
 
 
+RAY_AUTH_MODE = "RAY_AUTH_MODE"  # Ray's variable: token | disabled
+
+
+def ask_for_token_auth(address: str | None) -> None:
+    """Token authentication for a new local instance (no ``address``), asked for explicitly.
+
+    Ray turns it on for a new local instance by default and warns that it did so on every
+    start; asking for it (``RAY_AUTH_MODE=token``, a token made once in ~/.ray/auth_token) is
+    the same instance, unwarned. Ray reads the variable when it is imported, so this is
+    done before: once Ray is imported (a caller's own), or with the user's own setting, Ray
+    is left to its default.
+    """
+    local = not (address or os.environ.get("RAY_ADDRESS"))
+    if local and RAY_AUTH_MODE not in os.environ and "ray" not in sys.modules:
+        os.environ[RAY_AUTH_MODE] = "token"
+
+
 def init_ray(cfg: RunConfig, address: str | None) -> bool:
     """Start or join Ray; returns True when this process started a local instance."""
+    ask_for_token_auth(address or cfg.ray.address)
     import ray
 
     address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
+
     logs = Path(cfg.trainer.output_dir).resolve() / "logs"
     env = {
         "env_vars": {
@@ -77,7 +98,7 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         log.info("joined Ray cluster at %s: %s", address, ray.cluster_resources())
         return False
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()  # the affinity mask and cgroup quota, not the host's count
     num_cpus = cfg.ray.num_cpus or max(cores, int(requested_cpus(cfg) + 0.999))
     if num_cpus > cores:
         log.warning(

@@ -144,9 +144,19 @@ def learner_on_gpu(cfg: RunConfig) -> bool:
 
 
 def model_shape(cfg: RunConfig, model_config: str | None = None) -> ModelShape:
+    """The model's sizes: from ``model_config`` (a config.json) when given, else model.path's."""
     if model_config:
-        return ModelShape.from_config_dict(json.loads(Path(model_config).read_text()))
-    return ModelShape.from_model_config(cfg.model)
+        path = Path(model_config)
+        if not path.is_file():
+            raise FileNotFoundError(f"--model-config {path.absolute()} not found")
+        return ModelShape.from_config_dict(json.loads(path.read_text()))
+    try:
+        return ModelShape.from_model_config(cfg.model)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(
+            f"{err}; to plan before the weights are on disk, give the model's config.json: "
+            "--model-config FILE (configs/models/ holds some)"
+        ) from None
 
 
 def learner_roles(

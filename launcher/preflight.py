@@ -10,8 +10,11 @@ user learns all that is missing in one attempt instead of after a model build, a
 20-line wandb traceback or an endless wait for GPUs the machine does not have.
 
 What is checked:
-- data files and the model folder (what ``launcher.prepare`` cannot make);
-- the reward section: the custom reward function loads and can be called, the reward
+- data files, read through the rollout's own validator, and a few prompts rendered with the
+  tokenizer as the run will (``launcher.preflight_data``); the model folder (what
+  ``launcher.prepare`` cannot make);
+- the reward section: the custom reward function loads, can be called and scores the
+  first rows without raising, the reward
   model folder, a scorer for every data source (``launcher.preflight_rewards``), and
   ``reward.model.urls`` answer (with their key when off this machine);
 - resources: the learner group's bundles, the engines and the reward servers the run
@@ -26,7 +29,8 @@ What is checked:
   and each device (on CPU, the host's share per rank) holds the larger of its two
   phases, generating and training (``launcher.plan_colocated``);
 - tracking: wandb logged in, offline, or off;
-- the run directory: writable, with free disk for the checkpoints and the bank;
+- the run directory: writable, with free disk for the checkpoints and the bank, and not
+  another run's (``launcher.run_folder``);
 - the Ray address the run pins: something answers there.
 
 Left out: the SGLang version and torch_memory_saver on remote nodes (on a cluster the
@@ -39,12 +43,14 @@ from __future__ import annotations
 import argparse
 import netrc
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import urlparse
 
+from fleetrl.config import ConfigErrors
 from fleetrl.log import get_logger
 from launcher.config import RunConfig, load_run_config_named
+from launcher.preflight_data import check_data
 from launcher.preflight_findings import (
     Finding,
     Node,
@@ -53,8 +59,9 @@ from launcher.preflight_findings import (
     _count,
     _first_line,
     _gib,
+    shown,
 )
-from launcher.preflight_resources import check_resources, local_node
+from launcher.preflight_resources import check_resources, local_node, needs_gpus
 from launcher.preflight_rewards import check_rewards
 from learner.memory import ModelShape
 from rollout_fleet.sglang_version import TESTED_SGLANG
@@ -77,23 +84,6 @@ WANDB_OFF_MODES = ("offline", "disabled", "dryrun")
 # ---- the checks -----------------------------------------------------------------------------
 
 
-def check_data(cfg: RunConfig) -> list[Finding]:
-    if cfg.data.synth_task:
-        return []  # launcher.prepare generates missing files
-    out = []
-    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):  # fmt: skip
-        missing = [f for f in files if not Path(f).is_file()]
-        if missing:
-            out.append(
-                Finding(
-                    key=key,
-                    problem=f"file not found: {missing[0]}",
-                    fix="make it with 'fleetrl data gsm8k' or 'fleetrl data synth', or set data.synth_task",
-                )
-            )
-    return out
-
-
 def check_model(cfg: RunConfig) -> list[Finding]:
     """The policy's folder, the critic's own (when it has one) and a checkpoint to resume."""
     out = []
@@ -101,8 +91,10 @@ def check_model(cfg: RunConfig) -> list[Finding]:
         out.append(
             Finding(
                 key="model.path",
-                problem=f"{cfg.model.path} is not a Hugging Face model folder",
-                fix="point it at a local model folder, or set model.create_tiny=true for a tiny one",
+                problem=f"{shown(cfg.model.path)} is not a Hugging Face model folder",
+                fix="point it at a local model folder (nothing is downloaded: fetch a hub model "
+                "first, e.g. `huggingface-cli download NAME --local-dir DIR`), or set "
+                "model.create_tiny=true for a tiny one",
             )
         )
     critic_path = cfg.learner.critic.model_path
@@ -110,7 +102,7 @@ def check_model(cfg: RunConfig) -> list[Finding]:
         out.append(
             Finding(
                 key="learner.critic.model_path",
-                problem=f"{critic_path} is not a Hugging Face model folder",
+                problem=f"{shown(critic_path)} is not a Hugging Face model folder",
                 fix="point it at a local model folder, or leave it empty to start from model.path",
             )
         )
@@ -123,7 +115,7 @@ def check_model(cfg: RunConfig) -> list[Finding]:
             out.append(
                 Finding(
                     key="trainer.resume_from_path",
-                    problem=f"{folder} is not a complete fleetrl checkpoint ({problem})",
+                    problem=f"{shown(folder)} is not a complete fleetrl checkpoint ({problem})",
                     fix="give a <run dir>/checkpoints/step_N folder, or leave it empty",
                 )
             )
@@ -376,7 +368,7 @@ def check_output_dir(cfg: RunConfig, probes: Probes) -> list[Finding]:
         return [
             Finding(
                 key="trainer.output_dir",
-                problem=f"{out_dir} cannot be written ({where}: {error})",
+                problem=f"{shown(out_dir)} cannot be written ({where}: {error})",
                 fix="choose a writable folder: trainer.output_dir=PATH",
             )
         ]
@@ -430,12 +422,20 @@ def check_cluster(
 
 
 def run_checks(
-    cfg: RunConfig, address: str | None = None, probes: Probes | None = None
+    cfg: RunConfig,
+    address: str | None = None,
+    probes: Probes | None = None,
+    *,
+    resume_with_changes: bool = False,
 ) -> list[Finding]:
-    """Every check; every finding (warnings included), in the order a user fixes them."""
+    """Every check; every finding (warnings included), in the order a user fixes them
+    (``resume_with_changes``: the run folder may hold this run with other keys)."""
+    from launcher.run_folder import check_run_folder
+
     probes = probes or Probes()
     target = resolve_address(cfg, address, probes.env)
-    findings = check_data(cfg) + check_model(cfg) + check_rewards(cfg)
+    data_findings, rows = check_data(cfg)
+    findings = data_findings + check_model(cfg) + check_rewards(cfg, rows.samples)
     findings += check_reward_urls(cfg, probes)
     if target:
         cluster_findings, nodes = check_cluster(cfg, target, probes)
@@ -448,27 +448,63 @@ def run_checks(
     findings += check_colocation(cfg, probes, local=not target)
     findings += check_tracking(cfg, probes)
     findings += check_output_dir(cfg, probes)
+    findings += check_run_folder(cfg, resume_with_changes)
     return findings
 
 
-def ensure_ready(cfg: RunConfig, address: str | None = None, probes: Probes | None = None) -> None:
-    """Run every check; log the warnings; raise ``PreflightFailed`` listing every failure."""
-    findings = run_checks(cfg, address, probes)
+def ensure_ready(
+    cfg: RunConfig,
+    address: str | None = None,
+    probes: Probes | None = None,
+    config_errors: list[str] | None = None,
+    resume_with_changes: bool = False,
+) -> None:
+    """Run every check; log the warnings; raise ``PreflightFailed`` listing every failure
+    (after ``config_errors``, the config's own rule errors, so that all come at once)."""
+    findings = run_checks(cfg, address, probes, resume_with_changes=resume_with_changes)
     for f in findings:
         if not f.fatal:
             log.warning("%s", f.line())
     failures = [f for f in findings if f.fatal]
-    if failures:
-        raise PreflightFailed(failures)
+    if failures or config_errors:
+        raise PreflightFailed(failures, config_errors)
+
+
+def load_for_run(
+    path: str | None, overrides: list[str]
+) -> tuple[RunConfig, Callable[[str], str], list[str]]:
+    """The config ``fleetrl train`` runs (training rules included) and how to name its keys;
+    its rule errors come back as lines, not raised, so preflight reports them with its own.
+    A config whose fields do not convert raises as before (nothing to check yet)."""
+    try:
+        cfg, name = load_run_config_named(path, overrides, training=True)
+    except ConfigErrors as err:
+        if err.config is None:
+            raise
+        return err.config, str, err.lines
+    return cfg, name, []
 
 
 def main(args: argparse.Namespace) -> int:
     """`fleetrl check`: the checks of `fleetrl train`, alone; exit 2 listing every failure."""
-    cfg, name = load_run_config_named(args.config, args.overrides)
+    cfg, name, config_errors = load_for_run(args.config, args.overrides)
     try:
-        ensure_ready(cfg, args.address)
+        ensure_ready(
+            cfg,
+            args.address,
+            config_errors=config_errors,
+            resume_with_changes=args.resume_with_changes,
+        )
     except PreflightFailed as err:
         raise err.named(name) from None
-    target = resolve_address(cfg, args.address, os.environ) or "a local Ray instance"
-    print(f"fleetrl check: ready to run on {target}")  # the CLI's result, on stdout
+    target = resolve_address(cfg, args.address, os.environ)
+    where = target or f"a local Ray instance ({_local_offer(cfg)})"
+    print(f"fleetrl check: ready to run on {where}")  # the CLI's result, on stdout
     return 0
+
+
+def _local_offer(cfg: RunConfig) -> str:
+    """What this machine has for the run: its usable CPUs (affinity, cgroup quota) and GPUs."""
+    probes = Probes()
+    gpus = probes.cuda_devices() if needs_gpus(cfg) else 0
+    return f"this machine has {_count(probes.cpu_count())} usable CPUs and {gpus} GPUs"

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import msgspec
 
+from fleetrl.machine import usable_cpus
+
 ADDRESS_TIMEOUT_S = 3.0
 
 
@@ -45,16 +47,19 @@ class Node(msgspec.Struct, frozen=True):
 
 
 class PreflightFailed(ValueError):
-    """Raised by ``ensure_ready``; the CLI prints ``lines`` (one per finding) and exits 2."""
+    """Raised by ``ensure_ready``; the CLI prints ``lines`` (the config's rule errors, then
+    one per finding) and exits 2."""
 
-    def __init__(self, findings: list[Finding]):
+    def __init__(self, findings: list[Finding], config_errors: list[str] | None = None):
         self.findings = findings
-        self.lines = [f.line() for f in findings]
+        self.config_errors = list(config_errors or [])
+        self.lines = self.config_errors + [f.line() for f in findings]
         super().__init__("; ".join(self.lines))
 
     def named(self, name: Callable[[str], str]) -> PreflightFailed:
         """The same findings with each key as ``name`` gives it (a verl config's own keys)."""
-        return PreflightFailed([msgspec.structs.replace(f, key=name(f.key)) for f in self.findings])
+        findings = [msgspec.structs.replace(f, key=name(f.key)) for f in self.findings]
+        return PreflightFailed(findings, self.config_errors)
 
 
 @dataclass
@@ -62,7 +67,7 @@ class Probes:
     """What the checks ask the machine or cluster; tests replace any of these with fakes."""
 
     env: Mapping[str, str] = field(default_factory=lambda: os.environ)
-    cpu_count: Callable[[], int] = lambda: os.cpu_count() or 1
+    cpu_count: Callable[[], int] = lambda: usable_cpus()  # affinity and cgroup quota
     cuda_devices: Callable[[], int] = lambda: _torch_cuda_devices()
     package_version: Callable[[str], str | None] = lambda name: _package_version(name)
     disk_free: Callable[[Path], int] = lambda path: shutil.disk_usage(path).free
@@ -151,6 +156,12 @@ def _count(n: int) -> str:
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
+
+
+def shown(path: str | Path) -> str:
+    """A path as a message shows it: absolute (``~`` expanded), so a relative one says where
+    it was looked for."""
+    return os.path.abspath(os.path.expanduser(str(path)))
 
 
 def _first_line(err: BaseException) -> str:

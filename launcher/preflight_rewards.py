@@ -2,7 +2,8 @@
 
 - ``reward.custom_function.path``: the file imports (here, in the driver: its top level
   runs once more in each rollout role), the function exists and the pipeline's call binds
-  to its signature (single, batched or async; ``reward_kwargs``);
+  to its signature (single, batched or async; ``reward_kwargs``), and it scores the first
+  training rows it claims without raising (``launcher.preflight_reward_trial``);
 - ``reward.model.path``: a one-label sequence-classification folder with a tokenizer;
 - ``data.train_files`` / ``data.val_files``: every ``data_source`` they hold has a rule
   scorer (the custom function's claim or a built-in) wherever the rule counts (no reward
@@ -18,19 +19,24 @@ left to the reader's own checks.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from launcher.config import RunConfig
-from launcher.preflight_findings import Finding
+from launcher.preflight_findings import Finding, shown
+from launcher.preflight_reward_trial import trial_findings
+
+Samples = list[tuple[str, str, int, dict[str, Any]]]  # (config key, file, row, row dict)
 
 
-def check_custom_function(cfg: RunConfig) -> list[Finding]:
+def check_custom_function(cfg: RunConfig, samples: Samples | None = None) -> list[Finding]:
+    """The function loads and binds, then scores ``samples``' first rows without raising."""
     from rollout_fleet.rewards.custom import RewardLoadError, load_custom_reward
 
     custom = cfg.reward.custom_function
     if not custom.path:
         return []
     try:
-        load_custom_reward(custom.path, custom.name, custom.reward_kwargs)
+        reward = load_custom_reward(shown(custom.path), custom.name, custom.reward_kwargs)
     except RewardLoadError as err:
         return [
             Finding(
@@ -40,7 +46,7 @@ def check_custom_function(cfg: RunConfig) -> list[Finding]:
                 "(data_source, solution_str, ground_truth, extra_info) or its batched form",
             )
         ]
-    return []
+    return trial_findings(cfg, reward, samples or [])
 
 
 def check_reward_model(cfg: RunConfig) -> list[Finding]:
@@ -50,13 +56,13 @@ def check_reward_model(cfg: RunConfig) -> list[Finding]:
     if not path:
         return []
     try:
-        check_reward_folder(path)
+        check_reward_folder(shown(path))
     except RewardFolderError as err:
         problem = str(err)
     else:
         if any(Path(path).glob("tokenizer*")):
             return []
-        problem = f"reward model {path} holds no tokenizer files"
+        problem = f"reward model {shown(path)} holds no tokenizer files"
     return [
         Finding(
             key="reward.model.path",
@@ -112,5 +118,6 @@ def check_data_sources(cfg: RunConfig) -> list[Finding]:
     return out
 
 
-def check_rewards(cfg: RunConfig) -> list[Finding]:
-    return check_custom_function(cfg) + check_reward_model(cfg) + check_data_sources(cfg)
+def check_rewards(cfg: RunConfig, samples: Samples | None = None) -> list[Finding]:
+    """The reward section; ``samples`` (rows preflight read) for the custom function's trial."""
+    return check_custom_function(cfg, samples) + check_reward_model(cfg) + check_data_sources(cfg)

@@ -93,6 +93,8 @@ def ensure_model(cfg: RunConfig) -> None:
 def _warmstart_examples(cfg: RunConfig) -> list[tuple[list[dict[str, str]], str]]:
     import pyarrow.parquet as pq
 
+    from fleetrl.models.reward_input import prompt_messages  # a plain string: one user turn
+
     examples = []
     for path in cfg.data.train_files:
         table = pq.read_table(path, columns=["prompt", "reward_model"])
@@ -101,12 +103,7 @@ def _warmstart_examples(cfg: RunConfig) -> list[tuple[list[dict[str, str]], str]
             table.column("reward_model").to_pylist(),
             strict=True,
         ):
-            examples.append(
-                (
-                    [{"role": m["role"], "content": m["content"]} for m in prompt],
-                    str(reward["ground_truth"]),
-                )
-            )
+            examples.append((prompt_messages(prompt), str(reward["ground_truth"])))
     return examples
 
 

@@ -61,14 +61,33 @@ def write_score_plot(metrics_path: Path, out_png: Path, title: str = "fleetrl") 
     return out_png
 
 
-def summary_lines(summary: dict[str, Any]) -> list[str]:
-    lines = []
-    before, after = summary.get("initial_val_score"), summary.get("final_val_score")
+def _score_line(what: str, before: float | None, after: float | None, step: Any) -> str | None:
+    """Only what was measured: before -> after, or the one of them validation ran for."""
     if before is not None and after is not None:
-        lines.append(f"held-out score: {before:.3f} -> {after:.3f} ({after - before:+.3f})")
-    before, after = summary.get("initial_val_rule_score"), summary.get("final_val_rule_score")
-    if before is not None and after is not None:  # a reward model scored: the rule apart
-        lines.append(f"held-out rule score: {before:.3f} -> {after:.3f} ({after - before:+.3f})")
+        return f"{what}: {before:.3f} -> {after:.3f} ({after - before:+.3f})"
+    if before is not None:
+        return f"{what} before training: {before:.3f} (not validated after a step: trainer.test_freq)"  # fmt: skip
+    if after is not None:
+        return f"{what} after step {step}: {after:.3f}"
+    return None
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    """The end-of-run lines ``fleetrl train`` prints: only scores it measured."""
+    step = summary.get("final_val_step", "?")
+    scores = [
+        _score_line(
+            "held-out score", summary.get("initial_val_score"), summary.get("final_val_score"), step
+        ),  # fmt: skip
+        # a reward model scored: the rule apart
+        _score_line(
+            "held-out rule score",
+            summary.get("initial_val_rule_score"),
+            summary.get("final_val_rule_score"),
+            step,
+        ),  # fmt: skip
+    ]
+    lines = [line for line in scores if line is not None]
     if "samples" in summary and summary.get("train_wall_s"):
         lines.append(
             f"trained on {summary['samples']} samples in {summary['train_wall_s']:.0f}s "

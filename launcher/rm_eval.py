@@ -52,9 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--samples", type=int, default=8, help="responses per prompt (--policy)")
     p.add_argument("--max-prompts", type=int, default=100, help="prompts to sample (--policy)")
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-new-tokens", type=int, default=8, help="--policy: tokens per sample (default 8)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="--policy: sampling temperature (default 1)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="--policy: sampling seed (default 0)")
 
 
 def load_reward_model(folder: str | Path) -> tuple[Any, Any]:

@@ -295,7 +295,10 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     """Handler of ``fleetrl rm train``."""
+    from launcher.placement import ask_for_token_auth
+
     cfg = load_rm_config(args.config, args.overrides)
+    ask_for_token_auth(args.address or cfg.ray.address)  # before anything imports Ray
     try:
         summary = run_rm(cfg, address=args.address)
     except TrainingStopped as err:

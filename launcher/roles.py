@@ -539,6 +539,7 @@ class RolloutRole:
                 url, api_key=self.api_key, timeout_s=cfg.rollout.request_timeout_s
             ),
             lora=cfg.learner.lora.rank > 0,
+            max_failed_reward_groups=cfg.reward.max_failed_groups,
         )
         return urls
 
@@ -590,12 +591,14 @@ class RolloutRole:
         fleet = self.reward_servers.fleet if self.reward_servers is not None else None
         return fleet.servers() if fleet is not None else {}
 
-    async def check(self) -> None:
-        """Raise if the generation loop died."""
+    async def check(self) -> str | None:
+        """Raise if the generation loop died; why the run should stop, if it should (its
+        reward failed on every sample of ``reward.max_failed_groups`` groups in a row)."""
         if self._task is not None and self._task.done() and not self._task.cancelled():
             err = self._task.exception()
             if err is not None:
                 raise RuntimeError(f"rollout loop failed: {err!r}") from err
+        return self.worker.reward_streak.stop_reason if self.worker is not None else None
 
     async def weight_targets(self) -> WeightTargets:
         """The engines the next publish goes to: every live one, but those waiting for

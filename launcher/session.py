@@ -56,6 +56,11 @@ class StopRequested(Exception):
     """A stop signal arrived while waiting; the loop checkpoints and ends cleanly."""
 
 
+class RewardsFailing(StopRequested):
+    """The reward failed on every sample for ``reward.max_failed_groups`` groups in a row:
+    the run stops as on a signal (a checkpoint written), then exits non-zero with why."""
+
+
 class Run:
     """The roles of one run, created by ``start`` and ended by ``close`` (in that order).
 
@@ -384,7 +389,9 @@ class Run:
         ):
             if check_stop is not None:
                 check_stop()
-            ray.get(self.rollout.check.remote())
+            reason = ray.get(self.rollout.check.remote())
+            if reason is not None:
+                raise RewardsFailing(reason)
             self.rejoin_engines()  # with every engine dead, waiting alone never ends
             waited = time.monotonic() - started
             if waited > STALL_WARN_S and not warned:

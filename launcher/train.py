@@ -50,17 +50,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
-from launcher.config import RunConfig, load_run_config_named
-from launcher.preflight import ensure_ready
+from launcher.config import RunConfig
+from launcher.placement import ask_for_token_auth
+from launcher.preflight import ensure_ready, load_for_run
 from launcher.preflight_findings import PreflightFailed
 from launcher.prepare import prepare
 from launcher.report import summary_lines, write_score_plot
 from launcher.results import StartRecord
-from launcher.session import Run, StopRequested
+from launcher.run_folder import finished_line, read_folder, write_config
+from launcher.session import RewardsFailing, Run, StopRequested
 from launcher.supervision import BadStepGuard, TrainingStopped
 from launcher.tracking import Tracker
 
@@ -265,14 +265,16 @@ def clock_metrics(
 def execute(session: Any, cfg: RunConfig, tracker: Any, stop: Any) -> dict[str, Any]:
     """Start the roles, run the loop, stop cleanly; the summary of what happened.
 
-    A stop request checkpoints (unless the last step was just saved); a dead role
-    (``TrainingStopped``) propagates after every role is ended.
+    A stop request checkpoints (unless the last step was just saved); so does a reward
+    that fails on everything (``RewardsFailing``), which then raises ``TrainingStopped``
+    with its reason; a dead role (``TrainingStopped``) propagates after every role is ended.
     """
     wall0 = time.monotonic()
     roles = session.supervised()
     progress = Progress(started_at=wall0)
     summary: dict[str, Any] = {}
     interrupted_start: StartupInterrupted | None = None
+    failing: RewardsFailing | None = None
     try:
         stop.install()
         origin = session.start(after_ray_init=stop.install)
@@ -293,10 +295,13 @@ def execute(session: Any, cfg: RunConfig, tracker: Any, stop: Any) -> dict[str, 
     except (StopRequested, KeyboardInterrupt) as err:
         stop.starting = False
         summary["interrupted"] = str(err) or stop.received or "SIGINT"
+        if isinstance(err, RewardsFailing):
+            failing = err  # said once, by the caller, after the checkpoint below
         if not session.started:
             interrupted_start = StartupInterrupted(summary["interrupted"], session.phase)
         else:
-            log.warning("stopping at step %d on %s", progress.step, summary["interrupted"])
+            if failing is None:
+                log.warning("stopping at step %d on %s", progress.step, summary["interrupted"])
             if cfg.trainer.save_freq == 0:
                 log.warning("trainer.save_freq=0: no checkpoint written, this run cannot resume")
             elif not roles.failed and progress.step != progress.checkpointed_step:
@@ -305,31 +310,55 @@ def execute(session: Any, cfg: RunConfig, tracker: Any, stop: Any) -> dict[str, 
         stop.restore()
         session.close(failed=roles.failed)
         summary["samples"] = progress.samples
-        if progress.val_scores:
-            summary["final_val_score"] = progress.val_scores[-1][1]
-            summary["val_scores"] = progress.val_scores
-        if cfg.reward.uses_model and progress.val_rule_scores:
-            summary["final_val_rule_score"] = progress.val_rule_scores[-1][1]
+        summary.update(measured_scores(progress, rule=cfg.reward.uses_model))
     if interrupted_start is not None:
         raise interrupted_start
+    if failing is not None:
+        raise TrainingStopped(f"{failing}; fix the reward, then {session.resume_hint()}")
     summary["wall_s"] = time.monotonic() - wall0
     return summary
 
 
-def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
+def measured_scores(progress: Progress, *, rule: bool) -> dict[str, Any]:
+    """The held-out scores validation measured after a step (one at step 0 is the "before"
+    score, never an "after"): the last one and its step, and every point."""
+    out: dict[str, Any] = {}
+    if progress.val_scores:
+        out["val_scores"] = progress.val_scores
+    after = [(step, score) for step, score in progress.val_scores if step > 0]
+    if after:
+        out["final_val_step"], out["final_val_score"] = after[-1]
+    after_rule = [(step, score) for step, score in progress.val_rule_scores if step > 0]
+    if rule and after_rule:
+        out["final_val_rule_score"] = after_rule[-1][1]
+    return out
+
+
+def run(
+    cfg: RunConfig,
+    *,
+    address: str | None = None,
+    config_errors: list[str] | None = None,
+    resume_with_changes: bool = False,
+) -> dict[str, Any]:
     """Run training end to end; returns a summary (run_dir, metrics_path, wall_s, samples, scores).
 
     Every precondition is checked first (``launcher.preflight``): nothing is built or
-    started when one is unmet, and ``PreflightFailed`` lists them all.
+    started when one is unmet, and ``PreflightFailed`` lists them all, after
+    ``config_errors`` (the config's rule errors). ``resume_with_changes``: continue the run
+    in ``trainer.output_dir`` although its config differs (``launcher.run_folder``).
     """
+    ask_for_token_auth(address or cfg.ray.address)  # before anything imports Ray
     stop = StopSignal()
     stop.install()  # from here on a stop is clean: see StopSignal
     try:
-        ensure_ready(cfg, address)
+        ensure_ready(
+            cfg, address, config_errors=config_errors, resume_with_changes=resume_with_changes
+        )
         run_dir = Path(cfg.trainer.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg = prepare(cfg)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        write_config(run_dir, cfg)
         tracker = Tracker(cfg.logging, run_dir, cfg.trainer.total_steps, to_dict(cfg))
         session = Run(cfg, address)
     except (StopRequested, KeyboardInterrupt):
@@ -353,9 +382,18 @@ def run(cfg: RunConfig, *, address: str | None = None) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg, name = load_run_config_named(args.config, args.overrides, training=True)
+    cfg, name, config_errors = load_for_run(args.config, args.overrides)
+    done = None if config_errors else finished_line(cfg, read_folder(cfg))
+    if done is not None:  # nothing to train: said before Ray would start
+        print(f"fleetrl train: {done}")  # the CLI's result, on stdout
+        return 0
     try:
-        summary = run(cfg, address=args.address)
+        summary = run(
+            cfg,
+            address=args.address,
+            config_errors=config_errors,
+            resume_with_changes=args.resume_with_changes,
+        )
     except PreflightFailed as err:
         raise err.named(name) from None
     except TrainingStopped as err:

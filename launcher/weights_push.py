@@ -46,14 +46,32 @@ log = get_logger(__name__)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face folder or learner checkpoint")
     p.add_argument("--engine", action="append", required=True, help="engine URL (repeatable)")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument(
+        "--backend",
+        choices=["gloo", "nccl"],
+        default="gloo",
+        help="broadcast backend: gloo (CPU, default) or nccl (GPUs)",
+    )
     p.add_argument("--version", type=int, default=None, help="policy version to publish as")
     p.add_argument("--api-key", default=None, help="the engines' bearer key")
     p.add_argument("--tp-size", type=int, default=None, help="ranks per engine (default: ask)")
-    p.add_argument("--pause-mode", choices=["abort", "retract", "in_place"], default="retract")
-    p.add_argument("--bucket-mb", type=float, default=512.0)
-    p.add_argument("--timeout-s", type=float, default=120.0)
-    p.add_argument("--master-address", default=None)
+    p.add_argument(
+        "--pause-mode",
+        choices=["abort", "retract", "in_place"],
+        default="retract",
+        help="how engines pause their requests during the push (default retract)",
+    )
+    p.add_argument(
+        "--bucket-mb", type=float, default=512.0, help="size of one broadcast bucket (default 512)"
+    )
+    p.add_argument(
+        "--timeout-s", type=float, default=120.0, help="longest wait for one engine (default 120)"
+    )
+    p.add_argument(
+        "--master-address",
+        default=None,
+        help="address the group's store listens on (default: the one that reaches the engine)",
+    )
     p.add_argument(
         "--adapter-dir",
         default=None,

@@ -28,7 +28,9 @@ dropped and counted (``groups_failed``).
 A sample whose reward failed (rollout_fleet/rewards/pipeline.py) is sent with its
 group, marked with ``Trajectory.reward_error``: it trains nothing and stays out of
 its group's statistics. A group whose every sample's reward failed has nothing to
-train on: it is dropped and counted (``reward/groups_failed``), not sent.
+train on: it is dropped and counted (``reward/groups_failed``), not sent; after
+``max_failed_reward_groups`` of them in a row ``reward_stop_reason`` says why the run should
+stop (rollout_fleet/rewards/failure_streak.py).
 
 With ``rollout.multi_turn.env`` set, a sample is a conversation instead of one
 completion: ``rollout_fleet.multi_turn.driver`` runs its turns on the same
@@ -69,6 +71,7 @@ from rollout_fleet.adapters import AdapterNames
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.delivery import group_id_for
 from rollout_fleet.multi_turn.driver import MultiTurnDriver
+from rollout_fleet.rewards.failure_streak import FailureStreak
 from rollout_fleet.rewards.pipeline import SampleReward
 from rollout_fleet.router import Router
 from rollout_fleet.sample_runner import GenerateClient, SampleFailed, SampleRunner
@@ -168,6 +171,7 @@ class RolloutWorker:
         client_factory: Callable[[str], GenerateClient] | None = None,
         ledger: SentLedger | None = None,
         lora: bool = False,
+        max_failed_reward_groups: int = 0,
     ):
         self.config = config
         self.router = router
@@ -214,6 +218,7 @@ class RolloutWorker:
         self.groups_failed = 0
         self.groups_cancelled = 0
         self.groups_reward_failed = 0  # every sample's reward failed: nothing to send
+        self.reward_streak = FailureStreak(max_failed_reward_groups)
         self.samples_sent = 0
         self.admission_errors = 0
         self.send_s = 0.0
@@ -353,6 +358,7 @@ class RolloutWorker:
             "rollout/groups_failed": self.groups_failed,
             "rollout/groups_cancelled": self.groups_cancelled,
             "reward/groups_failed": self.groups_reward_failed,
+            "reward/groups_failed_in_a_row": self.reward_streak.in_a_row,
             "rollout/samples_sent": self.samples_sent,
             "rollout/tokens_generated": tokens,
             "rollout/gen_tokens_per_s": tokens / wall if wall > 0 else 0.0,
@@ -457,6 +463,7 @@ class RolloutWorker:
             if all(reward.failed for reward in rewards):
                 self._drop_unscored(group, rewards)
                 return
+            self.reward_streak.scored()
             trajectories = [
                 self._trajectory(group, i, d, reward, sampling["temperature"])
                 for i, (d, reward) in enumerate(zip(done, rewards, strict=True))
@@ -480,6 +487,7 @@ class RolloutWorker:
     def _drop_unscored(self, group: _Group, rewards: list[SampleReward]) -> None:
         """Every sample's reward failed: nothing of the group can train; drop it, counted."""
         self.groups_reward_failed += 1
+        self.reward_streak.failed(rewards[0].error or "")
         if self.groups_reward_failed <= 20 or self.groups_reward_failed % 1000 == 0:
             log.warning(
                 "group %s dropped: the reward of all %d samples failed (%s); %d such groups",

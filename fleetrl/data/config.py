@@ -15,7 +15,7 @@ class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     train_files: Annotated[
         list[str] | str,
         Meta(
-            description="Parquet files of training prompts (verl schema): a list, or one path as a string (as verl accepts); a leading ~ is expanded."
+            description="Parquet files of training prompts (verl's schema, docs/data.md; checked before the run starts): a list, or one path as a string (as verl accepts); a leading ~ is expanded."
         ),
     ] = []
     val_files: Annotated[
@@ -52,7 +52,10 @@ class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = -1
     apply_chat_template: Annotated[
-        bool, Meta(description="Render `prompt` messages with the tokenizer's chat template.")
+        bool,
+        Meta(
+            description="Render chat-message prompts with the tokenizer's chat template (a plain-string prompt is encoded as it is); a tokenizer without one is refused before the run starts. false = a prompt's message contents joined by newlines."
+        ),
     ] = True
     shuffle: Annotated[
         bool, Meta(description="Shuffle each epoch deterministically from `seed`.")

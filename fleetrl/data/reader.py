@@ -56,17 +56,20 @@ class PromptItem:
     data_source: str
     ground_truth: str
     extra_info: dict[str, Any]
-    raw_prompt: list[dict[str, str]]  # the chat messages before templating
+    raw_prompt: list[dict[str, str]] | str  # the chat messages before templating, or plain text
     ability: str = ""
     file: str = ""  # which file and row it came from, for error messages and analysis
     row: int = -1
 
 
 def render_prompt(
-    tokenizer: ChatTokenizer, messages: list[dict[str, str]], apply_chat_template: bool
+    tokenizer: ChatTokenizer, messages: list[dict[str, str]] | str, apply_chat_template: bool
 ) -> list[int]:
-    """Token ids of ``messages``: chat template with generation prompt, or contents joined by newlines."""
-    if apply_chat_template:
+    """Token ids of ``messages``: chat template with generation prompt, or contents joined by
+    newlines; a plain-string prompt is its own text."""
+    if isinstance(messages, str):
+        text = messages
+    elif apply_chat_template:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     else:
         text = "\n".join(message["content"] for message in messages)
@@ -201,7 +204,11 @@ class PromptReader:
             data_source=row["data_source"],
             ground_truth=row["reward_model"]["ground_truth"],
             extra_info=dict(row["extra_info"]),
-            raw_prompt=[dict(message) for message in row["prompt"]],
+            raw_prompt=(
+                row["prompt"]
+                if isinstance(row["prompt"], str)
+                else [dict(message) for message in row["prompt"]]
+            ),
             ability=row["ability"],
             file=file,
             row=row_index,

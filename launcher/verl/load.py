@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from fleetrl.config import ConfigError, _type_at, apply_overrides, parse_override
+from fleetrl.config import ConfigError, ConfigErrors, _type_at, apply_overrides, parse_override
 from fleetrl.log import get_logger
 from launcher.verl import keys_model, keys_run
 from launcher.verl.table import NO_DEFAULT, Key, KeyTable
@@ -90,6 +90,8 @@ class VerlLoad:
         return f"{setting.source} (fleetrl {fleetrl_key})"
 
     def explain(self, err: ConfigError) -> ConfigError:
+        if isinstance(err, ConfigErrors):
+            return ConfigErrors([self.explain(e) for e in err.errors], err.config)
         named = self.name(err.path)
         if named == err.path:
             return err

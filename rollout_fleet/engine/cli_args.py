@@ -14,15 +14,19 @@ DEFAULT_MAX_BATCH_TOKENS = 16384  # rollout_fleet.engine.score_runner.MAX_BATCH_
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local Hugging Face model folder")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback)"
+    )
+    p.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000)")
     p.add_argument(
         "--api-key",
         default=None,
         help="bearer key (required when --host is not loopback; or FLEETRL_API_KEY)",
     )
-    p.add_argument("--engine-id", default="engine-0")
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--engine-id", default="engine-0", help="name in logs and replies (default engine-0)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument(
         "--max-running-requests",
         type=int,

@@ -144,6 +144,13 @@ class RewardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = 1.0
     model: RewardModelConfig = msgspec.field(default_factory=RewardModelConfig)
+    max_failed_groups: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Stop the run after this many groups in a row whose every sample's reward failed (the function raised, timed out or returned no number on all of them, or the reward servers could not score them): one line quoting the last error, exit status 1, a checkpoint written to resume from once the reward is fixed. A group with any sample scored ends the streak; each failed group is dropped and counted (reward/groups_failed). 0 = never stop.",
+        ),
+    ] = 200
 
     @property
     def uses_model(self) -> bool:

@@ -113,6 +113,7 @@ class RewardRunner:
         *,
         custom_sources: Sequence[str] = (),
         judge: JudgeAccess | None = None,
+        log_failures: bool = True,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
@@ -126,6 +127,7 @@ class RewardRunner:
         self.custom_sources = tuple(custom_sources)
         self.registry = registry or default_registry()
         self.judge = judge or JudgeAccess()
+        self.log_failures = log_failures  # off where the caller reports failures itself
         self.num_scored = 0
         self.num_errors = 0
         self.num_timeouts = 0
@@ -296,7 +298,8 @@ class RewardRunner:
         else:
             self.num_errors += count
             total = self.num_errors
-        if total - count < _LOG_FIRST or total // _LOG_EVERY != (total - count) // _LOG_EVERY:
+        first = total - count < _LOG_FIRST
+        if self.log_failures and (first or total // _LOG_EVERY != (total - count) // _LOG_EVERY):
             log.warning(
                 "reward for data_source %r failed (%d samples): %s (reward %s so far: %d)",
                 data_source,

@@ -3,7 +3,8 @@
 
 The file (written to the test's temporary folder) scores the demo's addition task by
 the sum itself, tags every score with a marker from ``reward_kwargs``, and raises on
-every response holding a "7". Proves: the user's function scores every sample the run
+every wrong response holding a "7" (the right answer it scores, as preflight's trial of
+the function on the first rows' ground truths checks). Proves: the user's function scores every sample the run
 trains on (the marker is on every scored row of the rollout bank), a sample it raised
 on is kept with its group, marked, and trains nothing, the failures are counted in
 metrics.jsonl, validation reports the rule score, and the run exits 0.
@@ -25,9 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 MY_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, marker=0.0):
-    if "7" in solution_str:
-        raise ValueError("no sevens")
     answer = solution_str.strip()
+    if "7" in solution_str and answer != ground_truth:
+        raise ValueError("no sevens")
     return {"score": float(answer == ground_truth), "marker": marker}
 """
 

@@ -58,3 +58,18 @@ def test_trained_token_fraction_counts_the_policys_own_tokens(tmp_path):
     out = io.StringIO()
     render(summary, out)
     assert "trained token fraction   0.750" in out.getvalue()
+
+
+def test_a_run_folder_reads_its_bank_and_a_folder_without_one_is_an_error(tmp_path, capsys):
+    run = tmp_path / "run"
+    core = BufferCore(
+        BufferConfig(max_staleness=2), bank_dir=run / "rollout_bank", groups_per_version=1,
+        max_concurrent_groups=4,
+    )  # fmt: skip
+    core.ingest(make_group("a", 2, version=0))
+    assert main(argparse.Namespace(dir=str(run))) == 0
+    assert "samples 2" in " ".join(capsys.readouterr().out.split())
+    assert summarize(run)["samples"] == summarize(run / "rollout_bank")["samples"] == 2
+    (tmp_path / "empty").mkdir()
+    assert main(argparse.Namespace(dir=str(tmp_path / "empty"))) == 2
+    assert "holds no rollout bank" in capsys.readouterr().err

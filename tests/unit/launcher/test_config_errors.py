@@ -30,7 +30,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     ("override", "path", "detail"),
     [
-        ("learner.optim.lrr=1e-6", "learner.optim.lrr", "unknown key; accepted keys: lr, "),
+        (
+            "learner.optim.lrr=1e-6",
+            "learner.optim.lrr",
+            "unknown key; did you mean learner.optim.lr?",
+        ),  # fmt: skip
+        ("learner.optim.zzz=1", "learner.optim.zzz", "unknown key; accepted keys: lr, "),
         ("nosuchsection.x=1", "nosuchsection", "unknown key; accepted keys: data, model, "),
         ("learner.optim.lr=fast", "learner.optim.lr", "got 'fast' (str); expected float"),
         ("rollout.n=0", "rollout.n", "got 0 (int); expected int >= 1"),

@@ -13,7 +13,7 @@ import pytest
 
 from launcher.config import load_run_config
 from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
-from launcher.session import StopRequested
+from launcher.session import RewardsFailing, StopRequested
 from launcher.supervision import BufferDown, Supervised, TrainingStopped
 from launcher.tracking import Tracker, read_metrics
 from launcher.train import execute
@@ -55,6 +55,7 @@ class FakeSession:
         self.closed_failed: bool | None = None
         self.started = False
         self.phase = "starting"
+        self.rewards_fail_at: int | None = None  # from this step on the reward fails always
 
     # lifecycle
     def start(self, after_ray_init=None) -> StartRecord:
@@ -93,7 +94,12 @@ class FakeSession:
         self.calls.append(("wait_for_batch", version))
         check_stop()
         self._maybe_fail("wait_for_batch")
+        if self.rewards_fail_at is not None and self.steps >= self.rewards_fail_at:
+            raise RewardsFailing("the reward failed on every sample of 200 groups in a row")
         return 0.25
+
+    def resume_hint(self) -> str:
+        return f"rerun to continue from step_{self.steps}"
 
     def step(self, version: int) -> StepResult:
         self.calls.append(("step", version))
@@ -329,3 +335,16 @@ def test_non_finite_steps_in_a_row_stop_the_run(tmp_path):
     with pytest.raises(TrainingStopped, match="3 consecutive steps had a non-finite loss"):
         _execute(tmp_path, session, None, "trainer.total_steps=10")
     assert session.steps == 3
+
+
+def test_a_reward_failing_on_everything_checkpoints_then_stops_with_its_reason(tmp_path):
+    session = FakeSession()
+    session.rewards_fail_at = 1
+    with pytest.raises(TrainingStopped) as err:
+        _execute(tmp_path, session, None, "trainer.save_freq=-1")
+    assert str(err.value) == (
+        "the reward failed on every sample of 200 groups in a row; fix the reward, then rerun "
+        "to continue from step_1"
+    )
+    assert [c for c in session.calls if c[0] == "checkpoint"] == [("checkpoint", 1)]
+    assert session.closed_failed is False  # the roles were alive: stopped, not killed

@@ -1,5 +1,6 @@
 """The end-of-run summary: the held-out score before and after, and, when a reward model
-scored the run, the rule's held-out score beside it; the score curve's points."""
+scored the run, the rule's held-out score beside it, only as measured; the score curve's
+points."""
 
 from __future__ import annotations
 
@@ -27,3 +28,22 @@ def test_the_curve_reads_validation_and_training_scores_by_step():
         {"step": 2, "critic/score/mean": 0.5, "val/score/mean": 0.6},
     ]
     assert score_curve(metrics) == ([(0, 0.1), (2, 0.6)], [(1, 0.3), (2, 0.5)])
+
+
+def test_the_summary_prints_only_the_scores_validation_measured():
+    base = {"run_dir": "runs/x"}
+    before_only = summary_lines({**base, "initial_val_score": 0.2})
+    assert before_only[0].startswith("held-out score before training: 0.200 (not validated after")
+    assert not any("->" in line for line in before_only)
+    after_only = summary_lines({**base, "final_val_score": 0.9, "final_val_step": 40})
+    assert after_only[0] == "held-out score after step 40: 0.900"
+    assert summary_lines(base) == ["run directory: runs/x"]
+
+
+def test_a_validation_at_step_0_is_never_the_after_score():
+    from launcher.train import Progress, measured_scores
+
+    progress = Progress(val_scores=[(0, 0.2)], val_rule_scores=[(0, 0.5)])
+    assert measured_scores(progress, rule=True) == {"val_scores": [(0, 0.2)]}
+    progress.val_scores.append((5, 0.7))
+    assert measured_scores(progress, rule=True)["final_val_score"] == 0.7

@@ -26,7 +26,11 @@ BASE = ["data.train_files=[pairs.parquet]"]
             "accepted keys: device, max_bad_steps, ",
         ),
         ("model.warmstart.steps=10", "model.warmstart", "accepted keys: create_tiny, dtype, "),
-        ("learner.optim.lrr=1e-6", "learner.optim.lrr", "unknown key; accepted keys: lr, "),
+        (
+            "learner.optim.lrr=1e-6",
+            "learner.optim.lrr",
+            "unknown key; did you mean learner.optim.lr?",
+        ),  # fmt: skip
         ("data.max_length=1", "data.max_length", "expected int >= 2"),
         ("data.synth_task=add3", "data.synth_task", "expected one of '', 'add2', 'add2_even'"),
         ("rm.head_init_std=-1", "rm.head_init_std", "expected float >= 0"),

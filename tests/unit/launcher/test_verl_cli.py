@@ -106,7 +106,7 @@ def test_with_sglang_fleetrl_check_lists_what_this_machine_lacks_by_verl_key(tmp
     text = "\n".join(lines)
     for expected in (
         "at data.train_files: file not found",
-        "at actor_rollout_ref.model.path (fleetrl model.path): Qwen/Qwen2.5-0.5B-Instruct is not a Hugging Face model folder",  # fmt: skip
+        f"at actor_rollout_ref.model.path (fleetrl model.path): {tmp_path}/Qwen/Qwen2.5-0.5B-Instruct is not a Hugging Face model folder",  # fmt: skip
         "at actor_rollout_ref.rollout.name (fleetrl rollout.backend): SGLang engines need CUDA",
         "at actor_rollout_ref.rollout.tensor_model_parallel_size (fleetrl rollout.gpus_per_engine): the rollout fleet needs 1 engine",  # fmt: skip
         "at trainer.n_gpus_per_node, trainer.nnodes (fleetrl learner.gpus_per_rank): the learner group needs 1 rank",  # fmt: skip

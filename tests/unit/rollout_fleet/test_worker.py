@@ -40,6 +40,7 @@ def make_worker(
     max_staleness=0,
     ledger=None,
     rewards=None,
+    max_failed_reward_groups=0,
     **config,
 ):
     router = Router(Membership(suspect_cooldown_s=config.get("suspect_cooldown_s", 30.0)))
@@ -68,6 +69,7 @@ def make_worker(
         rewards=rewards if rewards is not None else fake_rewards(),
         tokenizer=FakeTokenizer(),
         ledger=ledger,
+        max_failed_reward_groups=max_failed_reward_groups,
     )
     return worker, router, sender
 

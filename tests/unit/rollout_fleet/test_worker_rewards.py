@@ -55,6 +55,71 @@ def test_a_group_whose_every_reward_fails_is_dropped_and_counted_not_sent():
     assert metrics["rollout/groups_finished"] == 0.0
 
 
+def test_groups_whose_every_reward_fails_in_a_row_give_the_reason_to_stop():
+    def always_raises(data_source, solution_str, ground_truth, extra_info):
+        raise KeyError("difficulty")
+
+    def failing_worker(limit: int):
+        worker, _, _ = make_worker(
+            [FakeEngine("a")], n=2, prompts=[prompt(i) for i in range(4)],
+            rewards=fake_rewards(always_raises), max_failed_reward_groups=limit,
+        )  # fmt: skip
+        asyncio.run(worker.run(num_groups=4))
+        return worker
+
+    worker = failing_worker(5)
+    assert worker.reward_streak.stop_reason is None  # 4 of 5: not yet
+    assert worker.metrics()["reward/groups_failed_in_a_row"] == 4.0
+    assert failing_worker(0).reward_streak.stop_reason is None  # 0: never
+    worker = failing_worker(4)
+    assert worker.reward_streak.stop_reason == (
+        "the reward failed on every sample of 4 groups in a row (reward.max_failed_groups=4); "
+        "the last error: rule: raised KeyError('difficulty')"
+    )
+
+
+def test_a_reward_server_that_stays_down_gives_the_reason_to_stop_the_same_way():
+    import socket
+
+    from rollout_fleet.rewards.model_client import RewardModelClient
+
+    with socket.socket() as probe:  # a port nothing listens on: every request is refused
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    client = RewardModelClient(
+        servers_from_urls([url]), api_key=None, batch_size=8, request_timeout_s=1.0,
+        max_attempts=2, retry_backoff_s=0.0,
+    )  # fmt: skip
+    inputs = RewardModelInputs(build_tokenizer(), apply_chat_template="on", max_length=512)
+    rewards = RewardPipeline(RewardRunner(5, 2), ModelScorer(client, inputs), rule_weight=0.0, model_weight=1.0)  # fmt: skip
+    worker, _, sender = make_worker(
+        [FakeEngine("a")], n=2, prompts=[prompt(i) for i in range(3)], rewards=rewards,
+        max_failed_reward_groups=3,
+    )  # fmt: skip
+    asyncio.run(worker.run(num_groups=3))
+    reason = worker.reward_streak.stop_reason
+    assert sender.trajectories == [] and reason is not None
+    assert reason.startswith("the reward failed on every sample of 3 groups in a row")
+    assert "reward-url-0" in reason  # the client's error names the server that is down
+
+
+def test_a_group_with_any_sample_scored_ends_the_streak():
+    calls = []
+
+    def fails_but_every_fifth(data_source, solution_str, ground_truth, extra_info):
+        calls.append(1)
+        if len(calls) % 5:
+            raise ValueError("flaky")
+        return 1.0
+
+    worker, _, _ = make_worker(
+        [FakeEngine("a")], n=2, prompts=[prompt(i) for i in range(6)],
+        rewards=fake_rewards(fails_but_every_fifth), max_failed_reward_groups=3,
+    )  # fmt: skip
+    asyncio.run(worker.run(num_groups=6))
+    assert worker.groups_reward_failed >= 3 and worker.reward_streak.stop_reason is None
+
+
 def test_a_failed_sample_travels_with_its_group_marked_and_scored_zero():
     calls = []
 
