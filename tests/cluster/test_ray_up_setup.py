@@ -136,7 +136,7 @@ def _run_setup(node_type: str, tmp_path: Path, wheel_dir: Path, uv_cache: Path) 
         [str(home / "fleetrl-env" / "bin" / "python"), "-c",
          "import importlib.metadata as m, launcher, ray; "
          "print(m.version('fleetrl'), ray.__version__, launcher.__file__)"],
-        env=env, capture_output=True, text=True, check=True,
+        cwd=home, env=env, capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
     # the wheel's code, not this checkout's: an installed package in the node's environment
     assert installed[0] == _version() and "/fleetrl-env/lib/" in installed[2], installed
