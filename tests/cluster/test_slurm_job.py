@@ -63,6 +63,7 @@ def _job_env(slurm: SlurmSite, ray_tmp: Path) -> dict[str, str]:
         # a loaded 2-core machine starts a Ray node's agents slowly
         RAY_agent_register_timeout_ms="180000",
         RAY_raylet_start_wait_time_s="180",
+        FLEETRL_RAY_WAIT_S="1200",
     )
     return env
 
@@ -118,7 +119,7 @@ def _checkpoints(run_dir: Path) -> list[int]:
     )
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(3600)
 def test_two_node_job_trains_demo_requeues_resumes_and_stops_ray(slurm, tmp_path: Path):
     ray_tmp = Path(f"/tmp/frl-ray-{os.getpid()}")  # short: Ray's unix sockets live under it
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
@@ -132,7 +133,7 @@ def test_two_node_job_trains_demo_requeues_resumes_and_stops_ray(slurm, tmp_path
     )  # fmt: skip
     try:
         # first run: requeue it once a checkpoint exists and it has gone on training after it
-        _wait_for(lambda: len(_checkpoints(run_dir)) >= 2, 1200, "two checkpoints", log, slurm)
+        _wait_for(lambda: len(_checkpoints(run_dir)) >= 2, 2400, "two checkpoints", log, slurm)
         slurm.run(["scontrol", "requeue", job_id])
         _wait_for(
             lambda: _job_state(slurm, job_id).get("JobState") == "COMPLETED"
