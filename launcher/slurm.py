@@ -135,7 +135,14 @@ def wait_for_nodes(address: str, count: int, timeout_s: float) -> None:
 
     shown = {*_resource_names().values(), "CPU", "GPU"}
     deadline = time.monotonic() + timeout_s
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    while True:  # the head's GCS may still be starting
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+            break
+        except ConnectionError as err:
+            if time.monotonic() > deadline:
+                raise PlanError(f"no Ray head answered at {address} in {timeout_s:.0f}s") from err
+            time.sleep(2)
     try:
         while True:
             alive = [n for n in ray.nodes() if n["Alive"]]
