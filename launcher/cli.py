@@ -15,6 +15,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from fleetrl.models.config import TINY_FAMILIES
+
 # subcommand path -> "module:function" taking the parsed namespace, returning an exit code
 HANDLERS: dict[str, str] = {
     "train": "launcher.train:main",
@@ -157,7 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     t = msub.add_parser("tiny", help="write a tiny random-init Hugging Face model folder")
     t.add_argument("--out", required=True, help="folder to write")
     t.add_argument(
-        "--arch", default="qwen2", choices=["qwen2", "llama"], help="model family (default qwen2)"
+        "--family",
+        "--arch",
+        dest="arch",
+        default="qwen2",
+        choices=TINY_FAMILIES,
+        help="model family: its block layout and a tokenizer in its style (default qwen2)",
     )
     t.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     t.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")

@@ -12,7 +12,8 @@ user learns all that is missing in one attempt instead of after a model build, a
 What is checked:
 - data files, read through the rollout's own validator, and a few prompts rendered with the
   tokenizer as the run will (``launcher.preflight_data``); the model folder (what
-  ``launcher.prepare`` cannot make);
+  ``launcher.prepare`` cannot make), and the model's family: what cannot train or serve
+  (``launcher.preflight_model``);
 - the reward section: the custom reward function loads, can be called and scores the
   first rows without raising, the reward
   model folder, a scorer for every data source (``launcher.preflight_rewards``), and
@@ -61,6 +62,7 @@ from launcher.preflight_findings import (
     _gib,
     shown,
 )
+from launcher.preflight_model import check_model_family
 from launcher.preflight_resources import check_resources, local_node, needs_gpus
 from launcher.preflight_rewards import check_rewards
 from learner.memory import ModelShape
@@ -435,7 +437,8 @@ def run_checks(
     probes = probes or Probes()
     target = resolve_address(cfg, address, probes.env)
     data_findings, rows = check_data(cfg)
-    findings = data_findings + check_model(cfg) + check_rewards(cfg, rows.samples)
+    findings = data_findings + check_model(cfg) + check_model_family(cfg)
+    findings += check_rewards(cfg, rows.samples)
     findings += check_reward_urls(cfg, probes)
     if target:
         cluster_findings, nodes = check_cluster(cfg, target, probes)

@@ -230,7 +230,7 @@ class LoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     target_modules: Annotated[
         list[str],
         Meta(
-            description='Module names that get adapters, as peft matches them (e.g. [q_proj, v_proj]); ["all-linear"] = every linear layer but the output head.'
+            description="Module names that get adapters, as peft matches them, in the family's own names (e.g. [q_proj, v_proj] in Llama, [c_attn] in GPT-2; `fleetrl check` names a family's linear layers when one matches nothing); [\"all-linear\"] = every linear layer but the output head (GPT-2's Conv1D included)."
         ),
     ] = msgspec.field(default_factory=lambda: ["all-linear"])
     dropout: Annotated[float, Meta(ge=0, lt=1, description="LoRA dropout.")] = 0.0

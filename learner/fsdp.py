@@ -1,9 +1,12 @@
 """FSDP2 wrapping of a Hugging Face causal LM, and its optimizer, schedule and clipping.
 
 ``shard_model`` applies ``torch.distributed.fsdp.fully_shard`` to every
-transformer block (``model.model.layers[i]``) and then to the root (embeddings,
-final norm, LM/value head), the layout torchtitan and verl's FSDP2 path use: one
-all-gather per block in forward and one reduce-scatter per block in backward.
+decoder block and then to the root (embeddings, final norm, LM/value head), the
+layout torchtitan and verl's FSDP2 path use: one all-gather per block in forward
+and one reduce-scatter per block in backward. The blocks are the model's own
+``_no_split_modules`` (``fleetrl.models.family.decoder_blocks``: ``model.layers``
+in Llama, ``transformer.h`` in GPT-2, ``gpt_neox.layers``, ``model.decoder.layers``
+in OPT, ...).
 Parameters stay fp32 (the master copy); on GPU a ``MixedPrecisionPolicy``
 computes in bf16 and reduces gradients in fp32. On CPU (gloo) everything is
 fp32. ``CPUOffloadPolicy`` keeps parameters, gradients and optimizer state on
@@ -27,25 +30,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from fleetrl.models.family import decoder_blocks
 from learner.config import OptimConfig
 from learner.dist import all_reduce_sum
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated decoder blocks of a HF causal LM / token classifier (``model.model.layers``).
-
-    A peft wrapper (LoRA) is looked through: its blocks are the wrapped model's.
-    """
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise ValueError(
-            f"{type(model).__name__} has no model.layers: only decoder-only HF models "
-            "(Qwen2, Llama, ...) are supported by the learner"
-        )
-    return list(layers)
 
 
 def shard_model(
@@ -63,7 +50,7 @@ def shard_model(
         )
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in transformer_blocks(model):
+    for block in decoder_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model

@@ -160,6 +160,8 @@ def merged_weight(model: nn.Module, name: str, full: torch.Tensor) -> torch.Tens
     lora_a = _full(layer.lora_A[ADAPTER_NAME].weight)
     lora_b = _full(layer.lora_B[ADAPTER_NAME].weight)
     delta = (lora_b.float() @ lora_a.float()) * layer.scaling[ADAPTER_NAME]
+    if getattr(layer, "fan_in_fan_out", False):  # a Conv1D (GPT-2): its weight is [in, out]
+        delta = delta.T
     return (full.float() + delta.to(full.device)).to(full.dtype)
 
 

@@ -1,7 +1,12 @@
 """Memory of one learner rank, estimated from the model's shape and the learner config, and measured.
 
 ``ModelShape`` reads a Hugging Face ``config.json`` (or the tiny-model settings)
-and counts parameters without loading any weight. ``learner_estimate`` splits
+of any family through one normalisation of its names
+(``fleetrl.models.config_sizes``: ``n_embd`` / ``hidden_size``, ``n_head`` /
+``num_attention_heads``, ``n_inner`` / ``ffn_dim`` / ``intermediate_size``, ...)
+and counts parameters on the model built on the meta device (exact for every
+family transformers ships: GPT-2's Conv1D and learned positions, OPT's
+projections, Phi's LM-head bias), without loading any weight. ``learner_estimate`` splits
 one rank's device memory into what FSDP2 keeps sharded (fp32 master weights,
 fp32 gradients, AdamW's two fp32 moments, all ÷ ranks, on the host under
 offload), what it gathers (the root group — embeddings, final norm, LM head —
@@ -23,49 +28,82 @@ fp32, frozen: no gradient, no optimizer state); gradients and AdamW moments are
 those of the adapters only (``ModelShape.adapter_params``), and no reference
 copy is built (the reference is the policy with its adapters off).
 
-Left out: tensor parallelism, optimizer kinds other than AdamW, LoRA targets
-other than the seven linear layers of a Qwen2/Llama block (counted as none).
+Left out: tensor parallelism, optimizer kinds other than AdamW; a model_type
+transformers does not know is counted as a Llama/Qwen2 block layout.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from fleetrl.models.config import ModelConfig
+from fleetrl.models.config_sizes import ModelSizes, as_config, model_sizes
 from learner.config import LearnerConfig
 
 GB = 1024**3
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    vocab: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    tied: bool
-    qkv_bias: bool
+class LayerCounts:
+    """Parameters counted on the model itself, built on the meta device (exact for any family)."""
+
+    blocks: int  # every decoder block together
+    largest_block: int  # what one gathered block holds
+    embed: int  # the input token embedding
+    root_other: int  # the rest outside blocks and head: positions, final norm, projections
+    head: int  # the LM head's own parameters (weight and bias); 0 when tied to the embedding
+    linears: tuple[tuple[str, int, int], ...]  # (name in its block, in, out) of every block's
+
+
+def count_layers(config: Any) -> LayerCounts:
+    """``LayerCounts`` of a transformers config's causal LM (built on the meta device)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fleetrl.models.family import block_linears, decoder_blocks
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    blocks = decoder_blocks(model)
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    head_params = 0
+    if head is not None and head.weight is not embed:
+        head_params = sum(p.numel() for p in head.parameters())
+    total = sum(p.numel() for p in model.parameters())  # each tied parameter once
+    linears = tuple((n, i, o) for b in blocks for n, (i, o) in block_linears(b).items())
+    return LayerCounts(
+        blocks=sum(sizes),
+        largest_block=max(sizes),
+        embed=embed.numel(),
+        root_other=total - sum(sizes) - embed.numel() - head_params,
+        head=head_params,
+        linears=linears,
+    )
+
+
+@dataclass(frozen=True)
+class ModelShape(ModelSizes):
+    """A model's sizes (``fleetrl.models.config_sizes``) and, when transformers knows its
+    family, its parameters counted on the model itself (``counts``); without ``counts`` the
+    parameters follow the Llama/Qwen2 block layout from the sizes (``qkv_bias``: Qwen2's)."""
+
+    qkv_bias: bool = False
+    counts: LayerCounts | None = None
 
     @classmethod
-    def from_config_dict(cls, c: dict) -> ModelShape:
-        heads = int(c["num_attention_heads"])
-        hidden = int(c["hidden_size"])
-        return cls(
-            vocab=int(c["vocab_size"]),
-            hidden=hidden,
-            layers=int(c["num_hidden_layers"]),
-            heads=heads,
-            kv_heads=int(c.get("num_key_value_heads") or heads),
-            head_dim=int(c.get("head_dim") or hidden // heads),
-            intermediate=int(c["intermediate_size"]),
-            tied=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False)),
-        )
+    def from_config_dict(cls, c: Mapping[str, Any] | Any) -> ModelShape:
+        """From a config.json dict (or a transformers config) of any family."""
+        config = as_config(c)
+        sizes = model_sizes(config)
+        counts = None if isinstance(config, Mapping) else count_layers(config)
+        qkv_bias = bool(_read_key(config, "attention_bias") or sizes.model_type == "qwen2")
+        return cls(**asdict(sizes), qkv_bias=qkv_bias, counts=counts)
 
     @classmethod
     def from_model_config(cls, model: ModelConfig) -> ModelShape:
@@ -75,20 +113,15 @@ class ModelShape:
             return cls.from_config_dict(json.loads(config_json.read_text()))
         if not model.create_tiny:
             raise FileNotFoundError(f"{config_json} not found (and model.create_tiny is off)")
-        from fleetrl.models.tiny import DEFAULT_ALPHABET, SPECIAL_TOKENS
+        from fleetrl.models.tiny import build_any_tokenizer, tiny_config
 
         t = model.tiny
-        return cls(
-            vocab=len(SPECIAL_TOKENS) + len(dict.fromkeys(DEFAULT_ALPHABET)),
-            hidden=t.hidden,
-            layers=t.layers,
-            heads=t.heads,
-            kv_heads=t.heads,
-            head_dim=t.hidden // t.heads,
-            intermediate=4 * t.hidden,
-            tied=False,
-            qkv_bias=t.arch == "qwen2",
-        )
+        config = tiny_config(
+            t.arch, build_any_tokenizer(t.arch), layers=t.layers, hidden=t.hidden,
+            heads=t.heads, kv_heads=None, intermediate=None, max_positions=t.max_positions,
+            vocab_size=None, tie_embeddings=None,
+        )  # fmt: skip
+        return cls.from_config_dict(config)
 
     @property
     def kv_dim(self) -> int:
@@ -96,6 +129,9 @@ class ModelShape:
 
     @property
     def block_params(self) -> int:
+        """Parameters of one block (the largest, when they differ)."""
+        if self.counts is not None:
+            return self.counts.largest_block
         h, q = self.hidden, self.heads * self.head_dim
         attn = h * q + 2 * h * self.kv_dim + q * h
         bias = q + 2 * self.kv_dim if self.qkv_bias else 0
@@ -103,20 +139,28 @@ class ModelShape:
 
     @property
     def embed_params(self) -> int:
-        return self.vocab * self.hidden
+        return self.vocab * self.hidden if self.counts is None else self.counts.embed
 
     def root_params(self, *, lm_head: bool = True) -> int:
-        """Parameters outside the blocks: embeddings, final norm, LM head (unless tied or a critic)."""
+        """Parameters outside the blocks: embeddings, final norm, the LM head (unless tied),
+        or with ``lm_head`` False a critic's one-value head instead."""
+        if self.counts is not None:
+            head = self.counts.head if lm_head else self.hidden
+            return self.counts.embed + self.counts.root_other + head
         head = (
             self.embed_params if lm_head and not self.tied else (self.hidden if not lm_head else 0)
         )
         return self.embed_params + self.hidden + head
 
     def params(self, *, lm_head: bool = True) -> int:
-        return self.layers * self.block_params + self.root_params(lm_head=lm_head)
+        blocks = self.counts.blocks if self.counts is not None else self.layers * self.block_params
+        return blocks + self.root_params(lm_head=lm_head)
 
     def block_linears(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each linear layer of one decoder block, by module name."""
+        if self.counts is not None:
+            per_block = len(self.counts.linears) // max(self.layers, 1)
+            return {n: (i, o) for n, i, o in self.counts.linears[:per_block]}
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_dim, self.intermediate
         return {
             "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
@@ -127,20 +171,26 @@ class ModelShape:
         """LoRA parameters (A: rank × in, B: out × rank per targeted layer) over all blocks.
 
         ``["all-linear"]`` targets every block linear layer (peft leaves the LM head
-        out); other names match a layer by their last dotted part, as peft's suffix match does.
+        out); other names match a layer by its last dotted part(s), as peft's suffix match does.
         """
-        names = {t.rsplit(".", 1)[-1] for t in target_modules}
         every = target_modules == ["all-linear"]
-        per_block = sum(
-            rank * (fan_in + fan_out)
-            for name, (fan_in, fan_out) in self.block_linears().items()
-            if every or name in names
-        )
-        return self.layers * per_block
+
+        def targeted(name: str) -> bool:
+            return every or any(name == t or name.endswith("." + t) for t in target_modules)
+
+        if self.counts is not None:
+            linears = self.counts.linears
+        else:
+            linears = tuple((n, i, o) for n, (i, o) in self.block_linears().items()) * self.layers
+        return sum(rank * (i + o) for name, i, o in linears if targeted(name))
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token over all layers (an engine's KV cache)."""
         return 2 * self.layers * self.kv_dim * dtype_bytes
+
+
+def _read_key(config: Mapping[str, Any] | Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
 
 
 @dataclass

@@ -2,10 +2,11 @@
 
 ``build_model`` puts together what ``learner.sharded_load.build_sharded`` does
 generically with the learner's choices for one role: gradient checkpointing
-(training models only), the peft LoRA wrapper (the policy, or a reward model being
+(training models only: transformers' per-block switch), the peft LoRA wrapper (the policy, or a reward model being
 trained, whose ``score`` head then trains in full beside the adapters; base weights
 come from the files under their Hugging Face names, adapters from the seed), FSDP2 sharding (``learner.fsdp.shard_model``: bf16 compute, CPU offload,
-reshard after forward), the critic's freshly initialised ``score`` head, and
+reshard after forward), the critic's freshly initialised ``score`` head (a value head on
+the backbone of any family: ``learner.value_model``), and
 Ulysses attention when the sequence is split (``learner.ulysses``, which needs
 the attention and KV head counts divisible by the group size).
 ``init_value_head`` fills the critic's head from the seed, the same on every rank.
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fleetrl.models.config_sizes import model_sizes
 from learner import lora, ulysses
 from learner.config import LoraConfig
 from learner.fsdp import shard_model
@@ -52,9 +54,7 @@ def build_model(
 
     def prepare(model: nn.Module) -> None:
         if train and grad_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            enable_activation_checkpointing(model)
 
     def shard(model: nn.Module) -> nn.Module:
         return shard_model(
@@ -85,8 +85,8 @@ def build_model(
     if lora_on:
         lora.init_adapters(model, seed)
     if sp_size > 1:
-        heads = model.config.num_attention_heads
-        kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
+        sizes = model_sizes(model.config)
+        heads, kv_heads = sizes.heads, sizes.kv_heads
         if heads % sp_size or kv_heads % sp_size:
             raise ValueError(
                 f"learner.sequence_parallel={sp_size} must divide the model's "
@@ -95,6 +95,21 @@ def build_model(
         ulysses.install(model)
     model.train(train)
     return model
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder block's activations in backward (transformers' own switch, which
+    wraps the family's ``GradientCheckpointingLayer`` blocks); a model without one is refused."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"{type(model).__name__} does not support gradient checkpointing: set "
+            "learner.grad_checkpointing=false and model.gradient_checkpointing=false"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name (the old warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def stored_head(path: Path) -> set[str]:

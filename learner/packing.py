@@ -20,8 +20,9 @@ the longest one with a block of their own (positions restarting at 0) that no
 real token attends to and no output reads.
 
 Padded (``packing: false``): one right-padded row per sequence with an
-``attention_mask``; the fallback for models whose attention ignores
-position-id boundaries.
+``attention_mask``; also what a model gets whose attention ignores
+position-id boundaries (OPT, BLOOM: ``packing_allowed``, which runs a tiny
+twin of the family, ``fleetrl.models.packing_probe``).
 
 Only the positions that predict a response token reach the LM head
 (``logits_to_keep`` as an index tensor), so prompt positions cost no
@@ -41,21 +42,43 @@ Left out: fused/chunked cross-entropy for very large vocabularies.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from fleetrl.log import get_logger
 from learner import ulysses
 from learner.algorithms import entropy_from_logits, logprobs_from_logits
 from learner.batching import GlobalBatch
 from learner.ulysses import SPGroup
+
+log = get_logger(__name__)
 
 # Smallest automatic row budget: rows of about this many tokens cost within 20 % of one
 # padded row per sequence for short sequences on CPU sdpa (64 × 31 tokens: 38 ms forward
 # and backward in rows of 248 against 31.5 ms padded and 123 ms in one row).
 MIN_ROW_TOKENS = 256
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+def packing_allowed(config: Any, requested: bool, sp_size: int = 1, *, rank: int = 0) -> bool:
+    """``learner.packing`` for this model: on only where the family's attention keeps packed
+    sequences apart (``fleetrl.models.packing_probe``); otherwise padded rows, said once, and
+    refused under sequence parallelism (which splits one packed row)."""
+    if not requested:
+        return False
+    from fleetrl.models.packing_probe import packs_sequences
+
+    if packs_sequences(config):
+        return True
+    why = f"{config.model_type}'s attention does not keep packed sequences apart"
+    if sp_size > 1:
+        raise ValueError(f"learner.sequence_parallel={sp_size} needs packing, and {why}")
+    if rank == 0:
+        log.warning("learner.packing: %s; micro-batches are padded instead", why)
+    return False
 
 
 def packed_row_budget(
@@ -113,7 +136,8 @@ def layout_sequences(
     seqs: list[np.ndarray], *, packing: bool, row_tokens: int | None
 ) -> SequenceLayout:
     """Token rows for ``seqs`` (at least one): packed rows with restarting positions
-    (``pack_rows``; unfilled tails restart at 0, a block of their own that nothing reads),
+    (``pack_rows``; unfilled tails restart at 0, blocks of their own that nothing reads, no
+    longer than the longest sequence),
     or one right-padded row per sequence with an attention mask."""
     lens = np.array([len(s) for s in seqs], dtype=np.int64)
     if packing:
@@ -124,8 +148,11 @@ def layout_sequences(
             r, c = row_of[j], start_of[j]
             ids[r, c : c + len(s)] = s
             positions[r, c : c + len(s)] = np.arange(len(s))
+        # a tail restarts every ``longest`` tokens: a family with learned positions (GPT-2's
+        # wpe, OPT's) has none beyond the longest sequence the run allows
+        longest = int(lens.max())
         for r, fill in enumerate(np.bincount(row_of, weights=lens, minlength=num_rows)):
-            positions[r, int(fill) :] = np.arange(width - int(fill))
+            positions[r, int(fill) :] = np.arange(width - int(fill)) % longest
         return SequenceLayout(ids, positions, None, row_of, start_of)
     width = int(lens.max())
     ids = np.zeros((len(seqs), width), dtype=np.int64)

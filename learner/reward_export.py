@@ -6,7 +6,8 @@
                              with one label (and a pad token id, which transformers' pooling
                              needs), plus the score statistics under ``fleetrl_reward``
                              (``fleetrl.models.reward_folder``)
-    model.safetensors        the backbone (``model.*``) and the head ``score.weight`` [1, hidden],
+    model.safetensors        the backbone (``model.*``; ``transformer.*`` for GPT-2, as the
+                             family's files name it) and the head ``score.weight`` [1, hidden],
                              in the base config's dtype (LoRA: adapters merged); no ``lm_head``
     score_bias.safetensors   ``score.bias`` = [0.0], alone
     tokenizer files          copied from the base model folder
@@ -48,7 +49,6 @@ log = get_logger(__name__)
 
 REWARD_MODEL_DIR = "reward_model"
 SCORE_BIAS_FILE = "score_bias.safetensors"
-_HEAD_PREFIXES = ("model.", "score.")  # a sequence classifier's tensors; lm_head never
 
 
 def sequence_classification_config(base_path: str | Path) -> dict:
@@ -90,15 +90,21 @@ def write_reward_model(
     Consumed on every rank; rank 0 writes. Returns ``out_dir`` on every rank.
     """
     from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from fleetrl.models.family import backbone_prefix
 
     base_path, final = Path(base_path), Path(out_dir)
     if rank != 0:
         drain_stream(named_tensors)
         return final
     dtype = config_dtype(base_path)
+    # a sequence classifier's tensors: the backbone's and the score head's; an lm_head never
+    config = AutoConfig.from_pretrained(str(base_path), local_files_only=True)
+    kept = (backbone_prefix(config) + ".", "score.")
     tensors = {}
     for name, tensor in named_tensors:
-        if not name.startswith(_HEAD_PREFIXES) or name == "score.bias":
+        if not name.startswith(kept) or name == "score.bias":
             continue  # an lm_head never leaks in; the bias is written alone below
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)

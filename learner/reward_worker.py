@@ -44,6 +44,7 @@ from torch import nn
 
 from fleetrl.log import get_logger
 from fleetrl.models.config import ModelConfig
+from fleetrl.models.config_sizes import model_sizes
 from fleetrl.models.loading import check_model_dir
 from learner import checkpoint as ckpt
 from learner import dist as ldist
@@ -53,7 +54,7 @@ from learner.config import LearnerConfig
 from learner.fsdp import build_optimizer, build_scheduler, guarded_step
 from learner.memory import peak_memory_gb, rss_kb
 from learner.model_build import build_model, init_value_head, stored_head
-from learner.packing import MicroBatchInputs, packed_row_budget, value_forward
+from learner.packing import MicroBatchInputs, packed_row_budget, packing_allowed, value_forward
 from learner.pair_batch import PairBatch, build_pair_inputs, plan_pairs, split_scores
 from learner.worker_checkpoint import frozen_base_options, scheduler_state
 
@@ -123,9 +124,11 @@ class RewardModelWorker:
         )  # fmt: skip
         stored = stored_head(path)
         self.head_from_folder = "weight" in stored
-        std = self.head_init_std or 1.0 / (self.model.config.hidden_size + 1)  # OpenRLHF's init
+        hidden = model_sizes(self.model.config).hidden
+        std = self.head_init_std or 1.0 / (hidden + 1)  # OpenRLHF's init
         init_value_head(self.model, self.seed, std, keep=stored)
         self.attn_implementation = getattr(self.model.config, "_attn_implementation", None)
+        self.packing = packing_allowed(self.model.config, self.cfg.packing, rank=self.rank)
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.total_steps)
 
@@ -146,16 +149,16 @@ class RewardModelWorker:
         return plan_pairs(
             pairs, np.arange(pairs.size), self.world_size, self.rank,
             use_dynamic_bsz=self.cfg.use_dynamic_bsz, max_tokens=self.cfg.max_tokens_per_micro_batch,
-            micro_batch_size=self.cfg.micro_batch_size, packing=self.cfg.packing,
+            micro_batch_size=self.cfg.micro_batch_size, packing=self.packing,
         )  # fmt: skip
 
     def _inputs(self, pairs: PairBatch, indices: np.ndarray) -> MicroBatchInputs:
         row_tokens = None
-        if self.cfg.packing:
+        if self.packing:
             lens = np.concatenate([pairs.chosen_lens[indices], pairs.rejected_lens[indices]])
             row_tokens = packed_row_budget(self.attn_implementation, self.cfg.packed_row_tokens, lens)  # fmt: skip
         return build_pair_inputs(
-            pairs, indices, packing=self.cfg.packing, device=self.device, row_tokens=row_tokens
+            pairs, indices, packing=self.packing, device=self.device, row_tokens=row_tokens
         )
 
     def _margin(self, pairs: PairBatch, indices: np.ndarray) -> torch.Tensor | None:

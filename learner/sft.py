@@ -64,10 +64,10 @@ def supervised_warmstart(
             rows.append(prompt_ids[i] + answer_ids)
             labels.append([-100] * len(prompt_ids[i]) + answer_ids)
         width = max(map(len, rows))
-        pad = tok.pad_token_id
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id  # GPT-2: none
         input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
         label_ids = torch.tensor([r + [-100] * (width - len(r)) for r in labels], device=device)
-        attention = (input_ids != pad).long()
+        attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)  # fmt: skip
         loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

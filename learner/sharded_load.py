@@ -18,15 +18,21 @@ parameter and persistent buffer, the rank's slice (from
 slice of a row-major tensor is one contiguous byte range, read straight into
 the local tensor when the dtypes match (CPU) or through a bounded staging
 buffer (dtype change, GPU) -> non-persistent buffers (rotary ``inv_freq``) are
-recomputed by building the owning module afresh from its config -> tied
-weights stay tied (DTensor parameters are swapped in place by ``to_empty``).
+recomputed by the model's own ``_init_weights`` -> tied weights stay tied (DTensor
+parameters are swapped in place by ``to_empty``).
 
 Bit-for-bit equal to ``from_pretrained`` (tested with 2 and 4 gloo ranks, which
 also measures each rank's RSS growth against its shard size). Resuming from a
 learner checkpoint goes through torch DCP, which already reads per rank.
 
-Left out: name conversions of models whose checkpoint keys differ from their
-module names (Qwen2 and Llama need none), quantised checkpoints, ``.bin`` files.
+Any family transformers ships loads this way (the causal LM, or for a critic or a
+reward model its backbone with a value head: ``learner.value_model``).
+
+Checkpoint keys that transformers renames on load (GPT-NeoX's ``embed_out.weight`` is
+its ``lm_head.weight``) are read under the files' names.
+
+Left out: checkpoints whose tensors transformers converts on load (stacked MoE
+experts: refused by name), quantised checkpoints, ``.bin`` files.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ import json
 import math
 import struct
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -149,12 +156,22 @@ def load_local_slices(
 ) -> int:
     """Fill every parameter and persistent buffer's local shard from the folder; returns bytes read.
 
-    ``file_name`` maps a state-dict name to its name in the files (a wrapper's
-    renaming, e.g. peft's). A name absent from the files is an error unless
-    ``skip_missing(name)`` (a head or adapter the caller initialises); a tensor
-    whose slice is not a dim-0 row range of the file is an error (FSDP2 shards dim 0).
+    ``file_name`` maps a state-dict name to the model's own name (a wrapper's renaming,
+    e.g. peft's); transformers' renamings of the family's checkpoint keys
+    (``fleetrl.models.checkpoint_names``: GPT-NeoX's ``embed_out``) then give the files'.
+    A name absent from the files is an error unless ``skip_missing(name)`` (a head or
+    adapter the caller initialises); a tensor whose slice is not a dim-0 row range of the
+    file is an error (FSDP2 shards dim 0).
     """
+    from fleetrl.models.checkpoint_names import CheckpointNames
+
     entries = index_safetensors(folder)
+    names = CheckpointNames.of(model)
+    if names.converted:
+        raise ValueError(
+            f"transformers converts the tensors of {folder} on load ({names.converted[0]}, ...): "
+            "the learner reads a file's tensors one to one"
+        )
     state = model.state_dict(keep_vars=True)
     handles: dict[Path, object] = {}
     total = 0
@@ -163,7 +180,7 @@ def load_local_slices(
         for name, tensor in state.items():
             if id(tensor) in seen:  # a tied alias, already filled
                 continue
-            entry = entries.get(file_name(name))
+            entry = entries.get(names.to_file(file_name(name)))
             if entry is None:
                 if skip_missing(name):
                     continue
@@ -191,42 +208,110 @@ def load_local_slices(
 
 
 def reinit_nonpersistent_buffers(model: nn.Module, device: torch.device) -> None:
-    """Recompute buffers that checkpoints do not hold (rotary ``inv_freq``): ``to_empty`` left garbage.
+    """Recompute buffers that checkpoints do not hold (rotary ``inv_freq``, Gemma's
+    ``embed_scale``): ``to_empty`` left garbage.
 
-    Each owning module is rebuilt from its ``config`` on the target device and its
-    non-persistent buffers are copied over.
+    Each owning module's buffers are recomputed by the model's own ``_init_weights`` (as
+    ``from_pretrained`` does), with the module's parameters and persistent buffers swapped
+    for meta tensors meanwhile so that nothing else can be written; a module whose buffers
+    that leaves unset is rebuilt from its ``config``. Raises ValueError when neither works.
     """
-    for module in model.modules():
+    from fleetrl.models.family import unwrap
+
+    base = unwrap(model)
+    init = getattr(base, "_init_weights", None)
+    for module in base.modules():
         names = [
             n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None
         ]
         if not names:
             continue
-        config = getattr(module, "config", None)
-        if config is None:
-            raise ValueError(
-                f"{type(module).__name__} has non-persistent buffers {names} and no config "
-                "to rebuild them from"
-            )
-        with torch.device(device):
-            fresh = type(module)(config)
-        for n in names:
-            module._buffers[n] = fresh._buffers[n].to(module._buffers[n].dtype)
+        for n in names:  # a NaN left after the init is a buffer it did not set
+            if module._buffers[n].is_floating_point():
+                module._buffers[n].fill_(math.nan)
+        if init is not None:
+            with _only_buffers_writable(module):
+                init(module)
+        unset = [n for n in names if _has_nan(module._buffers[n])]
+        if unset:
+            _rebuild_from_config(module, unset, device)
+
+
+def _has_nan(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and bool(torch.isnan(tensor).any())
+
+
+@contextmanager
+def _only_buffers_writable(module: nn.Module):
+    """Parameters and persistent buffers of ``module`` (and below) are meta tensors inside."""
+    saved: list[tuple[dict, str, torch.Tensor]] = []
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None:
+                saved.append((sub._parameters, name, param))
+                sub._parameters[name] = nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                    requires_grad=False,
+                )
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                saved.append((sub._buffers, name, buffer))
+                sub._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device="meta")
+    try:
+        yield
+    finally:
+        for table, name, tensor in saved:
+            table[name] = tensor
+
+
+def _rebuild_from_config(module: nn.Module, names: list[str], device: torch.device) -> None:
+    config = getattr(module, "config", None)
+    if config is None:
+        raise ValueError(
+            f"{type(module).__name__} has non-persistent buffers {names} that neither the "
+            "model's _init_weights sets nor a config of its own can rebuild"
+        )
+    with torch.device(device):
+        fresh = type(module)(config)
+    for n in names:
+        module._buffers[n] = fresh._buffers[n].to(module._buffers[n].dtype)
 
 
 def meta_model(path: str | Path, kind: ModelKind, *, num_labels: int = 1) -> nn.Module:
-    """The model's architecture from its config.json, on the meta device (fp32, no storage)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    """The model's architecture from its config.json, on the meta device (fp32, no storage):
+    the causal LM, or (critic, reward model) its backbone with a value head
+    (``learner.value_model``, the same for every family); dropout off (``without_dropout``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from learner.value_model import value_model
 
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    if kind != "causal_lm":
-        config.num_labels = num_labels
-        config.classifier_dropout = 0.0  # the HF head defaults to 0.1: values must be deterministic
-        config.token_classification_bias = kind == "token_classification"
-    auto = AutoModelForCausalLM if kind == "causal_lm" else AutoModelForTokenClassification
+    without_dropout(config)
     with torch.device("meta"):
-        model = auto.from_config(config, dtype=torch.float32)
+        if kind == "causal_lm":
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        else:
+            config.num_labels = num_labels
+            model = value_model(config, bias=kind == "token_classification")
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
     return model
+
+
+def without_dropout(config: Any) -> None:
+    """Zero every dropout rate of ``config`` (and its sub-configs) in place.
+
+    GPT-2 (``resid_pdrop``, ``attn_pdrop``, ``embd_pdrop``: 0.1) and OPT (``dropout``: 0.1)
+    train with dropout by default; a policy with dropout gives different logprobs for the
+    same tokens in each forward, so the PPO ratio against the recomputed or behaviour
+    logprobs would be noise. TRL's and OpenRLHF's trainers disable it the same way.
+    """
+    for name, value in list(vars(config).items()):
+        if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
+            setattr(config, name, 0.0)
+        elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            without_dropout(value)  # a multimodal model's text config
 
 
 def build_sharded(

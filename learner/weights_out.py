@@ -1,4 +1,4 @@
-"""The trained policy's full weights as an engine loads them: Hugging Face names, full tensors.
+"""The trained policy's full weights as an engine loads them: the checkpoint's names, full tensors.
 
 ``named_full_tensors`` is the source of the full weight sync
 (``weight_sync.sender``) and of ``LearnerWorker.named_full_tensors``: it walks
@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from fleetrl.models.checkpoint_names import CheckpointNames
 from learner import lora
 
 
@@ -26,11 +27,13 @@ def named_full_tensors(policy: nn.Module, *, lora_on: bool) -> Iterator[tuple[st
     """Collective: yields (HF parameter name, full tensor) one at a time.
 
     Order is ``policy.state_dict()`` order; tied parameters appear once (under
-    the name ``named_parameters()`` gives them); persistent buffers are included.
+    the name ``named_parameters()`` gives them); persistent buffers are included. Names
+    are the files' (``fleetrl.models.checkpoint_names``: GPT-NeoX's ``embed_out.weight``).
     ``lora_on``: the policy is a peft model; its adapters are merged into their base weights.
     """
     wanted = {name for name, _ in policy.named_parameters()}
     wanted |= {name for name, _ in policy.named_buffers()}
+    files = CheckpointNames.of(policy)
     seen: set[str] = set()
     for name, tensor in policy.state_dict().items():
         if name not in wanted or name in seen:
@@ -40,6 +43,7 @@ def named_full_tensors(policy: nn.Module, *, lora_on: bool) -> Iterator[tuple[st
             continue  # folded into its base weight below
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         if lora_on:
-            yield lora.checkpoint_name(name), lora.merged_weight(policy, name, full.detach())
+            merged = lora.merged_weight(policy, name, full.detach())
+            yield files.to_file(lora.checkpoint_name(name)), merged
         else:
-            yield name, full.detach()
+            yield files.to_file(name), full.detach()

@@ -76,6 +76,7 @@ from learner.packing import (
     MicroBatchInputs,
     build_inputs,
     packed_row_budget,
+    packing_allowed,
     policy_forward,
     split_by_sequence,
     value_forward,
@@ -207,6 +208,9 @@ class LearnerWorker:
         self.policy = self._build(path, "causal_lm", offload, train=True, lora_on=self.uses_lora)
         # what decides how many rows a packed micro-batch takes (packing.packed_row_budget)
         self.attn_implementation = getattr(self.policy.config, "_attn_implementation", None)
+        self.packing = packing_allowed(
+            self.policy.config, self.cfg.packing, self.sp_size, rank=self.rank
+        )
         self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.total_steps)
         if self.uses_reference and not self.uses_lora:  # LoRA: the base is the reference
@@ -268,7 +272,7 @@ class LearnerWorker:
             use_dynamic_bsz=self.cfg.use_dynamic_bsz,
             max_tokens=self.cfg.max_tokens_per_micro_batch * self.sp_size,
             micro_batch_size=self.cfg.micro_batch_size,
-            packing=self.cfg.packing,
+            packing=self.packing,
         )
         return plans[self.dp_rank]
 
@@ -280,11 +284,11 @@ class LearnerWorker:
                 batch.seq_lens[indices],
                 self.sp_size,
             )
-            if self.cfg.packing
+            if self.packing
             else None
         )
         return build_inputs(
-            batch, indices, packing=self.cfg.packing, device=self.device, row_tokens=row_tokens
+            batch, indices, packing=self.packing, device=self.device, row_tokens=row_tokens
         )
 
     @torch.no_grad()

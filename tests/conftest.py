@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny random-init model folders (policy, Llama, reward model) made once per
-session, CPU torch settings."""
+"""Shared fixtures: tiny random-init model folders (policy, Llama, reward model, one of each
+family) made once per session, CPU torch settings."""
 
 from __future__ import annotations
 
@@ -67,3 +67,22 @@ def tiny_reward_dir(tmp_path_factory):
         seed=1,
         reward_model=True,
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    """``tiny_family(name)``: a 2-layer tiny model folder of that family with its own tokenizer
+    (``fleetrl.models.tiny.FAMILIES``), built once a session."""
+    from fleetrl.models.tiny import make_tiny_model
+
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            folder = tmp_path_factory.mktemp(f"tiny_{family}") / "model"
+            built[family] = make_tiny_model(
+                folder, arch=family, layers=2, hidden=32, heads=4, max_positions=128, seed=0
+            )
+        return built[family]
+
+    return get

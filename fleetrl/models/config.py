@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 from msgspec import Meta
+
+# the families a tiny model is built in (``fleetrl model tiny --family``): block layouts that differ
+TinyFamily = Literal["qwen2", "llama", "gpt2", "gpt_neox", "opt", "phi", "gemma"]
+TINY_FAMILIES: tuple[str, ...] = get_args(TinyFamily)
 
 
 class TinyModelSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Shape of the random-init model built when ``model.path`` does not exist and ``model.create_tiny`` is set."""
 
     arch: Annotated[
-        Literal["qwen2", "llama"], Meta(description="Architecture family of the tiny model.")
+        TinyFamily,
+        Meta(
+            description="Model family of the tiny model: its block layout, and a tokenizer in the family's style (`fleetrl model tiny --family`)."
+        ),
     ] = "qwen2"
     layers: Annotated[int, Meta(ge=1, description="Transformer blocks.")] = 2
     hidden: Annotated[int, Meta(ge=8, description="Hidden size.")] = 64

@@ -13,7 +13,7 @@ here locks. Two forward kinds:
   architectures, or ``fused_decode=False``, run the Hugging Face forward.
 
 Weights: ``load_weights(named_tensors)`` copies received tensors into the
-parameters by Hugging Face name (validated first: unknown names or shape
+parameters by Hugging Face name, module or checkpoint (validated first: unknown names or shape
 mismatches fail before anything is copied); ``weight_rows(name, rows)``
 answers ``/get_weights_by_name`` for verification, in SGLang's reply shape.
 
@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from fleetrl.log import get_logger
+from fleetrl.models.checkpoint_names import CheckpointNames
 from fleetrl.models.loading import load_causal_lm, load_tokenizer
 from rollout_fleet.engine.fused_decoder import FusedDecoder, build_fused_decoder
 from rollout_fleet.engine.kv_cache import BatchKVCache
@@ -117,6 +118,7 @@ class ModelRunner:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.kv = BatchKVCache(int(config.num_hidden_layers), self.device, self.dtype)
         self.fused: FusedDecoder | None = build_fused_decoder(self.model) if fused_decode else None
+        self.checkpoint_names = CheckpointNames.of(self.model)
         self._base_weights: dict[str, torch.Tensor] = {}  # LoRA: base copies of targeted weights
         log.info(
             "loaded %s on %s (%s): vocab %d, max context %d, eos %s, fused decode %s",
@@ -197,7 +199,13 @@ class ModelRunner:
     # -- weights ---------------------------------------------------------------------------
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        return dict(self.model.state_dict(keep_vars=True))
+        """The model's tensors by module name, and by the name its files give them where that
+        differs (GPT-NeoX's ``embed_out.weight`` is ``lm_head.weight``): a learner and a
+        folder on disk send the files' names."""
+        named = dict(self.model.state_dict(keep_vars=True))
+        for name in list(named):
+            named.setdefault(self.checkpoint_names.to_file(name), named[name])
+        return named
 
     @torch.inference_mode()
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
@@ -260,7 +268,7 @@ class ModelRunner:
     def weight_rows(self, name: str, rows: int) -> list | None:
         """The leading ``rows`` rows of the tensor named ``name`` (HF name) as float lists,
         as SGLang's ``/get_weights_by_name`` returns them; None for an unknown name."""
-        tensor = self.model.state_dict(keep_vars=True).get(name)  # tied names included
+        tensor = self.named_weights().get(name)  # tied and file names included
         if tensor is None or not is_resident(tensor):
             return None
         return tensor.detach()[:rows].to("cpu", torch.float32).tolist()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from fleetrl.config import ConfigError
+from fleetrl.models.tiny import FAMILIES
 from launcher.cli import main as cli_main
 from launcher.config import load_run_config
 from launcher.plan import learner_roles, model_shape, render
@@ -18,16 +19,39 @@ GRPO_7B = REPO / "configs/gsm8k_grpo_qwen2.5_7b.yaml"
 QWEN_7B_JSON = REPO / "configs/models/Qwen2.5-7B-Instruct.config.json"
 
 
-@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_llama_dir"])
-def test_parameter_count_from_config_json_equals_the_models(fixture, request):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parameter_count_from_config_json_equals_the_models(family, tiny_family):
     import json
+
+    import peft
 
     from fleetrl.models.loading import load_causal_lm
 
-    folder = request.getfixturevalue(fixture)
+    folder = tiny_family(family)
     shape = ModelShape.from_config_dict(json.loads((folder / "config.json").read_text()))
     model = load_causal_lm(folder)
     assert shape.params() == sum(p.numel() for p in model.parameters())
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear"))
+    adapters = sum(p.numel() for n, p in wrapped.named_parameters() if "lora_" in n)
+    assert shape.adapter_params(8, ["all-linear"]) == adapters
+
+
+def test_gpt2_plan_reads_gpt2s_names_and_counts_its_124m_parameters(tmp_path, capsys):
+    """GPT-2's config.json (n_embd, n_head, n_layer; no intermediate size; a tied head it does
+    not state): the plan of the published 124M model."""
+    import json
+
+    gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_head": 12, "n_layer": 12,
+            "n_positions": 1024, "vocab_size": 50257, "architectures": ["GPT2LMHeadModel"]}  # fmt: skip
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(gpt2))
+    shape = ModelShape.from_config_dict(gpt2)
+    assert shape.params() == 124_439_808  # GPT-2 small, its head tied to the embedding
+    assert (shape.hidden, shape.heads, shape.layers, shape.intermediate) == (768, 12, 12, 3072)
+    assert shape.adapter_params(8, ["c_attn"]) == 12 * 8 * (768 + 3 * 768)
+    code = cli_main(["plan", "--model-config", str(config), "--gpu-mem-gb", "80"])
+    out = capsys.readouterr().out
+    assert code == 0 and "124.44 M parameters (12 layers, hidden 768, 12/12 heads" in out
 
 
 def test_qwen25_7b_plan_counts_its_parameters_and_fits_80_gib():

@@ -65,6 +65,7 @@ def _cfg(tmp_path, *overrides):
     (model / "config.json").write_text(
         json.dumps(
             {
+                "model_type": "qwen2",
                 "hidden_size": 64,
                 "num_hidden_layers": 2,
                 "vocab_size": 100,

@@ -105,6 +105,8 @@ def test_packed_rows_under_a_budget_equal_padded(
     )  # fmt: skip
     assert mb.input_ids.shape[0] > 1  # the budget really split the micro-batch
     assert mb.input_ids.shape[1] <= max(row_tokens, int(batch.seq_lens.max()))
+    # no position beyond the longest sequence, tails included: GPT-2's wpe has no more
+    assert int(mb.position_ids.max()) < int(batch.seq_lens.max())
     got = logprobs(model, batch, everything, packing=True, row_tokens=row_tokens)
     torch.testing.assert_close(
         got, logprobs(model, batch, everything, packing=False), atol=1e-5, rtol=0
@@ -137,3 +139,15 @@ def test_row_budget_follows_the_attention():
     assert packed_row_budget("sdpa", 0, lens) == 300  # the longest sequence
     assert packed_row_budget("eager", 0, np.array([10, 20])) == MIN_ROW_TOKENS
     assert packed_row_budget("sdpa", 64, lens) == 64  # configured
+
+
+def test_a_short_rows_padding_never_takes_a_position_beyond_the_longest_sequence():
+    """Learned position tables (GPT-2's wpe: n_positions rows) hold no position past the
+    longest sequence a run allows: a row's padding restarts within it."""
+    from learner.packing import layout_sequences
+
+    seqs = [np.arange(5) + 6] * 4 + [np.array([7, 8])]
+    layout = layout_sequences(seqs, packing=True, row_tokens=20)
+    assert layout.ids.shape == (2, 20)  # four sequences fill row 0; row 1 holds 2 real tokens
+    assert layout.positions.max() == 4
+    assert layout.positions[1].tolist() == [0, 1, *([0, 1, 2, 3, 4] * 3), 0, 1, 2]

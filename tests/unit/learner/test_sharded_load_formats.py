@@ -6,20 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner import dist as ldist
 from learner.fsdp import shard_model
 from learner.sharded_load import build_sharded
-from tests.integration.learner.procs import free_port
-
-
-@pytest.fixture
-def group():
-    ldist.init_group(
-        master_addr="127.0.0.1", master_port=free_port(), rank=0, world_size=1,
-        device=torch.device("cpu"),
-    )  # fmt: skip
-    yield
-    ldist.close_group()
 
 
 @pytest.mark.parametrize("arch, tied, dtype", [("qwen2", True, torch.bfloat16), ("llama", False, torch.float32)])  # fmt: skip
