@@ -161,7 +161,7 @@ def _sglang_findings(key: str, what: str, instead: str, probes: Probes, cuda: in
             Finding(
                 key=key,
                 problem="backend sglang, but SGLang is not installed",
-                fix=f'pip install "fleetrl[sglang]" on the machines that run them, or {instead}',
+                fix=f'pip install ".[sglang]" in fleetrl\'s checkout on the machines that run them, or {instead}',
             )
         )
     elif version not in SpecifierSet(SGLANG_SUPPORTED):
@@ -169,7 +169,7 @@ def _sglang_findings(key: str, what: str, instead: str, probes: Probes, cuda: in
             Finding(
                 key=key,
                 problem=f"SGLang {version} is installed; fleetrl is tested with sglang{SGLANG_SUPPORTED}",
-                fix=f'pip install "sglang[srt]{SGLANG_SUPPORTED}" (or "fleetrl[sglang]")',
+                fix=f'pip install "sglang{SGLANG_SUPPORTED}"',
             )
         )
     if not cuda:
@@ -271,7 +271,7 @@ def check_tracking(cfg: RunConfig, probes: Probes) -> list[Finding]:
             Finding(
                 key="logging.mlflow",
                 problem="MLflow is not installed",
-                fix='pip install "fleetrl[mlflow]", or logging.mlflow=false',
+                fix='pip install ".[mlflow]" in fleetrl\'s checkout, or logging.mlflow=false',
             )
         )
     return out + check_wandb(cfg, probes)

@@ -24,7 +24,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 TESTED_SGLANG = ">=0.5.23,<0.5.24"
-INSTALL_HINT = 'pip install "fleetrl[sglang]"'
+# this project's own build with its extra (a checkout, or `make wheel`'s wheel), never a
+# package of fleetrl's name from an index
+INSTALL_HINT = 'pip install ".[sglang]" in fleetrl\'s checkout'
 
 
 class SGLangVersionError(RuntimeError):
