@@ -15,11 +15,13 @@ address, and these tests stay on loopback.
 from __future__ import annotations
 
 import json
-import os
 import re
+import shutil
 import socket
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,15 @@ REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "scripts" / "slurm" / "fleetrl.sbatch"
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def ray_tmp() -> Iterator[Path]:
+    """The job's Ray temp folder, removed after the test (short: Ray's unix sockets live
+    under it)."""
+    path = Path(tempfile.mkdtemp(prefix="frl-ray-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _free_port() -> int:
@@ -125,8 +136,9 @@ STEPS, SAVE_AT = 8, 4
 
 
 @pytest.mark.timeout(2400)
-def test_two_node_job_trains_demo_requeues_resumes_and_stops_ray(slurm, tmp_path: Path):
-    ray_tmp = Path(f"/tmp/frl-ray-{os.getpid()}")  # short: Ray's unix sockets live under it
+def test_two_node_job_trains_demo_requeues_resumes_and_stops_ray(
+    slurm, ray_tmp: Path, tmp_path: Path
+):
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     env = _job_env(slurm, ray_tmp)
     job_id = _submit(
@@ -174,8 +186,7 @@ def test_two_node_job_trains_demo_requeues_resumes_and_stops_ray(slurm, tmp_path
 
 
 @pytest.mark.timeout(900)
-def test_failed_run_passes_its_exit_status_on_and_stops_ray(slurm, tmp_path: Path):
-    ray_tmp = Path(f"/tmp/frl-ray-{os.getpid()}-fail")
+def test_failed_run_passes_its_exit_status_on_and_stops_ray(slurm, ray_tmp: Path, tmp_path: Path):
     log = tmp_path / "job.out"
     env = _job_env(slurm, ray_tmp)
     job_id = _submit(
