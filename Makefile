@@ -16,13 +16,19 @@ SGLANG ?= sglang==0.5.23
 # byte-compiled at install (--no-compile): the tier imports a small part of vLLM's 547 MB,
 # compiled on first import; compiling it all took 1.5 of the 3 install minutes here.
 VLLM   ?= vllm==0.34.0
+# The Ray every cluster route runs (configs/cluster/*.yaml pin the same release).
+RAY    ?= ray[default]==2.60.0
+# The image's extras: sglang for GPU rollout and reward nodes (the product image); empty
+# for an image without SGLang.
+IMAGE_EXTRAS ?= sglang
+IMAGE_TAG    ?=
 DEMO_OUT ?= runs/demo/run
 DEMO_RM_OUT ?= runs/demo/rm
 DEMO_RLHF_OUT ?= runs/demo/rlhf
 DEMO_ELASTIC_OUT ?= runs/demo/elastic
 DEMO_AGENT ?= runs/demo/agent
 
-.PHONY: demo demo-rm demo-rlhf demo-elastic demo-agent test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
+.PHONY: demo demo-rm demo-rlhf demo-elastic demo-agent wheel image test-deploy test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
 
 venv: $(STAMP)
 
@@ -80,9 +86,12 @@ demo-agent: $(STAMP)
 # Each tier in a fresh interpreter, the fast one first: one tier's process state (loaded
 # libraries, their caches and patches) never reaches another's; every tier runs, then the
 # status says whether all passed.
-TIERS := unit conformance integration e2e
+TIERS := unit conformance integration e2e cluster
 
+# tests/cluster drives a real Slurm (slurm-wlm, munge): installed here with apt-get, or its
+# tests skip, one line each.
 test: $(STAMP) $(BENCH_STAMP) lint
+	@bash scripts/test_tools.sh slurm-wlm:slurmctld munge:munged
 	@status=0; for tier in $(TIERS); do \
 		echo "== tests/$$tier"; \
 		env -u RAY_ADDRESS $(PY) -m pytest -q tests/$$tier || status=1; \
@@ -130,9 +139,27 @@ device-bundle: $(STAMP)
 device-check: device-bundle
 	env -u RAY_ADDRESS $(PY) -m pytest -q -m device_check tests
 
+# This checkout as a wheel, alone in dist/: what configs/cluster/aws.yaml ships to every node.
+wheel: $(STAMP)
+	rm -rf dist
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir dist .
+
+# The image (docker/Dockerfile) with docker, podman or buildah, whichever is here; its heavy
+# layer is reused while requirements are unchanged, the Debian base made from Debian's
+# packages where none can be pulled (docker/build_image.py, cache in .image-cache/).
+image: $(STAMP)
+	$(PY) docker/build_image.py --extras "$(IMAGE_EXTRAS)" $(if $(IMAGE_TAG),--tag "$(IMAGE_TAG)") \
+		$(foreach p,$(TORCH) $(RAY),--pin "$(p)")
+
+# What downloads gigabytes (CI runs it after `make test`): the image built and the demo
+# trained inside it, and the SGLang node types of configs/cluster/aws.yaml installed.
+test-deploy: $(STAMP)
+	@bash scripts/test_tools.sh buildah:buildah mmdebstrap:mmdebstrap
+	env -u RAY_ADDRESS $(PY) -m pytest -q -m deploy tests/cluster
+
 docs: $(STAMP)
 	$(VENV)/bin/fleetrl config docs --out docs/configuration.md
 	$(VENV)/bin/fleetrl config docs --verl --out docs/verl.md
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache .device-bundle .device-cache
+	rm -rf $(VENV) runs dist .pytest_cache .ruff_cache .device-bundle .device-cache .image-cache

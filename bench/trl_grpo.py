@@ -48,9 +48,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 TRL_VERSION = "1.16.0"  # the release pinned by the `bench` extra
-INSTALL_HINT = (
-    'TRL is not installed: pip install "fleetrl[bench]" (trl==1.16.0) to run the baseline'
-)
+INSTALL_HINT = 'TRL is not installed: pip install ".[bench]" in fleetrl\'s checkout (trl==1.16.0) to run the baseline'
 ASYNC_TRAINER_NOTE = (
     "TRL 1.16.0's AsyncGRPOTrainer needs a vLLM server and NCCL weight transfer; neither runs on"
     " a CPU, so only GRPOTrainer is measured here"

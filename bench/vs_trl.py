@@ -40,7 +40,7 @@ The report's headline ratios are the ones where > 1 means fleetrl is ahead
 
 A run that never reaches the target has no time to it; a regime where a system
 never reached it in any seed reports None for that ratio. TRL missing: the suite
-stops at once with the one line that installs it (``pip install "fleetrl[bench]"``).
+stops at once with the one line that installs it (``pip install ".[bench]"`` in fleetrl's checkout).
 Left out: TRL's asynchronous trainer, which needs vLLM and NCCL (``bench.trl_grpo``).
 """
 

@@ -257,7 +257,7 @@ def check_tracking(cfg: RunConfig, probes: Probes) -> list[Finding]:
             Finding(
                 key="logging.mlflow",
                 problem="MLflow is not installed",
-                fix='pip install "fleetrl[mlflow]", or logging.mlflow=false',
+                fix='pip install ".[mlflow]" in fleetrl\'s checkout, or logging.mlflow=false',
             )
         )
     return out + check_wandb(cfg, probes)

@@ -16,7 +16,9 @@ import math
 
 import pytest
 
-pytest.importorskip("trl", reason='TRL is not installed: pip install "fleetrl[bench]"')
+pytest.importorskip(
+    "trl", reason='TRL is not installed: pip install ".[bench]" in the fleetrl checkout'
+)
 
 from bench import vs_trl  # noqa: E402
 from bench.vs_trl_regimes import DEMO  # noqa: E402

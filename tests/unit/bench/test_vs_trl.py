@@ -60,7 +60,7 @@ def test_what_trl_cannot_run_is_refused_in_one_line_naming_the_key(override, key
 def test_without_trl_the_suite_stops_with_the_line_that_installs_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(vs_trl, "trl_available", lambda: trl_grpo.INSTALL_HINT)
     record = vs_trl.run(tmp_path, quick=True)
-    assert record["status"] == "error" and 'pip install "fleetrl[bench]"' in record["error"]
+    assert record["status"] == "error" and 'pip install ".[bench]"' in record["error"]
     assert capsys.readouterr().err.strip() == trl_grpo.INSTALL_HINT
 
 
