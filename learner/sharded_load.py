@@ -336,9 +336,12 @@ def build_sharded(
     prepare(model)
     model = shard(wrap(model))
     model.to_empty(device=device)
+    tied = getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "tie_weights")
+    if tied:  # to_empty gives a plain (unsharded) module's tied parameters a tensor each
+        model.tie_weights()
     nbytes = load_local_slices(model, path, skip_missing=skip_missing, file_name=file_name)
     reinit_nonpersistent_buffers(model, device)
-    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
+    if tied:
         model.tie_weights()
     log.info("loaded %s shards of %s: %.1f MB read", kind, path, nbytes / 2**20)
     return model
