@@ -80,7 +80,7 @@ class Prerequisite:
 SUBSTITUTIONS: list[tuple[str, str, str]] = [
     ("/data/gsm8k_raw", "{gsm8k_raw}", "a tiny raw GSM8K folder (train.jsonl, test.jsonl)"),
     ("--out /data/gsm8k", "--out runs/docs/gsm8k", "the Parquet folder it writes"),
-    ("runs/gsm8k_grpo_qwen2.5_7b", "runs/demo/run", "the 7B run's folder: the CPU demo's run"),
+    ("runs/gsm8k_grpo_qwen2.5_7b", "runs/docs/run", "the 7B run's folder: a short CPU demo run"),
     ("/models/my-policy", "runs/docs/my-policy", "the exported model's folder"),
     ("verl_ppo.yaml", "configs/verl_ppo_gsm8k.yaml", "a verl PPO config: the repo's own"),
     ("fleetrl_ppo.yaml", "runs/docs/fleetrl_ppo.yaml", "the translated file"),
@@ -223,6 +223,14 @@ DOC_COMMANDS: dict[str, object] = {
 
 # Before a command: what its text tells the reader to have done first.
 PREREQUISITES: dict[str, Prerequisite] = {
+    "fleetrl eval --config runs/gsm8k_grpo_qwen2.5_7b/config.yaml "
+    "--snapshots runs/gsm8k_grpo_qwen2.5_7b": Prerequisite(
+        "fleetrl train --config configs/demo_cpu.yaml trainer.output_dir=runs/docs/run "
+        "trainer.total_steps=2 trainer.save_hf_freq=2 trainer.save_freq=2 trainer.test_freq=-1 "
+        "trainer.val_before_train=false",
+        "the 7B run the line above trains (on GPUs): a two-step CPU demo run in its place, "
+        "with its policy snapshots and checkpoints",
+    ),
     "fleetrl engine --model runs/demo/rm/reward_model --port 30010": Prerequisite(
         "fleetrl rm train --config configs/demo_rm_cpu.yaml trainer.total_steps=4 "
         "trainer.test_freq=4 trainer.save_freq=4",
