@@ -181,8 +181,9 @@ def sliding_window(config: Any) -> int | None:
 
 def _serving_findings(cfg: RunConfig, config: Any) -> list[Finding]:
     from fleetrl.models.config_sizes import text_config
+    from rollout_fleet.engine_kinds import engine_kind
 
-    if cfg.rollout.backend != "embedded":
+    if engine_kind(cfg.rollout.backend).gpu_server:  # SGLang and vLLM serve sliding windows
         return []
     window = sliding_window(text_config(config))
     longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
@@ -194,6 +195,6 @@ def _serving_findings(cfg: RunConfig, config: Any) -> list[Finding]:
             problem=f"the embedded engine attends to the whole context, and {config.model_type} "
             f"uses sliding-window attention of {window} tokens, narrower than the "
             f"{longest} tokens of data.max_prompt_length + rollout.max_new_tokens",
-            fix=f"keep prompt + response within {window} tokens, or rollout.backend=sglang",
+            fix=f"keep prompt + response within {window} tokens, or rollout.backend=sglang (or vllm)",
         )
     ]
