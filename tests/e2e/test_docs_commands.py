@@ -88,7 +88,7 @@ def _reader_checkout(dest: Path) -> Path:
         if src.is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
-    (dest / ".venv").symlink_to(Path(sys.executable).resolve().parents[1])
+    (dest / ".venv").symlink_to(Path(sys.prefix))
     return dest
 
 
@@ -155,15 +155,18 @@ def _assert_findings(c: DocCommand, done: subprocess.CompletedProcess):
 
 
 def _check_args(text: str) -> tuple[str, list[str]]:
-    """The config and the rest (``--address``, overrides) of the ``fleetrl train`` in it."""
-    inner = text[text.index("fleetrl train") + len("fleetrl train") :].strip().strip("'")
-    words = shlex.split(inner)
-    config = words[words.index("--config") + 1]
+    """The ``--config``, ``--address`` and overrides of the fleetrl run a command starts,
+    itself or as the quoted command it hands on (``ray exec '...'``)."""
+    words = shlex.split(text)
+    quoted = [w for w in words if " --config " in f" {w} "]
+    if quoted and quoted[0] != "--config":
+        words = shlex.split(quoted[0])
+    at = words.index("--config")
     rest = []
     if "--address" in words:
         rest += ["--address", words[words.index("--address") + 1]]
-    rest += [w for w in words if "=" in w and not w.startswith("-")]
-    return config, rest
+    rest += [w for w in words[at + 2 :] if "=" in w and not w.startswith("-")]
+    return words[at + 1], rest
 
 
 def _wait_port(proc: subprocess.Popen, port: int, where: str):
