@@ -139,7 +139,11 @@ DOC_COMMANDS: dict[str, object] = {
     "--model-config configs/models/Qwen2.5-7B-Instruct.config.json": Run(),
     "make format": Run(),
     "make docs": Run(writes=("docs/configuration.md", "docs/verl.md")),
-    "make bench": Run(writes=("runs/bench",)),
+    "make bench": Excluded(
+        "every benchmark suite at its quick size: ~12 minutes of measurements on a 2-core "
+        "machine, recorded in docs/benchmarks.md",
+        "tests/integration/bench",
+    ),
     "make demo-rm": Run(writes=("runs/demo/rm/reward_model/config.json",)),
     "make gpu-check": Excluded("needs a CUDA GPU", "tests/e2e/test_gpu_check_cpu.py"),
     "ray start --head --port=6379 --dashboard-host=127.0.0.1": Excluded(

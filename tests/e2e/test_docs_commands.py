@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -132,13 +133,18 @@ class Reader:
         )  # fmt: skip
 
     def run(self, c: DocCommand, text: str, timeout: float = COMMAND_TIMEOUT_S):
+        """Runs one command to its end; whatever stops the test ends its processes too."""
         began = time.monotonic()
-        done = subprocess.run(
-            ["bash", "-c", text], cwd=self.root, env=self.env, capture_output=True,
-            text=True, timeout=timeout,
+        proc = subprocess.Popen(
+            ["bash", "-c", text], cwd=self.root, env=self.env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True,
         )  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        finally:
+            _stop(proc)
         self.times.append((c.where(), text, time.monotonic() - began))
-        return done
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _tail(done: subprocess.CompletedProcess) -> str:
@@ -190,8 +196,9 @@ def _wait_file(proc: subprocess.Popen, path: Path, where: str):
 
 def _stop(proc: subprocess.Popen):
     """Ends a server the test started: its process group, by its pid."""
-    if proc.poll() is None:
+    with suppress(ProcessLookupError):  # the group's leader ended, members may be left
         os.killpg(proc.pid, signal.SIGTERM)
+    if proc.poll() is None:
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
