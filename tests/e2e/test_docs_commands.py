@@ -249,6 +249,7 @@ def _end_block(reader: Reader, started: list, blocks_left: dict):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(4800)  # the demos whole, under load: ~20-40 min on 2 cores
 def test_every_documented_command_does_what_its_text_says(tmp_path):
     assert not _unclassified(), "unclassified commands: see the test above"
     root = _reader_checkout(tmp_path / "checkout")
