@@ -24,6 +24,8 @@ Returns True when every check held (``problems``: the ones that did not).
 
 from __future__ import annotations
 
+import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -37,6 +39,9 @@ import torch
 # ~17 M parameters (68 MB in fp32): figures above noise
 MODEL = {"layers": 4, "hidden": 512, "heads": 8}
 STARTUP_S = 240.0
+# the engine requires a key, as every server fleetrl starts does; made per check
+API_KEY = secrets.token_urlsafe(32)
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def _free_port() -> int:
@@ -46,7 +51,7 @@ def _free_port() -> int:
 
 
 def _post(url: str, route: str, body: Any = None) -> Any:
-    reply = requests.post(f"{url}{route}", json=body, timeout=120)
+    reply = requests.post(f"{url}{route}", json=body, headers=AUTH, timeout=120)
     reply.raise_for_status()
     return reply.json() if reply.content else None
 
@@ -68,7 +73,8 @@ def _start_engine(model_dir: Path, device: str, log_path: Path) -> tuple[subproc
         sys.executable, "-m", "rollout_fleet.engine.cli", "--model", str(model_dir),
         "--device", device, "--port", str(port), "--enable-memory-saver",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    env = {**os.environ, "FLEETRL_API_KEY": API_KEY}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_S
     while time.monotonic() < deadline:
@@ -90,7 +96,7 @@ def _cycle(url: str, pid: int, model, device: torch.device, figures: dict[str, A
     from weight_sync.tensor_push import TensorSender
 
     _post(url, "/generate", {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 8}})
-    info = requests.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]
+    info = requests.get(f"{url}/server_info", headers=AUTH, timeout=30).json()["internal_states"][0]
     figures["bytes_reported"] = int(
         (info["memory_usage"]["weight"] + info["memory_usage"]["kvcache"]) * 2**30
     )
@@ -109,7 +115,7 @@ def _cycle(url: str, pid: int, model, device: torch.device, figures: dict[str, A
             param.mul_(1.01)
     config = WeightSyncConfig(verify_tensors=16, verify_rows=4, timeout_s=120)
     with TensorSender(config, device=device) as sender:
-        sender.set_members([EngineEndpoint("engine", url)])
+        sender.set_members([EngineEndpoint("engine", url, api_key=API_KEY)])
         stream = ((n, p.detach()) for n, p in model.named_parameters())
         metrics = sender.publish(stream, version=1)
     figures.update(push_s=metrics.total_s, push_gbps=metrics.gbps, push_bytes=metrics.bytes)

@@ -94,7 +94,7 @@ def _measure_size(
             server.wait()
             clients = {
                 name: RewardModelClient(
-                    {"bench": server.url}, api_key=None, batch_size=size,
+                    {"bench": server.url}, api_key=server.api_key, batch_size=size,
                     request_timeout_s=300, max_attempts=1, retry_backoff_s=0,
                 )
                 for name, size in (("batched", batch_size), ("per_sample", 1))

@@ -7,15 +7,17 @@ of the RL runs scores on it through ``reward.model.urls``). The process is the
 embedded engine's CLI (``python -m rollout_fleet.engine.cli``), as a user starts one
 by hand; it is ended through its ``Popen`` object (SIGTERM, then SIGKILL), never by
 name. ``info()`` is the server's ``/get_server_info`` (scored requests, items,
-forwards), which tells a suite that the server really did the scoring.
+forwards), which tells a suite that the server really did the scoring. Like every server
+``fleetrl engine`` starts, it requires a key (``api_key``, made here, handed to it in
+``FLEETRL_API_KEY``), which the suites' clients send.
 
-Left out: SGLang servers (GPU), several servers behind one URL list, API keys (the
-server listens on loopback only).
+Left out: SGLang servers (GPU), several servers behind one URL list.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from types import TracebackType
 from typing import Any
 
 from bench.common import REPO_ROOT
+from rollout_fleet.engine.http_service import API_KEY_ENV
 
 SERVER_START_TIMEOUT_S = 300.0
 
@@ -48,7 +51,9 @@ class RewardServer:
         self.model_dir = Path(model_dir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "FLEETRL_LOG_LEVEL": "WARNING"}
+        self.api_key = secrets.token_urlsafe(32)
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "FLEETRL_LOG_LEVEL": "WARNING",
+               API_KEY_ENV: self.api_key}  # fmt: skip
         cmd = [sys.executable, "-m", "rollout_fleet.engine.cli", "--model", str(self.model_dir),
                "--port", str(self.port), "--engine-id", engine_id,
                "--max-running-requests", str(max_running_requests)]  # fmt: skip
@@ -76,7 +81,8 @@ class RewardServer:
         """The server's ``/get_server_info`` (``scored_requests``, ``scored_items``, ``forwards``)."""
         import requests
 
-        return requests.get(self.url + "/get_server_info", timeout=30).json()
+        headers = {"Authorization": f"Bearer {self.api_key}"}
+        return requests.get(self.url + "/get_server_info", headers=headers, timeout=30).json()
 
     def forwards(self) -> int:
         return int(self.info()["forwards"])

@@ -179,8 +179,8 @@ def check_reward_urls(cfg: RunConfig, probes: Probes) -> list[Finding]:
         port = parsed.port or (443 if parsed.scheme == "https" else 80)
         if not probes.reachable(parsed.hostname, port):
             out.append(Finding(key=key, problem=f"nothing answers at {parsed.hostname}:{port}", fix="start the reward server (`fleetrl engine --model RM_DIR`, or SGLang with --is-embedding), or fix the URL"))  # fmt: skip
-        elif parsed.hostname not in ("127.0.0.1", "localhost", "::1") and not probes.env.get(model.api_key_env):  # fmt: skip
-            out.append(Finding(key="reward.model.api_key_env", problem=f"{url} is off this machine and ${model.api_key_env} is empty: the client sends no key", fix=f"export {model.api_key_env}=<the server's --api-key>", fatal=False))  # fmt: skip
+        elif not probes.env.get(model.api_key_env):  # every server requires a key, loopback too
+            out.append(Finding(key="reward.model.api_key_env", problem=f"${model.api_key_env} is empty: the client sends no key, and {url} requires one", fix=f"export {model.api_key_env}=<the key the server was started with>"))  # fmt: skip
     return out
 
 

@@ -22,13 +22,15 @@ log = get_logger(__name__)
 def main(args: argparse.Namespace) -> int:
     """``fleetrl engine``: serve until interrupted. Returns the exit status."""
     try:
-        resolve_api_key(args.host, args.api_key)
+        # a server started by hand requires a key too, loopback included: anyone on the host
+        # could otherwise drive it
+        key = resolve_api_key(args.host, args.api_key, require_api_key=True)
         engine = open_engine(
             args.model,
             engine_id=args.engine_id,
             device=args.device,
             max_running_requests=args.max_running_requests,
-            api_key=args.api_key,
+            api_key=key,
             log_requests=args.log_requests,
             max_batch_tokens=args.max_batch_tokens,
             memory_saver=args.enable_memory_saver,

@@ -52,12 +52,14 @@ def is_loopback(host: str) -> bool:
 
 
 def resolve_api_key(host: str, api_key: str | None, require_api_key: bool = False) -> str | None:
-    """The key to enforce (argument, else ``FLEETRL_API_KEY``); refuses an open non-loopback bind."""
+    """The key to enforce (argument, else ``FLEETRL_API_KEY``); refuses an open non-loopback
+    bind, and any bind without a key when ``require_api_key`` (``fleetrl engine`` always)."""
     key = api_key or os.environ.get(API_KEY_ENV) or None
     if key is None and (require_api_key or not is_loopback(host)):
         raise EngineStartupError(
-            f"refusing to serve on {host!r} without an API key: pass --api-key or set {API_KEY_ENV}"
-            " (only loopback addresses may be served without one)"
+            f"refusing to serve on {host!r} without an API key: set {API_KEY_ENV} (e.g. "
+            f"export {API_KEY_ENV}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))'))"
+            " or pass --api-key; clients send it as 'Authorization: Bearer <key>'"
         )
     return key
 

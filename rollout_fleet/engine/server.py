@@ -26,8 +26,9 @@ a real SGLang server lacks: every CPU test of the training loop makes the calls 
 GPU run makes.
 
 Security and serving (``http_service.HttpService``, shared with the reward-model
-engine): binds 127.0.0.1 by default; a non-loopback host requires an API key
-(``--api-key`` or ``FLEETRL_API_KEY``); with a key, every request except
+engine): binds 127.0.0.1 by default; ``fleetrl engine`` requires an API key on any host
+(``FLEETRL_API_KEY`` or ``--api-key``), the library on a non-loopback host (a run hands
+its engines the run's key); with a key, every request except
 ``/health*`` (as in SGLang) must carry ``Authorization: Bearer <key>`` or gets 401.
 Bodies are size-limited and decoded into typed Structs: a bad field is a 400
 naming it, never a crash.

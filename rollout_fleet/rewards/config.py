@@ -62,9 +62,9 @@ class RewardModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     api_key_env: Annotated[
         str,
         Meta(
-            description="Environment variable holding the bearer key of the servers in urls (a placed fleet gets the run's own key)."
+            description="Environment variable holding the bearer key of the servers in urls (the one `fleetrl engine` reads too; a placed fleet gets the run's own key)."
         ),
-    ] = "FLEETRL_REWARD_API_KEY"
+    ] = "FLEETRL_API_KEY"
     weight: Annotated[
         float, Meta(description="Weight of the model score in the sample's reward.")
     ] = 1.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -31,6 +32,10 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 SERVER_START_TIMEOUT_S = 300.0
+
+
+def _auth(env: dict[str, str]) -> dict[str, str]:
+    return {"Authorization": f"Bearer {env['FLEETRL_API_KEY']}"}
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
@@ -53,7 +58,9 @@ def test_rl_scores_every_group_on_a_reward_server_started_by_hand(tmp_path: Path
     rm = make_tiny_model(tmp_path / "rm", layers=1, hidden=32, heads=4, max_positions=64, seed=3, reward_model=True)  # fmt: skip
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # the key `fleetrl engine` requires and the run's client sends (reward.model.api_key_env)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["FLEETRL_API_KEY"] = secrets.token_urlsafe(32)
     server_log = tmp_path / "reward_server.log"
     with server_log.open("w") as log:
         server = subprocess.Popen(
@@ -72,7 +79,7 @@ def test_rl_scores_every_group_on_a_reward_server_started_by_hand(tmp_path: Path
         with train_log.open("w") as log:
             train = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=log, timeout=780)
         assert train.returncode == 0, train_log.read_text()[-3000:]
-        info = requests.get(url + "/get_server_info", timeout=30).json()
+        info = requests.get(url + "/get_server_info", headers=_auth(env), timeout=30).json()
     finally:
         server.terminate()  # what Ctrl-C in the user's terminal would do: a clean shutdown
         try:

@@ -297,6 +297,8 @@ def test_api_key_is_enforced_when_required(tiny_model_dir, monkeypatch):
     with pytest.raises(EngineStartupError, match="API key"):
         resolve_api_key("0.0.0.0", None)
     assert resolve_api_key("127.0.0.1", None) is None
+    with pytest.raises(EngineStartupError, match="FLEETRL_API_KEY"):  # `fleetrl engine`
+        resolve_api_key("127.0.0.1", None, require_api_key=True)
     monkeypatch.setenv("FLEETRL_API_KEY", "from-env")
     assert resolve_api_key("0.0.0.0", None) == "from-env"
     monkeypatch.delenv("FLEETRL_API_KEY")

@@ -20,6 +20,7 @@ import asyncio
 import collections
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -36,6 +37,7 @@ from rollout_fleet.rewards.model_client import RewardModelClient
 GROUPS, GROUP_SIZE = 24, 8
 RID_LINE = re.compile(r"/classify rid=rm-(\w+)-(\d+)-(\d+) prompt_tokens=(\d+)")
 REPO = Path(__file__).resolve().parents[3]
+KEY = secrets.token_urlsafe(32)  # what `fleetrl engine` requires, loopback included
 
 
 def free_port() -> int:
@@ -48,7 +50,12 @@ def start_server(model_dir, name: str, log_path: Path, *extra: str) -> tuple[sub
     port = free_port()
     cmd = [sys.executable, "-m", "rollout_fleet.engine.cli", "--model", str(model_dir),
            "--port", str(port), "--engine-id", name, "--log-requests", *extra]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "FLEETRL_LOG_LEVEL": "INFO"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "FLEETRL_LOG_LEVEL": "INFO",
+        "FLEETRL_API_KEY": KEY,
+    }
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stderr=log, stdout=log, env=env, cwd=REPO)
     return proc, f"http://127.0.0.1:{port}"
@@ -96,7 +103,7 @@ def test_killed_server_batches_are_rescored_elsewhere_none_lost_none_twice(tiny_
         async def run():
             client = RewardModelClient(
                 {name: url for name, (_, url) in procs.items()},
-                api_key=None,
+                api_key=KEY,
                 batch_size=4,
                 request_timeout_s=30.0,
                 max_attempts=4,

@@ -33,7 +33,7 @@ def test_a_reward_folder_passes_and_a_causal_lm_is_refused_naming_the_key(tmp_pa
     assert missing.key == "reward.model.path" and "no config.json" in missing.problem
 
 
-def test_urls_must_be_http_and_answer_and_carry_a_key_off_this_machine(tmp_path, rm_dir):
+def test_urls_must_be_http_and_answer_and_carry_a_key_loopback_included(tmp_path, rm_dir):
     base = [f"reward.model.path={rm_dir}"]
     bad = _cfg(tmp_path, *base, "reward.model.urls=[10.0.0.5:30000]")
     assert keys(check_reward_urls(bad, _probes())) == ["reward.model.urls[0]"]
@@ -42,11 +42,13 @@ def test_urls_must_be_http_and_answer_and_carry_a_key_off_this_machine(tmp_path,
     assert (
         down.key == "reward.model.urls[0]" and "nothing answers at 127.0.0.1:30000" in down.problem
     )
-    remote = _cfg(tmp_path, *base, "reward.model.urls=[http://10.0.0.5:30000]")
-    (no_key,) = check_reward_urls(remote, _probes())
-    assert no_key.key == "reward.model.api_key_env" and not no_key.fatal
-    keyed = _probes(env={"FLEETRL_REWARD_API_KEY": "k"})
-    assert check_reward_urls(remote, keyed) == []
+    keyed = _probes(env={"FLEETRL_API_KEY": "k"})  # the variable `fleetrl engine` reads too
+    for url in ("http://10.0.0.5:30000", "http://127.0.0.1:30000"):
+        cfg = _cfg(tmp_path, *base, f"reward.model.urls=[{url}]")
+        (no_key,) = check_reward_urls(cfg, _probes())
+        assert no_key.key == "reward.model.api_key_env" and no_key.fatal, url
+        assert "$FLEETRL_API_KEY is empty" in no_key.problem
+        assert check_reward_urls(cfg, keyed) == []
 
 
 def test_a_cluster_without_reward_nodes_is_refused_naming_ray_reward_resource(tmp_path, rm_dir):
