@@ -1,7 +1,7 @@
 """How the docs test runs each command the README and docs/*.md show.
 
 Every command is classified here by its text (whitespace collapsed): run as written on
-this CPU (``Run``, ``Findings`` for a command whose job is to report what is missing),
+this CPU (``Run``, ``Export`` for a variable later commands read, ``Findings`` for a command whose job is to report what is missing),
 kept running for the commands after it (``Serve``, ``Training``), run through
 ``fleetrl config show`` and ``fleetrl check`` on the same config and overrides because it
 needs GPUs or a cluster (``ViaCheck``), or excluded with the reason and the test that
@@ -29,6 +29,14 @@ class Run:
     prints_json: type | None = None
     reduced: tuple[str, ...] = ()
     why: str = ""
+
+
+@dataclass(frozen=True)
+class Export:
+    """``export NAME=...``: run as written; NAME, non-empty, holds for the commands after it
+    (a reader's shell keeps it)."""
+
+    name: str
 
 
 @dataclass(frozen=True)
@@ -88,10 +96,8 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
     ("/home/ubuntu/fleetrl/configs/", "configs/", "the repo on the cluster's head"),
     (" /configs/", " configs/", "the configs ConfigMap in the KubeRay pod"),
     ("--model rm ", "--model runs/demo/rm/reward_model ", "a reward model folder"),
-    ("--port 30001 --api-key", "--port {port_keyed} --api-key", "a free port (a second server)"),
     ("30001", "{port_classify}", "a free port"),
     ("30010", "{port_rm}", "a free port"),
-    ('"$KEY"', '"{api_key}"', "an API key the test makes"),
 ]
 
 _GPU = "needs GPUs or a Ray cluster"
@@ -102,6 +108,9 @@ _SHARED_RAY = (
 )
 
 DOC_COMMANDS: dict[str, object] = {
+    "export FLEETRL_API_KEY=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')": (
+        Export("FLEETRL_API_KEY")
+    ),
     "make demo": Run(writes=("runs/demo/run/summary.json",)),
     "make test": Excluded("it is the suite this test runs in", ".ci/run"),
     "fleetrl engine --model runs/demo/rm/reward_model --port 30010": Serve(),
@@ -195,13 +204,12 @@ DOC_COMMANDS: dict[str, object] = {
         Excluded(_CLOUD, "tests/e2e/test_elastic_cluster.py")
     ),
     "fleetrl engine --model rm --port 30001": Serve(more_blocks=1),
-    'fleetrl engine --model rm --host 0.0.0.0 --port 30001 --api-key "$KEY"': Serve(),
-    'python -m sglang.launch_server --model-path rm --is-embedding --port 30001 --api-key "$KEY"': (
-        Excluded("SGLang serves on CUDA only", "tests/conformance/test_reward_classify.py")
+    'curl -s localhost:30001/classify -H "Authorization: Bearer $FLEETRL_API_KEY" '
+    "-H 'Content-Type: application/json' -d '{\"input_ids\": [[12, 13, 14], [20, 21]]}'": Run(
+        prints_json=list
     ),
-    "curl -s localhost:30001/classify -H 'Content-Type: application/json' "
-    "-d '{\"input_ids\": [[12, 13, 14], [20, 21]]}'": Run(prints_json=list),
-    'curl -s localhost:30001/classify -d \'{"text": "2 + 2 = 4"}\'': Run(prints_json=dict),
+    'curl -s localhost:30001/classify -H "Authorization: Bearer $FLEETRL_API_KEY" '
+    '-d \'{"text": "2 + 2 = 4"}\'': Run(prints_json=dict),
     "fleetrl rm train --config configs/demo_rm_cpu.yaml": Run(
         writes=("runs/demo/rm/reward_model/config.json",),
         reduced=("trainer.total_steps=4", "trainer.test_freq=4", "trainer.save_freq=4"),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shlex
 import shutil
 import signal
@@ -30,6 +29,7 @@ from tests.e2e.docs_table import (
     PREREQUISITES,
     SUBSTITUTIONS,
     Excluded,
+    Export,
     Findings,
     Run,
     Serve,
@@ -216,6 +216,10 @@ def _one(reader: Reader, c: DocCommand, how, started: list):
             assert (reader.root / rel).exists(), f"{c.where()} {c.text}: wrote no {rel}"
         if how.prints_json is not None:
             assert isinstance(json.loads(done.stdout), how.prints_json), done.stdout[:500]
+    elif isinstance(how, Export):
+        done = reader.run(c, f'{text}\nprintf %s "${how.name}"')
+        assert done.returncode == 0 and done.stdout, f"{c.where()} {c.text}: {_tail(done)}"
+        reader.env[how.name] = done.stdout
     elif isinstance(how, Findings):
         _assert_findings(c, reader.run(c, text))
     elif isinstance(how, ViaCheck):
@@ -255,9 +259,7 @@ def test_every_documented_command_does_what_its_text_says(tmp_path):
     root = _reader_checkout(tmp_path / "checkout")
     fixtures = {
         "gsm8k_raw": str(_gsm8k_raw(tmp_path / "gsm8k_raw")),
-        "api_key": secrets.token_hex(16),
         "port_classify": str(_free_port()),
-        "port_keyed": str(_free_port()),
         "port_rm": str(_free_port()),
     }
     reader = Reader(root, fixtures)
