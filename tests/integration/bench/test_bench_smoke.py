@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,12 @@ def _classifying_train(seen: list):
     def train(cfg):
         urls = list(cfg.reward.model.urls)
         if urls:
+            key = cfg.reward.model.api_key(os.environ)  # the server's, as the run reads it
             reply = requests.post(
-                urls[0] + "/classify", json={"input_ids": [[7, 8, 9]]}, timeout=60
+                urls[0] + "/classify",
+                json={"input_ids": [[7, 8, 9]]},
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=60,
             )
             reply.raise_for_status()
             seen.append(reply.json()[0]["embedding"][0])

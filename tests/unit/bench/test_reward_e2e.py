@@ -5,6 +5,7 @@ is the paired samples/s ratio with the overhead it implies."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,7 @@ class _FakeServer:
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = Path(model_dir)
         self.url = f"http://127.0.0.1:{30100 + len(self.made)}"
+        self.api_key = f"key-{len(self.made)}"
         self.waited = self.stopped = False
         self.made.append(self)
 
@@ -96,7 +98,7 @@ class _FakeServer:
 def _scripted_train(seen: list):
     def train(cfg):
         model = cfg.reward.model
-        seen.append((list(model.urls), model.path))
+        seen.append((list(model.urls), model.path, model.api_key(os.environ)))
         run_dir = Path(cfg.trainer.output_dir)
         run_dir.mkdir(parents=True)
         rows = _rows(1.0 if not model.urls else 1.2, 0.1, cfg.trainer.total_steps, cfg.trainer.test_freq)  # fmt: skip
@@ -118,7 +120,9 @@ def test_run_served_scores_the_model_arm_on_the_server_it_started_then_stops_it(
     # the server serves the reward model built on the workload's policy, and only the model
     # arm is pointed at it
     assert (server.model_dir / "config.json").is_file()
-    assert seen == [([], ""), ([server.url], str(server.model_dir))]
+    # the runs send the key the server was started with (reward.model.api_key_env)
+    assert seen == [([], "", server.api_key), ([server.url], str(server.model_dir), server.api_key)]
+    assert os.environ.get("FLEETRL_API_KEY") != server.api_key  # set only while they ran
     summary = out["summary"]
     assert summary["server_scored_items"] == 28 and summary["server_scored_requests"] == 7
     assert summary["model_vs_rule"] < 1.0 < 1.0 + summary["model_scoring_overhead"]
