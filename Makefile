@@ -3,6 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 # torch and torchvision as the matching pair SGLang 0.5.23 pins (torch 2.14.1);
 # an unpinned torch would pull whatever is newest. It runs on the CPU here.
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
@@ -15,12 +16,19 @@ SGLANG ?= sglang==0.5.23
 # byte-compiled at install (--no-compile): the tier imports a small part of vLLM's 547 MB,
 # compiled on first import; compiling it all took 1.5 of the 3 install minutes here.
 VLLM   ?= vllm==0.34.0
+# The Ray every cluster route runs (configs/cluster/*.yaml pin the same release).
+RAY    ?= ray[default]==2.60.0
+# The image's extras: sglang for GPU rollout and reward nodes (the product image); empty
+# for an image without SGLang.
+IMAGE_EXTRAS ?= sglang
+IMAGE_TAG    ?=
 DEMO_OUT ?= runs/demo/run
 DEMO_RM_OUT ?= runs/demo/rm
 DEMO_RLHF_OUT ?= runs/demo/rlhf
 DEMO_ELASTIC_OUT ?= runs/demo/elastic
+DEMO_AGENT ?= runs/demo/agent
 
-.PHONY: demo demo-rm demo-rlhf demo-elastic test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
+.PHONY: demo demo-rm demo-rlhf demo-elastic demo-agent wheel image test-deploy test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
 
 venv: $(STAMP)
 
@@ -28,12 +36,17 @@ $(STAMP): pyproject.toml tests/conformance/requirements-cpu.txt tests/conformanc
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[dev,tensorboard,mlflow]"
+	$(PY) -m pip install -q -e ".[dev,tensorboard,mlflow,agent]"
 	$(PY) -m pip install -q --no-deps "$(SGLANG)"
 	$(PY) -m pip install -q -r tests/conformance/requirements-cpu.txt
 	$(PY) -m pip install -q --no-deps --no-compile "$(VLLM)"
 	$(PY) -m pip install -q --no-deps --no-compile --upgrade --target $(VENV)/vllm-overlay -r tests/conformance/vllm/requirements-cpu.txt
 	touch $(STAMP)
+
+# The `bench` extra (TRL, the vs-trl suite's baseline): make test and make bench install it.
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
+	touch $(BENCH_STAMP)
 
 # The demo run starts afresh each time (the tiny model and data it built are reused).
 demo: $(STAMP)
@@ -62,12 +75,23 @@ demo-elastic: $(STAMP)
 	rm -rf $(DEMO_ELASTIC_OUT)
 	env -u RAY_ADDRESS $(PY) scripts/demo_elastic.py --out $(DEMO_ELASTIC_OUT)
 
+# The agent demo (configs/demo_agent_cpu.yaml): an agent program written against OpenAI's API
+# is the rollout; GRPO teaches the tiny model to call its calculator tool right. The data and
+# the warm-started model are built once; the run starts afresh each time.
+demo-agent: $(STAMP)
+	$(PY) examples/agents/build_calculator_demo.py --out $(DEMO_AGENT)
+	rm -rf $(DEMO_AGENT)/run
+	$(VENV)/bin/fleetrl train --config configs/demo_agent_cpu.yaml trainer.output_dir=$(DEMO_AGENT)/run
+
 # Each tier in a fresh interpreter, the fast one first: one tier's process state (loaded
 # libraries, their caches and patches) never reaches another's; every tier runs, then the
 # status says whether all passed.
-TIERS := unit conformance integration e2e
+TIERS := unit conformance integration e2e cluster
 
-test: $(STAMP) lint
+# tests/cluster drives a real Slurm (slurm-wlm, munge): installed here with apt-get, or its
+# tests skip, one line each.
+test: $(STAMP) $(BENCH_STAMP) lint
+	@bash scripts/test_tools.sh slurm-wlm:slurmctld munge:munged
 	@status=0; for tier in $(TIERS); do \
 		echo "== tests/$$tier"; \
 		env -u RAY_ADDRESS $(PY) -m pytest -q tests/$$tier || status=1; \
@@ -76,7 +100,7 @@ test: $(STAMP) lint
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
-test-integration: $(STAMP)
+test-integration: $(STAMP) $(BENCH_STAMP)
 	env -u RAY_ADDRESS $(PY) -m pytest -q tests/integration
 
 test-e2e: $(STAMP)
@@ -94,7 +118,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: $(STAMP)
+bench: $(STAMP) $(BENCH_STAMP)
 	$(VENV)/bin/fleetrl bench all --quick --out runs/bench
 
 # On a machine with a GPU and this virtualenv: every stage of the GPU check on CUDA (the SGLang
@@ -115,9 +139,27 @@ device-bundle: $(STAMP)
 device-check: device-bundle
 	env -u RAY_ADDRESS $(PY) -m pytest -q -m device_check tests
 
+# This checkout as a wheel, alone in dist/: what configs/cluster/aws.yaml ships to every node.
+wheel: $(STAMP)
+	rm -rf dist
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir dist .
+
+# The image (docker/Dockerfile) with docker, podman or buildah, whichever is here; its heavy
+# layer is reused while requirements are unchanged, the Debian base made from Debian's
+# packages where none can be pulled (docker/build_image.py, cache in .image-cache/).
+image: $(STAMP)
+	$(PY) docker/build_image.py --extras "$(IMAGE_EXTRAS)" $(if $(IMAGE_TAG),--tag "$(IMAGE_TAG)") \
+		$(foreach p,$(TORCH) $(RAY),--pin "$(p)")
+
+# What downloads gigabytes (CI runs it after `make test`): the image built and the demo
+# trained inside it, and the SGLang node types of configs/cluster/aws.yaml installed.
+test-deploy: $(STAMP)
+	@bash scripts/test_tools.sh buildah:buildah mmdebstrap:mmdebstrap
+	env -u RAY_ADDRESS $(PY) -m pytest -q -m deploy tests/cluster
+
 docs: $(STAMP)
 	$(VENV)/bin/fleetrl config docs --out docs/configuration.md
 	$(VENV)/bin/fleetrl config docs --verl --out docs/verl.md
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache .device-bundle .device-cache
+	rm -rf $(VENV) runs dist .pytest_cache .ruff_cache .device-bundle .device-cache .image-cache

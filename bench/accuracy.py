@@ -315,6 +315,9 @@ def run(
                 work_sizes, eta=eta, correction=correction, run_dir=run_dir, max_eta=max_eta
             ) + [
                 f"trainer.seed={seed}",
+                # every group as early as η allows: the grid measures the correction at
+                # staleness η, not the adaptive lead's lower staleness (buffer/lead.py)
+                "buffer.admission_lead=bound",
                 # no in-run validation: snapshots, scored after the run (see the docstring)
                 "trainer.test_freq=-1",
                 "trainer.val_before_train=false",

@@ -56,6 +56,8 @@ SUITE_MODULES: dict[str, str] = {
     "e2e": "bench.e2e",
     "accuracy": "bench.accuracy",
     "reward": "bench.reward",
+    "agent": "bench.agent",
+    "vs-trl": "bench.vs_trl",
 }
 # harness flag -> parameter names a suite's ``run`` may use for it (first match wins)
 SIZE_PARAMETERS: dict[str, tuple[str, ...]] = {
@@ -69,6 +71,7 @@ SIZE_PARAMETERS: dict[str, tuple[str, ...]] = {
     "headline_eta": ("headline_eta",),
     "placement": ("placement",),
     "elastic": ("elastic",),
+    "regime": ("regime_name",),
 }
 CHILD_ENV = "FLEETRL_BENCH_CHILD"  # set for the children of `all`: the parent reports
 # --quick: seconds each child may run in `all` (unused time passes on to the next suite)
@@ -82,6 +85,9 @@ QUICK_BUDGET_S: dict[str, float] = {
     # batched vs per-sample (a server, 256 samples x (5 reps + warm-up) x 2 arms: ~60 s),
     # then the e2e half: a warm start and 4 training runs (473 s in all at load 6-8)
     "reward": 540.0,
+    "agent": 420.0,  # gateway overhead rounds, then the agent demo at eta 0 and 2
+    # the demo (3 arms x 3 seeds, ~15-30 s a run) and one generation-bound seed
+    "vs-trl": 900.0,
 }
 
 
@@ -267,7 +273,7 @@ def _child_command(suite: str, args: argparse.Namespace, reps: int | None) -> li
     if args.hidden:
         cmd += ["--hidden", *[str(h) for h in args.hidden]]
     flags = ("layers", "engines", "learner_ranks", "batch", "max_new_tokens", "headline_eta")
-    for flag in (*flags, "placement"):
+    for flag in (*flags, "placement", "regime"):
         value = getattr(args, flag, None)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]

@@ -139,13 +139,13 @@ def build_model(
         examples = padded_examples(train_file, warmstart.label_noise, warmstart.seed)
         # noise is already in the examples: the warm start must not add its own
         plain = msgspec.structs.replace(warmstart, steps=steps, label_noise=0.0)
-        loss = _single_threaded(supervised_warmstart, tmp, examples, plain)
+        loss = single_threaded(supervised_warmstart, tmp, examples, plain)
         log.info("e2e: warm start %d steps on padded answers, final loss %.3f", steps, loss)
     tmp.replace(model_dir)
     return model_dir
 
 
-def _single_threaded(fn: Any, *args: Any) -> Any:
+def single_threaded(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` on one torch thread: on a shared, loaded CPU a tiny model's warm start
     ran 50x slower on two threads than on one (OpenMP workers spin on busy cores)."""
     import torch

@@ -6,7 +6,8 @@
   baseline a peer system uses), a failed or missing suite shown as its error
   (``suite unavailable: ...``), then each suite's other summary figures and,
   for e2e, one row per run (η, correction, samples/s, score, idle fractions);
-  for accuracy, one row per setting (final score and time to target, mean ± std).
+  for accuracy, one row per setting (final score and time to target, mean ± std); for
+  vs-trl, one row per run (trainer, seed, whole command, time and samples to target).
 - ``summary.png``: every headline ratio as a bar (1.0 = parity with the baseline).
 - ``<suite>_throughput.png``: throughput against size for each suite that sweeps
   sizes (the record's ``sweep``, see ``bench.common``).
@@ -109,6 +110,38 @@ HEADLINES: dict[str, list[tuple[str, str, str]]] = {
             " scoring alone, paired per alternated repetition (= 1 / (1 + model_scoring_overhead);"
             " goal >= 1 / 1.1)",
             "rule-based rewards only (no reward model)",
+        ),
+    ],
+    "agent": [
+        (
+            "eta2_vs_eta0",
+            "agent episodes/s of the agent demo at η = 2 ÷ at η = 0 (steps after the warm-up),"
+            " same resources",
+            "synchronous agent rollout (η = 0)",
+        ),
+    ],
+    "vs-trl": [
+        (
+            "demo_time_to_target_speedup",
+            "demo: TRL's training time to held-out 0.9 ÷ fleetrl's at the demo's η (median of"
+            " seeds; > 1: fleetrl gets there sooner)",
+            "TRL GRPOTrainer, same model, data and hyperparameters",
+        ),
+        (
+            "demo_command_speedup",
+            "demo: TRL's whole command ÷ fleetrl's, start to exit (median of seeds)",
+            "TRL GRPOTrainer",
+        ),
+        (
+            "demo_sample_efficiency_sync",
+            "demo: samples TRL needs to held-out 0.9 ÷ samples fleetrl needs at η = 0",
+            "TRL GRPOTrainer (on-policy)",
+        ),
+        (
+            "generation_bound_time_to_target_speedup",
+            "generation-bound (long-tailed responses): TRL's training time to the target ÷"
+            " fleetrl's",
+            "TRL GRPOTrainer (transformers generate)",
         ),
     ],
 }
@@ -290,6 +323,22 @@ def _accuracy_lines(record: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _vs_trl_lines(record: Mapping[str, Any]) -> list[str]:
+    runs = (record.get("results") or {}).get("runs") or []
+    if not runs:
+        return []
+    keys = ("regime", "arm", "eta", "seed", "command_s", "time_to_target_s",
+            "samples_to_target", "samples_per_s", "final_score", "load_before")  # fmt: skip
+    lines = [
+        "",
+        "| regime | trainer | η | seed | whole command (s) | time to target (s) | samples to"
+        " target | samples/s | final score | load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += ["| " + " | ".join(fmt(run.get(k)) for k in keys) + " |" for run in runs]
+    return lines
+
+
 def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in mapping.items():
@@ -337,6 +386,8 @@ def markdown(records: Mapping[str, Mapping[str, Any]]) -> str:
             lines += _e2e_lines(record)
         if suite == "accuracy":
             lines += _accuracy_lines(record)
+        if suite == "vs-trl":
+            lines += _vs_trl_lines(record)
     return "\n".join(lines) + "\n"
 
 

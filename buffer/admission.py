@@ -10,7 +10,9 @@ or still being generated, so it is trained on no later than version
 
 keeps that at most ``max_staleness`` (η) versions ahead of the policy that
 starts generating it, i.e. its staleness when trained on is at most η. On top
-of that, never more than ``max_concurrent`` groups are in flight.
+of that, never more than ``max_concurrent`` groups are in flight. With a lead
+(``buffer.lead``: the fewest versions ahead that keep the learner fed) the window
+uses it in place of η; it never exceeds η.
 
 Why pace admission instead of dropping finished work: a generator that runs
 ahead and lets the buffer throw away whatever is too old wastes the compute of
@@ -61,15 +63,21 @@ class AdmissionInputs(Protocol):
     max_staleness: int
     groups_per_version: int
     max_concurrent: int
+    # and ``lead`` (AdmissionState's, -1 when none): read with getattr, older peers lack it
 
 
 @dataclass(frozen=True)
 class StalenessAdmission:
-    """Pure arithmetic of the admission rule; the counters come from the buffer."""
+    """Pure arithmetic of the admission rule; the counters come from the buffer.
+
+    ``lead`` (``buffer.lead``): generate at most this many versions ahead (never more
+    than ``max_staleness``); None: as far as ``max_staleness`` allows.
+    """
 
     max_staleness: int
     groups_per_version: int
     max_concurrent: int
+    lead: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
@@ -82,11 +90,22 @@ class StalenessAdmission:
     @classmethod
     def from_state(cls, state: AdmissionInputs) -> StalenessAdmission:
         """The buffer's rule, from the inputs it reported (a producer's view of it)."""
-        return cls(state.max_staleness, state.groups_per_version, state.max_concurrent)
+        lead = getattr(state, "lead", -1)
+        return cls(
+            state.max_staleness,
+            state.groups_per_version,
+            state.max_concurrent,
+            lead if lead >= 0 else None,
+        )
+
+    @property
+    def ahead(self) -> int:
+        """Versions ahead of the learner generation may start: the lead, within the bound."""
+        return self.max_staleness if self.lead is None else min(self.lead, self.max_staleness)
 
     def window_end(self, policy_version: int) -> int:
         """Total groups (accepted + running) allowed while the learner is at ``policy_version``."""
-        return (self.max_staleness + policy_version + 1) * self.groups_per_version
+        return (self.ahead + policy_version + 1) * self.groups_per_version
 
     def capacity(self, policy_version: int, accepted_groups: int, running_groups: int) -> int:
         """How many more groups may start generating now (>= 0)."""

@@ -16,6 +16,8 @@ an unmasked trajectory round-trips unchanged.
 failed: it travels with its group, and the learner trains nothing on it
 (learner/batching.py). Optional like ``loss_mask``: batches and bank segments
 written before it existed read as every reward scored (``reward_error_column``).
+``episode`` (string, "" = not an agent rollout) names the agent episode a row is a
+branch of; optional the same way (``episode_column``).
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ SCHEMA = pa.schema(
         ("temperature", pa.float32()),
         ("loss_mask", pa.list_(pa.uint8())),
         ("reward_error", pa.string()),
+        ("episode", pa.string()),
     ]
 )
 # Columns a reader may find missing (written before they existed); each has a default.
-OPTIONAL_COLUMNS = frozenset({"loss_mask", "reward_error"})
+OPTIONAL_COLUMNS = frozenset({"loss_mask", "reward_error", "episode"})
 REQUIRED_COLUMNS = tuple(name for name in SCHEMA.names if name not in OPTIONAL_COLUMNS)
 
 
@@ -81,6 +84,7 @@ def trajectories_to_arrow(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
         "temperature": pa.array([t.temperature for t in trajs], pa.float32()),
         "loss_mask": _list_column([_loss_mask(t) for t in trajs], pa.uint8()),
         "reward_error": pa.array([t.reward_error for t in trajs], pa.string()),
+        "episode": pa.array([t.episode for t in trajs], pa.string()),
     }
     return pa.RecordBatch.from_pydict(cols, schema=SCHEMA)
 
@@ -131,6 +135,13 @@ def reward_error_column(batch: pa.RecordBatch) -> list[str]:
     return [error or "" for error in batch.column("reward_error").to_pylist()]
 
 
+def episode_column(batch: pa.RecordBatch) -> list[str]:
+    """Per row, the agent episode it came from ("" for a batch written without the column)."""
+    if "episode" not in batch.schema.names:
+        return [""] * batch.num_rows
+    return [episode or "" for episode in batch.column("episode").to_pylist()]
+
+
 def to_ipc(batch: pa.RecordBatch) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, batch.schema) as writer:
@@ -170,6 +181,7 @@ def arrow_to_trajectories(batch: pa.RecordBatch) -> list[Trajectory]:
     metrics = _maps(batch, "reward_metrics") if "reward_metrics" in names else None
     timings = _maps(batch, "timings") if "timings" in names else None
     reward_errors = reward_error_column(batch)
+    episodes = episode_column(batch)
     return [
         Trajectory(
             uid=cols["uid"][i],
@@ -189,6 +201,7 @@ def arrow_to_trajectories(batch: pa.RecordBatch) -> list[Trajectory]:
             temperature=cols["temperature"][i],
             loss_mask=masks[i],
             reward_error=reward_errors[i],
+            episode=episodes[i],
         )
         for i in range(batch.num_rows)
     ]

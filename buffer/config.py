@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -16,6 +16,12 @@ class BufferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             description="η: a sample may be at most this many policy versions older than the learner when trained on (0 = synchronous, on-policy).",
         ),
     ] = 1
+    admission_lead: Annotated[
+        Literal["adaptive", "bound"],
+        Meta(
+            description="How far ahead of the learner the fleet generates. bound (the default): as far as max_staleness allows, so a fleet faster than the learner trains every sample at staleness η; adaptive (opt-in): the fewest versions (1..η) that keep the learner fed, one more whenever it waits for a batch, one fewer when a whole version's groups sit ready at hand-out (buffer/lead.py), which trains on fresher samples and changes a run's results. max_staleness is the bound either way; η = 0 stays synchronous."
+        ),
+    ] = "bound"
     capacity_groups: Annotated[
         int, Meta(ge=1, description="Groups held before producers block (backpressure).")
     ] = 1024

@@ -42,6 +42,7 @@ global batch and scatters it to its ranks, as verl and AReaL do).
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -59,6 +60,7 @@ from buffer.bank import (
     VersionMark,
 )
 from buffer.config import BufferConfig
+from buffer.lead import AdmissionLead
 from buffer.retention import Retention
 from buffer.store import Group, GroupStore, rebuild_group, screen
 from buffer.wire import (
@@ -131,6 +133,9 @@ class BufferCore:
         self.admission = StalenessAdmission(
             config.max_staleness, groups_per_version, max_concurrent_groups
         )
+        # how far ahead the fleet may generate now: the fewest versions that keep the
+        # learner fed, within the bound (buffer/lead.py)
+        self.lead = AdmissionLead(config.max_staleness, groups_per_version, config.admission_lead)
         self.store = GroupStore(
             max_staleness=config.max_staleness,
             capacity_groups=config.capacity_groups,
@@ -235,6 +240,7 @@ class BufferCore:
             if received_watermark >= 0 and received_watermark != self.handout_count:
                 self._rewind(received_watermark)
             if self.store.ready_groups < num_groups:
+                self.lead.waiting(time.monotonic())
                 return None
             result = self.store.take(num_groups, learner_version)
             if result.refused_stale:
@@ -251,6 +257,7 @@ class BufferCore:
             if not result.groups:
                 return None
             self.ready.notify_all()  # room for producers blocked on a full buffer
+            self.lead.handed_out(time.monotonic(), self.store.ready_groups)
             ids = [g.group_id for g in result.groups]
             start = self.handout_count
             self.bank.record(Handout(start, ids, learner_version))
@@ -405,6 +412,7 @@ class BufferCore:
                 max_staleness=self.admission.max_staleness,
                 groups_per_version=self.admission.groups_per_version,
                 max_concurrent=self.admission.max_concurrent,
+                lead=self.lead.lead,
             )
 
     def group_status(self, group_ids: list[str]) -> list[int]:
@@ -418,6 +426,9 @@ class BufferCore:
             for reason, n in self.rejected.items():
                 out[f"rejected_frames.{reason}"] = n
             out["rejected_frames"] = sum(self.rejected.values())
+            out["admission_lead"] = self.lead.lead
+            out["admission_lead_raised"] = self.lead.raised
+            out["admission_lead_lowered"] = self.lead.lowered
             out.update(
                 accepted_groups=self.store.accepted_groups,
                 ready_groups=self.store.ready_groups,

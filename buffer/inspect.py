@@ -11,20 +11,38 @@ multi-turn response holds tool tokens, loss mask 0), and staleness at hand-out
 (learner version of the batch minus the oldest token version of the sample),
 read from the bank's segments and its ledger. It never writes to the bank (a torn tail is reported, not repaired).
 CLI output, so it prints. Left out: per-data-source breakdowns and plots.
+
+``--json`` prints instead one JSON object per accepted trajectory, in the order the
+bank holds them (a row written twice, a resend after a buffer restart, once):
+``token_ids`` (prompt then response, the sequence the engines saw), and aligned with
+it ``loss_mask`` (1 where the policy generated the token and it trains, 0 on the
+prompt and on template, tool and user tokens), ``logprobs`` (the engine's; 0.0 where
+the mask is 0) and ``versions`` (the policy version that made each token; -1 on the
+prompt); ``prompt_length``, ``reward`` (``null`` when it failed: ``reward_error``
+says why), ``episode`` (the agent episode it is a branch of, "" for plain samples),
+``uid``, ``group_id``, ``prompt_index``, ``data_source``, ``finish_reason``,
+``engine_id``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 import pyarrow as pa
 
-from buffer.arrow_batch import list_column_numpy, loss_mask_column, reward_error_column
+from buffer.arrow_batch import (
+    arrow_to_trajectories,
+    list_column_numpy,
+    loss_mask_column,
+    reward_error_column,
+)
 from buffer.bank import (
     LEDGER_NAME,
     CommitMark,
@@ -62,19 +80,61 @@ def bank_folder(folder: str | Path) -> Path:
     return root / RUN_BANK
 
 
-def summarize(bank_dir: str | Path) -> dict[str, Any]:
-    """Every statistic ``inspect rollouts`` prints, as plain data (``bank_dir``: a bank, or a
-    run folder holding one)."""
-    given = Path(bank_dir)
+def _existing_bank(folder: str | Path) -> Path:
+    """The bank ``folder`` names (see ``bank_folder``), refused when there is none."""
+    given = Path(folder)
     if not given.is_dir():
         raise BankNotFoundError(f"{given.absolute()} is not a folder")
     root = bank_folder(given)
-    segments = list_segments(root)
-    if not segments and not (root / LEDGER_NAME).exists():
+    if not list_segments(root) and not (root / LEDGER_NAME).exists():
         raise BankNotFoundError(
             f"{given.absolute()} holds no rollout bank (no ledger, no segments): give a run "
             f"folder or its {RUN_BANK}/"
         )
+    return root
+
+
+def trajectory_records(bank_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """One plain record per accepted trajectory (see ``--json`` in the module docstring)."""
+    seen: set[str] = set()
+    for _, path in list_segments(_existing_bank(bank_dir)):
+        for batch in read_segment(path):
+            for traj in arrow_to_trajectories(batch):
+                if traj.uid in seen:
+                    continue
+                seen.add(traj.uid)
+                yield _record(traj)
+
+
+def _record(traj: Any) -> dict[str, Any]:
+    prompt = traj.prompt_ids.numpy().tolist()
+    response = traj.response_ids.numpy().tolist()
+    mask = [1] * len(response) if traj.loss_mask is None else traj.loss_mask.numpy().tolist()
+    logprobs = [float(x) for x in traj.behavior_logprobs.numpy()]
+    return {
+        "uid": traj.uid,
+        "group_id": traj.group_id,
+        "episode": traj.episode,
+        "prompt_index": traj.prompt_index,
+        "data_source": traj.data_source,
+        "prompt_length": len(prompt),
+        "token_ids": prompt + response,
+        "loss_mask": [0] * len(prompt) + mask,
+        "logprobs": [0.0] * len(prompt)
+        + [lp if m else 0.0 for lp, m in zip(logprobs, mask, strict=True)],
+        "versions": [-1] * len(prompt) + traj.token_versions.numpy().tolist(),
+        "reward": None if traj.reward_failed else float(traj.score),
+        "reward_error": traj.reward_error,
+        "finish_reason": traj.finish_reason,
+        "engine_id": traj.engine_id,
+    }
+
+
+def summarize(bank_dir: str | Path) -> dict[str, Any]:
+    """Every statistic ``inspect rollouts`` prints, as plain data (``bank_dir``: a bank, or a
+    run folder holding one)."""
+    root = _existing_bank(bank_dir)
+    segments = list_segments(root)
     seen: set[str] = set()
     group_size: dict[str, int] = {}
     group_count: Counter[str] = Counter()
@@ -256,6 +316,10 @@ def render(summary: dict[str, Any], out: TextIO) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
+        if getattr(args, "json", False):
+            for record in trajectory_records(args.dir):
+                sys.stdout.write(json.dumps(record) + "\n")
+            return 0
         summary = summarize(args.dir)
     except BankNotFoundError as err:
         print(f"fleetrl: {err}", file=sys.stderr)

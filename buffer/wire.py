@@ -91,6 +91,10 @@ class Trajectory(msgspec.Struct, array_like=True, kw_only=True):
     # not be scored); "" = scored. A failed sample travels with its group but trains
     # nothing: no token of it is in any loss and its score (0.0) is in no group statistic.
     reward_error: str = ""
+    # The agent episode this trajectory is a branch of ("<group_id>/e<index>"; an episode
+    # whose agent rewrote its history is several trajectories, each with the episode's
+    # reward); "" = not an agent rollout.
+    episode: str = ""
 
     @property
     def reward_failed(self) -> bool:
@@ -293,6 +297,7 @@ class AdmissionState(_Reply, tag="admission"):
     max_staleness: int
     groups_per_version: int
     max_concurrent: int
+    lead: int = -1  # versions ahead the fleet may generate now (buffer.lead); -1: max_staleness
 
 
 class Stats(_Reply, tag="stats"):

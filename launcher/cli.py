@@ -257,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
         "rollouts", help="counts and reward/length/staleness statistics of a rollout bank"
     )
     r.add_argument("dir", help="a run folder (its rollout_bank/ is read) or a rollout bank")
+    r.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per accepted trajectory: token_ids, loss_mask, logprobs, versions, "
+        "reward, episode, ...",
+    )
 
     p = sub.add_parser(
         "bench", help="throughput harness: each stage against its baseline, as ratios"
@@ -271,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
             "e2e",
             "accuracy",
             "reward",
+            "agent",
+            "vs-trl",
             "all",
         ],
         help="the stage to measure against its baseline, or all",
@@ -318,6 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="e2e: one engine at the start joined by more mid-run (fleetrl fleet scale) against "
         "the same engines from the start: samples/s after the join and what it cost the others",
+    )
+    p.add_argument(
+        "--regime",
+        choices=["demo", "generation-bound", "both"],
+        default=None,
+        help="vs-trl: the overhead-bound demo, the generation-bound workload, or both (default)",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     return parser

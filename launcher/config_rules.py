@@ -286,6 +286,28 @@ def multi_turn_prompts_are_chat_rendered(cfg: RunConfig) -> Iterator[ConfigError
         )
 
 
+@rule
+def agent_rollouts_are_chat_rendered(cfg: RunConfig) -> Iterator[ConfigError]:
+    # an agent's calls are chat messages the gateway renders with the template; a
+    # conversation is either an environment's (multi_turn) or the agent's, not both
+    agent = cfg.rollout.agent
+    if agent.enabled and cfg.rollout.multi_turn.enabled:
+        yield refuse(
+            "rollout.agent.entrypoint",
+            "rollout.multi_turn.env",
+            f"{agent.entrypoint!r} with {cfg.rollout.multi_turn.env!r}",
+            "an episode is the agent's conversation; set one of them",
+        )
+    if agent.enabled and not cfg.data.apply_chat_template:
+        yield refuse(
+            "rollout.agent.entrypoint",
+            "data.apply_chat_template",
+            f"{agent.entrypoint!r} with false",
+            "the gateway renders every call with the chat template, as the reader renders "
+            "prompts; set data.apply_chat_template=true",
+        )
+
+
 @training_rule
 def data_to_train_on(cfg: RunConfig) -> Iterator[ConfigError]:
     data = cfg.data

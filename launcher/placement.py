@@ -38,6 +38,7 @@ from typing import Any
 
 from fleetrl.log import get_logger, role_env
 from fleetrl.machine import usable_cpus
+from fleetrl.threads import THREADS_PER_CPU_ENV, threads_per_cpu
 from launcher.config import RunConfig
 from launcher.supervision import TrainingStopped
 
@@ -104,6 +105,8 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
         return False
     cores = usable_cpus()  # the affinity mask and cgroup quota, not the host's count
     num_cpus = cfg.ray.num_cpus or max(cores, int(requested_cpus(cfg) + 0.999))
+    # the cores no role reserved go to the roles' threads (fleetrl/threads.py)
+    env["env_vars"][THREADS_PER_CPU_ENV] = str(threads_per_cpu(cores, requested_cpus(cfg)))
     if num_cpus > cores:
         log.warning(
             "run asks for %.1f CPUs on a %d-core machine: roles will share cores",

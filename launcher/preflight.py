@@ -51,6 +51,7 @@ from urllib.parse import urlparse
 from fleetrl.config import ConfigErrors
 from fleetrl.log import get_logger
 from launcher.config import RunConfig, load_run_config_named
+from launcher.preflight_agent import check_agent
 from launcher.preflight_data import check_data
 from launcher.preflight_findings import (
     Finding,
@@ -256,7 +257,7 @@ def check_tracking(cfg: RunConfig, probes: Probes) -> list[Finding]:
             Finding(
                 key="logging.mlflow",
                 problem="MLflow is not installed",
-                fix='pip install "fleetrl[mlflow]", or logging.mlflow=false',
+                fix='pip install ".[mlflow]" in fleetrl\'s checkout, or logging.mlflow=false',
             )
         )
     return out + check_wandb(cfg, probes)
@@ -423,7 +424,7 @@ def run_checks(
     target = resolve_address(cfg, address, probes.env)
     data_findings, rows = check_data(cfg)
     findings = data_findings + check_model(cfg) + check_model_family(cfg)
-    findings += check_rewards(cfg, rows.samples)
+    findings += check_rewards(cfg, rows.samples) + check_agent(cfg)
     findings += check_reward_urls(cfg, probes)
     if target:
         cluster_findings, nodes = check_cluster(cfg, target, probes)

@@ -1,7 +1,7 @@
 """End-of-run report: the validation-score curve as a PNG and a before/after summary.
 
 Reads ``metrics.jsonl`` (the run's record), so it also works on a finished or
-resumed run directory. matplotlib runs headless (Agg backend).
+resumed run directory. matplotlib runs headless (the Agg canvas).
 """
 
 from __future__ import annotations
@@ -31,13 +31,15 @@ def score_curve(
 
 
 def write_score_plot(metrics_path: Path, out_png: Path, title: str = "fleetrl") -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """The curve as a PNG. matplotlib's object API, no pyplot state: safe in a thread (the
+    training command draws it while its roles shut down)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     val, train = score_curve(read_metrics(metrics_path))
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=120)
+    fig = Figure(figsize=(6.4, 3.6), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     if train:
         ax.plot(
             *zip(*train, strict=True), color="#9db4d0", lw=1.2, label="train reward (sampled, T=1)"
@@ -58,7 +60,6 @@ def write_score_plot(metrics_path: Path, out_png: Path, title: str = "fleetrl") 
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(out_png)
-    plt.close(fig)
     return out_png
 
 

@@ -23,6 +23,7 @@ import msgspec
 
 from fleetrl.config import convert
 from fleetrl.log import get_logger, setup_logging
+from fleetrl.threads import role_threads
 from launcher.rm_config import RmRunConfig
 from launcher.roles import free_port, node_ip
 
@@ -62,7 +63,7 @@ class RewardTrainerRole:
         import torch
 
         if cfg.trainer.device != "cuda":
-            torch.set_num_threads(max(1, int(cfg.learner.cpus_per_rank)))
+            torch.set_num_threads(role_threads(cfg.learner.cpus_per_rank))
         self.cfg, self.rank, self.world_size, self.local = cfg, rank, world_size, local
         self.worker: Any = None
         self.train: Any = None  # rank 0: fleetrl.data.pairs.PreferencePairs

@@ -39,6 +39,7 @@ from typing import Any
 from fleetrl.config import convert
 from fleetrl.log import get_logger, setup_logging
 from fleetrl.profiling import TraceSpan, step_dir
+from fleetrl.threads import role_threads
 from launcher.config import RunConfig, resolve_device
 from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
 from launcher.sample_account import TRAINED_GROUPS_FILE  # the audit trail of learner steps
@@ -122,7 +123,7 @@ class LearnerRole:
         import torch
 
         if cfg.trainer.device != "cuda":
-            torch.set_num_threads(max(1, int(cfg.learner.cpus_per_rank)))
+            torch.set_num_threads(role_threads(cfg.learner.cpus_per_rank))
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
@@ -417,8 +418,6 @@ class RolloutRole:
         control_keys: Any = None,
     ):
         from buffer.transport import BufferClient, TrajectorySender
-        from fleetrl.data.reader import PromptReader
-        from fleetrl.models.loading import load_tokenizer
         from rollout_fleet.fleet import EngineFleet
         from rollout_fleet.membership import Membership
         from rollout_fleet.rewards.pipeline import build_reward_pipeline
@@ -432,18 +431,14 @@ class RolloutRole:
         self.local = local
         self.control_keys = control_keys  # the fleet control endpoint's CURVE server keys
         self.scaling: Any = None  # launcher.elastic_rollout.RolloutScaling, once engines run
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        reader_args = cfg.data.reader_options()
-        self.reader = PromptReader(
-            cfg.data.train_files,
-            self.tokenizer,
-            shuffle=cfg.data.shuffle,
-            seed=cfg.data.seed,
-            max_samples=cfg.data.train_max_samples,
-            **reader_args,
-        )
+        # the tokenizer, the prompt reader and the delivery ledger over it: built while the
+        # engines start (start_engines), as loading a tokenizer imports torch (seconds)
+        self.tokenizer: Any = None
+        self.reader: Any = None
+        self.delivery: Any = None
         self.val_files = cfg.data.val_files
-        self._reader_args = reader_args
+        self.gateway_host = node_ip(local)  # rollout.agent: where agents reach the gateway
+        self._reader_args = cfg.data.reader_options()
         self.membership = Membership(suspect_cooldown_s=cfg.rollout.suspect_cooldown_s)
         self.router = Router(self.membership)
         self.colocation: Any = None  # co-located: launcher.colocated_rollout.RolloutColocation
@@ -471,14 +466,8 @@ class RolloutRole:
                 self.colocation.actor_factory(placement_group) if self.colocation else None
             ),
         )
-        from rollout_fleet.delivery import DeliveryLedger
-
         self.sender = TrajectorySender(ingest, curve=curve, hwm=cfg.buffer.high_water_mark)
         self.control = BufferClient(control, curve=curve, timeout_s=BUFFER_REPLY_TIMEOUT_S)
-        # held until the buffer reports each group accepted: re-sent after a buffer restart,
-        # re-queued after a learner resume; admission counts its sent groups as running
-        # (rollout_fleet/delivery.py)
-        self.delivery = DeliveryLedger(self.reader, self.sender, self.control, cfg.rollout.n)
         self._health_task: asyncio.Task | None = None
         self._reconcile_task: asyncio.Task | None = None
         # the reward-model servers (reward.model.urls, or a reward fleet placed here) and
@@ -522,13 +511,36 @@ class RolloutRole:
         memory (``rollout_fleet.colocation``); how many did."""
         return await self.colocation.yield_devices()
 
+    def _load_prompts(self) -> None:
+        """The tokenizer, the prompt reader, and the delivery ledger: groups are held until
+        the buffer reports them accepted, re-sent after a buffer restart, re-queued after a
+        learner resume; admission counts its sent groups as running (rollout_fleet/delivery.py)."""
+        from fleetrl.data.reader import PromptReader
+        from fleetrl.models.loading import load_tokenizer
+        from rollout_fleet.delivery import DeliveryLedger
+
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.reader = PromptReader(
+            cfg.data.train_files,
+            self.tokenizer,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.data.seed,
+            max_samples=cfg.data.train_max_samples,
+            **self._reader_args,
+        )
+        self.delivery = DeliveryLedger(self.reader, self.sender, self.control, cfg.rollout.n)
+
     async def start_engines(self) -> dict[str, str]:
         from launcher.elastic_rollout import RolloutScaling
         from rollout_fleet.engine_api import rollout_client_class
         from rollout_fleet.worker import RolloutWorker
 
         engine_client_class = rollout_client_class(self.cfg.rollout.backend)
-        urls, _ = await asyncio.gather(self.fleet.start(), self._start_reward_servers())
+        # the prompts load in a thread while the engine processes start (both take seconds)
+        urls, _, _ = await asyncio.gather(
+            self.fleet.start(), self._start_reward_servers(), asyncio.to_thread(self._load_prompts)
+        )
         cfg = self.cfg
         self.scaling = RolloutScaling(
             cfg,
@@ -558,6 +570,8 @@ class RolloutRole:
             lora=cfg.learner.lora.rank > 0,
             # elastic: the concurrency cap follows the engines serving (admission's capacity)
             serving_share=self.scaling.serving_share if cfg.rollout.elastic else None,
+            max_prompt_tokens=cfg.data.max_prompt_length,
+            gateway_host=self.gateway_host,
             max_failed_reward_groups=cfg.reward.max_failed_groups,
         )
         return urls
@@ -703,7 +717,8 @@ class RolloutRole:
             out.update(self.scaling.metrics())
         if self.colocation is not None:
             out.update(self.colocation.metrics())
-        out.update(self.delivery.metrics())
+        if self.delivery is not None:  # built by start_engines
+            out.update(self.delivery.metrics())
         if self.reward_servers is not None:
             out.update(self.reward_servers.metrics())
         return out

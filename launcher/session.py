@@ -98,6 +98,7 @@ class Run:
         self.started = False  # every role up and serving: from here a stop checkpoints
         self.phase = "preparing"  # what start() is doing, for a stop's one-line message
         self.control_file: Path | None = None  # fleet_control.json while the run listens
+        self._control_client: Any = None  # the client keys `fleetrl fleet` reads from it
         self.published_to: frozenset[str] = frozenset()  # the engines of the last publish
 
     # ---- set-up ---------------------------------------------------------------------------
@@ -114,10 +115,9 @@ class Run:
             bundle_options,
             init_ray,
             learner_placement_group,
-            wait_for_engine_room,
             wait_for_learner_group,
         )
-        from launcher.roles import LearnerRole, RolloutRole, remote_class
+        from launcher.roles import LearnerRole, remote_class
 
         cfg = self.cfg
         self.phase = "starting Ray"
@@ -151,6 +151,10 @@ class Run:
         ]
         for rank, w in enumerate(self.learners):
             self.supervisor.register(f"learner rank {rank}", w)
+        # Disaggregated engines need nothing from the learner to start: they start while the
+        # learner group sets up (each is processes importing torch and building a model);
+        # co-located ones wait for the learner to leave them its devices.
+        engines_started = None if cfg.rollout.colocated else self.start_rollout(ingest, control)
         master = ray.get(self.learners[0].master_address.remote())
         curve = self.secrets.learner_client
         key = self.secrets.engine_api_key
@@ -167,26 +171,11 @@ class Run:
 
         if cfg.rollout.colocated:  # the engines start on the learner's devices: leave them room
             gather([w.offload.remote() for w in self.learners], "offloading the learner")
-        control_server, control_client = make_control_keys()  # `fleetrl fleet ...` reaches it
-        self.rollout = remote_class(RolloutRole, num_cpus=0, max_concurrency=16).remote(
-            self.raw,
-            ingest,
-            control,
-            str(self.run_dir),
-            local,
-            self.secrets.engine_api_key,
-            self.secrets.rollout_client,
-            reward_api_key=cfg.reward.model.api_key(os.environ),  # read here: the driver's env
-            placement_group=pg if cfg.rollout.colocated else None,
-            control_keys=control_server,
-        )
-        self.supervisor.register("rollout supervisor", self.rollout)
+            engines_started = self.start_rollout(ingest, control)
         self.phase = "placing and starting the engines"
-        if not local:
-            wait_for_engine_room(cfg)
-        ray.get(self.rollout.start_engines.remote())
-        address = ray.get(self.rollout.serve_control.remote())
-        self.control_file = write_control_file(self.run_dir, address, control_client)
+        ray.get(engines_started)
+        address = ray.get(self.rollout.serve_control.remote())  # `fleetrl fleet ...` reaches it
+        self.control_file = write_control_file(self.run_dir, address, self._control_client)
         self.write_roster()
         if extra.get("reader"):
             ray.get(self.rollout.load_reader_state.remote(extra["reader"]))
@@ -202,6 +191,31 @@ class Run:
         ray.get(self.rollout.start_generation.remote())
         self.started = True
         return self.origin
+
+    def start_rollout(self, ingest: str, control: str) -> Any:
+        """Create the rollout role and ask it to start its engines; the pending start's ref."""
+
+        from launcher.placement import wait_for_engine_room
+        from launcher.roles import RolloutRole, remote_class
+
+        cfg = self.cfg
+        control_server, self._control_client = make_control_keys()  # the fleet control's keys
+        self.rollout = remote_class(RolloutRole, num_cpus=0, max_concurrency=16).remote(
+            self.raw,
+            ingest,
+            control,
+            str(self.run_dir),
+            self.local,
+            self.secrets.engine_api_key,
+            self.secrets.rollout_client,
+            reward_api_key=cfg.reward.model.api_key(os.environ),  # read here: the driver's env
+            placement_group=self.placement_group if cfg.rollout.colocated else None,
+            control_keys=control_server,
+        )
+        self.supervisor.register("rollout supervisor", self.rollout)
+        if not self.local:
+            wait_for_engine_room(cfg)
+        return self.rollout.start_engines.remote()
 
     def supervised(self) -> Supervised:
         """This run's role calls, each guarded: a dead buffer restarted, other deaths stop."""
@@ -457,8 +471,9 @@ class Run:
         """What the rollout side and the buffer report after a step (for metrics.jsonl)."""
         import ray
 
-        m = dict(ray.get(self.rollout.metrics.remote()))
-        stats = ray.get(self.buffer.stats.remote())
+        rollout, buffer = self.rollout.metrics.remote(), self.buffer.stats.remote()  # together
+        m = dict(ray.get(rollout))
+        stats = ray.get(buffer)
         m.update({f"buffer/{k}": float(v) for k, v in stats.items()})
         m["buffer/size"] = m.get("buffer/size", m.get("buffer/ready_groups", 0.0))
         m["buffer/refused_stale"] = m.get("buffer/refused_stale", 0.0)

@@ -45,6 +45,7 @@ import argparse
 import json
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,12 +266,16 @@ def clock_metrics(
     return out
 
 
-def execute(session: Any, cfg: RunConfig, tracker: Any, stop: Any) -> dict[str, Any]:
+def execute(
+    session: Any, cfg: RunConfig, tracker: Any, stop: Any, after_training: Any = None
+) -> dict[str, Any]:
     """Start the roles, run the loop, stop cleanly; the summary of what happened.
 
     A stop request checkpoints (unless the last step was just saved); so does a reward
     that fails on everything (``RewardsFailing``), which then raises ``TrainingStopped``
     with its reason; a dead role (``TrainingStopped``) propagates after every role is ended.
+    ``after_training()`` runs once the loop finishes, before the roles are ended (the
+    end-of-run plot starts there, so that it is drawn while they shut down).
     """
     wall0 = time.monotonic()
     roles = session.supervised()
@@ -295,6 +300,8 @@ def execute(session: Any, cfg: RunConfig, tracker: Any, stop: Any) -> dict[str, 
             roles.save_hf_snapshot(progress.step)  # the policy before any update
         train_loop(roles, cfg, progress, tracker, stop)
         summary["train_wall_s"] = time.monotonic() - progress.loop_started_at
+        if after_training is not None:
+            after_training()
     except (StopRequested, KeyboardInterrupt) as err:
         stop.starting = False
         summary["interrupted"] = str(err) or stop.received or "SIGINT"
@@ -374,17 +381,46 @@ def run(
         stop.restore()
         raise
     summary: dict[str, Any] = {"run_dir": str(run_dir), "metrics_path": str(tracker.metrics_path)}
+    plot = ScorePlot(tracker.metrics_path, run_dir / "score_curve.png", f"fleetrl: {run_dir.name}")
     try:
-        summary.update(execute(session, cfg, tracker, stop))
+        summary.update(execute(session, cfg, tracker, stop, after_training=plot.start))
     finally:
         tracker.close()
     if tracker.metrics_path.stat().st_size:
-        plot = write_score_plot(
-            tracker.metrics_path, run_dir / "score_curve.png", title=f"fleetrl: {run_dir.name}"
-        )
-        summary["plot"] = str(plot)
+        summary["plot"] = str(plot.finish())
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+class ScorePlot:
+    """The end-of-run score curve, drawn in a thread while the roles shut down (importing
+    matplotlib and drawing take about a second, Ray's shutdown as long, mostly waiting), or
+    at the end when the run stopped before its loop finished."""
+
+    def __init__(self, metrics_path: Path, out_png: Path, title: str) -> None:
+        self.args = (metrics_path, out_png, title)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._draw, name="score-plot", daemon=True)
+        self._thread.start()
+
+    def _draw(self) -> None:
+        try:
+            write_score_plot(*self.args)
+        except BaseException as err:  # noqa: BLE001 - handed to finish(), in the main thread
+            self._error = err
+
+    def finish(self) -> Path:
+        """The PNG's path, drawn by now (here, if ``start`` never ran)."""
+        if self._thread is None:
+            self._draw()
+        else:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.args[1]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -126,7 +126,7 @@ class CorrectionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     mode: Annotated[
         CorrectionMode,
         Meta(
-            description="Off-policy correction: bypass (π_prox = behaviour logprobs, no recompute), decoupled PPO (AReaL), token/sequence truncated (tis) or masked (mis) importance sampling. All but bypass recompute π_prox."
+            description="Off-policy correction: bypass (π_prox = behaviour logprobs, no recompute), decoupled PPO (AReaL), token/sequence truncated (tis) or masked (mis) importance sampling. All but bypass need π_prox (see recompute_proximal)."
         ),
     ] = "decoupled"
     is_cap: Annotated[float, Meta(gt=0, description="TIS cap C on π_prox/π_behav.")] = 2.0
@@ -139,6 +139,12 @@ class CorrectionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             description="Decoupled: tokens with π_prox/π_behav above this get weight 0 (AReaL's behav_imp_weight_cap, 5.0 in its configs; 0 = no cap). Uncapped, one token weighted 100x can wreck a step at η = 8.",
         ),
     ] = 5.0
+    recompute_proximal: Annotated[
+        Literal["auto", "always"],
+        Meta(
+            description="auto: with one epoch and one mini-batch per step (and no dropout, no KL in the reward) π_prox is the policy the update's forward runs, so its logprobs come from that forward, detached, with no pass of their own (TRL, verl and AReaL do the same; learner/proximal.py); always: a separate no-grad forward before every update."
+        ),
+    ] = "auto"
     decoupled_behavior_clip: Annotated[
         bool,
         Meta(
@@ -289,7 +295,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     packing: Annotated[
         bool,
         Meta(
-            description="Pack a micro-batch's sequences into rows with restarting position ids (no padding between them); off = right padding."
+            description="Pack a micro-batch's sequences into rows with restarting position ids (no padding between them); off = right padding. Without varlen attention kernels and with the automatic packed_row_tokens, a micro-batch that right padding computes cheaper (short sequences of similar length) is padded instead (learner/packing.py padding_is_cheaper)."
         ),
     ] = True
     packed_row_tokens: Annotated[

@@ -57,6 +57,10 @@ class Targets:
     returns: torch.Tensor | None
     # π_behav for the decoupled loss's behaviour trust region (None: no such bound)
     behavior_logprob: torch.Tensor | None = None
+    # π_prox comes from the update's own forward (learner/proximal.py): ``old_logprob`` is
+    # then π_behav, a placeholder, and ``is_weights`` None, both made per micro-batch
+    proximal_from_update: bool = False
+    behavior: torch.Tensor | None = None  # π_behav of every token, for those weights
 
 
 def ragged_to_padded(flat: torch.Tensor, batch: GlobalBatch) -> torch.Tensor:
@@ -86,12 +90,16 @@ def prepare_targets(
     kl_ctrl: alg.FixedKLController | alg.AdaptiveKLController,
     device: torch.device,
     max_response_length: int = 0,
+    proximal_from_update: bool = False,
 ) -> tuple[Targets, dict[str, float]]:
     """Targets from the global batch; the three model outputs are ``[B, T]`` or None.
 
     ``max_response_length`` (rollout.max_new_tokens) is needed only by the overlong
-    punishment (``algorithm.overlong_buffer_len`` > 0).
+    punishment (``algorithm.overlong_buffer_len`` > 0). ``proximal_from_update``: π_prox
+    is not known yet (``learner.proximal``); the IS weights are left to the update.
     """
+    if proximal_from_update and cfg.kl.use_kl_in_reward:
+        raise ValueError("KL in the reward needs π_prox before the update: it cannot come from it")
     mask = torch.from_numpy(response_mask(batch)).to(device)
     width = mask.shape[1]
     behavior = torch.from_numpy(padded(batch.behavior_logprobs, batch.response_offsets, width)).to(
@@ -151,7 +159,7 @@ def prepare_targets(
 
     is_weights = None
     corr = cfg.correction
-    if corr.mode != "bypass":
+    if corr.mode != "bypass" and not proximal_from_update:
         is_weights, is_metrics = alg.compute_importance_weights(
             old_logprob,
             behavior,
@@ -178,6 +186,8 @@ def prepare_targets(
             values,
             returns,
             behavior_logprob=behavior if behavior_clip else None,
+            proximal_from_update=proximal_from_update,
+            behavior=behavior if proximal_from_update else None,
         ),
         metrics,
     )

@@ -11,7 +11,7 @@ set-up step, not part of the distributed learner.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fleetrl.log import get_logger
@@ -28,6 +28,9 @@ def corrupt_answer(answer: str) -> str:
         return answer[::-1] + "?" if answer else "?"
 
 
+Row = tuple[list[int], list[int]]  # (input ids, labels: -100 where no loss)
+
+
 def supervised_warmstart(
     model_dir: str | Path,
     examples: Sequence[tuple[list[dict[str, str]], str]],
@@ -36,39 +39,56 @@ def supervised_warmstart(
 ) -> float:
     """Train ``model_dir`` in place on chat ``examples`` (messages, answer) on ``device``
     (the run's: a GPU run's demo model warm-starts in seconds there); return the last loss."""
+    from fleetrl.models.loading import load_tokenizer
+
+    if not examples:
+        raise ValueError("supervised warm start needs at least one example")
+    tok = load_tokenizer(model_dir)
+    prompts = [
+        tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m, _ in examples
+    ]
+    prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+
+    def draw(rng: random.Random) -> Row:
+        i = rng.randrange(len(examples))
+        answer = examples[i][1]
+        if rng.random() < cfg.label_noise:
+            answer = corrupt_answer(answer)
+        answer_ids = tok(answer, add_special_tokens=False).input_ids + [tok.eos_token_id]
+        return prompt_ids[i] + answer_ids, [-100] * len(prompt_ids[i]) + answer_ids
+
+    return supervised_warmstart_rows(model_dir, draw, cfg, device)
+
+
+def supervised_warmstart_rows(
+    model_dir: str | Path,
+    draw: Callable[[random.Random], Row],
+    cfg: WarmStartConfig,
+    device: str = "cpu",
+) -> float:
+    """Train ``model_dir`` in place on rows ``draw(rng)`` makes (ids and labels, e.g. a whole
+    agent conversation with loss on the assistant turns only); return the last loss."""
     import torch
 
     from fleetrl.models.loading import load_causal_lm, load_tokenizer
 
-    if not examples:
-        raise ValueError("supervised warm start needs at least one example")
     tok = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir).to(device)
     model.train()
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
-    prompts = [
-        tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m, _ in examples
-    ]
-    prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     loss_value = float("nan")
     for step in range(cfg.steps):
-        rows, labels = [], []
-        for _ in range(cfg.batch_size):
-            i = rng.randrange(len(examples))
-            answer = examples[i][1]
-            if rng.random() < cfg.label_noise:
-                answer = corrupt_answer(answer)
-            answer_ids = tok(answer, add_special_tokens=False).input_ids + [tok.eos_token_id]
-            rows.append(prompt_ids[i] + answer_ids)
-            labels.append([-100] * len(prompt_ids[i]) + answer_ids)
+        rows, labels = zip(*(draw(rng) for _ in range(cfg.batch_size)), strict=True)
         width = max(map(len, rows))
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id  # GPT-2: none
         input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
         label_ids = torch.tensor([r + [-100] * (width - len(r)) for r in labels], device=device)
         attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)  # fmt: skip
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
+        loss = model(
+            input_ids=input_ids, attention_mask=attention, labels=label_ids, use_cache=False
+        ).loss  # no KV cache in training
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -63,10 +63,11 @@ from torch import nn
 
 from fleetrl.log import get_logger
 from fleetrl.models.config import ModelConfig
+from fleetrl.models.config_sizes import model_sizes
 from fleetrl.models.loading import check_model_dir
 from learner import algorithms as alg
 from learner import dist as ldist
-from learner import lora, ulysses, weights_out, worker_checkpoint
+from learner import lora, proximal, ulysses, weights_out, worker_checkpoint
 from learner.batching import GlobalBatch, global_counts, mini_batches, plan_ranks
 from learner.config import LearnerConfig
 from learner.fsdp import build_optimizer, build_scheduler, guarded_step
@@ -78,6 +79,7 @@ from learner.packing import (
     build_inputs,
     packed_row_budget,
     packing_allowed,
+    padding_is_cheaper,
     policy_forward,
     split_by_sequence,
     value_forward,
@@ -146,6 +148,7 @@ class LearnerWorker:
         # learner.optimizer_offload: optimizer state on the host between steps, by optimizer
         self.offloaded: dict[int, OffloadedOptimizer] = {}
         self.kl_ctrl = make_kl_controller(learner_cfg)
+        self._proximal: proximal.FromUpdate | None = None  # this step's, when it has one
         # Ulysses: ranks [g·k, (g+1)·k) form SP group g and share its micro-batches
         self.sp: SPGroup | None = None
         self.sp_size = learner_cfg.sequence_parallel
@@ -209,11 +212,13 @@ class LearnerWorker:
         if self.sp_size > 1:
             self.sp = ulysses.new_groups(self.world_size, self.rank, self.sp_size)
         self.policy = self._build(path, "causal_lm", offload, train=True, lora_on=self.uses_lora)
+        self.policy_dropout = proximal.has_active_dropout(self.policy)
         # what decides how many rows a packed micro-batch takes (packing.packed_row_budget)
         self.attn_implementation = getattr(self.policy.config, "_attn_implementation", None)
         self.packing = packing_allowed(
             self.policy.config, self.cfg.packing, self.sp_size, rank=self.rank
         )
+        self.hidden_size = model_sizes(self.policy.config).hidden  # padding_is_cheaper's cost
         self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.total_steps)
         if self.uses_reference and not self.uses_lora:  # LoRA: the base is the reference
@@ -282,18 +287,18 @@ class LearnerWorker:
         return plans[self.dp_rank]
 
     def _inputs(self, batch: GlobalBatch, indices: np.ndarray) -> MicroBatchInputs:
+        packing, lens = self.packing, batch.seq_lens[indices]
         row_tokens = (
             packed_row_budget(
-                self.attn_implementation,
-                self.cfg.packed_row_tokens,
-                batch.seq_lens[indices],
-                self.sp_size,
+                self.attn_implementation, self.cfg.packed_row_tokens, lens, self.sp_size
             )
-            if self.packing
+            if packing
             else None
         )
+        if row_tokens is not None and not self.cfg.packed_row_tokens:  # the automatic budget
+            packing = not padding_is_cheaper(lens, row_tokens, self.hidden_size)
         return build_inputs(
-            batch, indices, packing=self.packing, device=self.device, row_tokens=row_tokens
+            batch, indices, packing=packing, device=self.device, row_tokens=row_tokens
         )
 
     @torch.no_grad()
@@ -342,8 +347,14 @@ class LearnerWorker:
 
         # verl's timing names: old_log_prob (π_prox), ref, values, adv, update_actor/critic
         timer = _Timer(metrics)
+        # critic warm-up (learner.critic.warmup_steps): the policy waits for useful values
+        train_policy = self.global_step >= self.cfg.critic.warmup_steps
+        minis = mini_batches(gb.group_index, self.cfg.ppo_mini_batch_size)
+        from_update = proximal.from_update(
+            self.cfg, len(minis), train_policy=train_policy, policy_dropout=self.policy_dropout
+        )
         prox = None
-        if self.cfg.correction.mode != "bypass":
+        if self.cfg.correction.mode != "bypass" and not from_update:
             with timer("old_log_prob"):
                 prox = self._infer(self.policy, gb, infer_plan, values=False)
         ref = None
@@ -358,16 +369,15 @@ class LearnerWorker:
             targets, target_metrics = prepare_targets(
                 gb, self.cfg, prox_logprob=prox, ref_logprob=ref, values=values,
                 kl_ctrl=self.kl_ctrl, device=self.device,
-                max_response_length=self.max_response_length,
+                max_response_length=self.max_response_length, proximal_from_update=from_update,
             )  # fmt: skip
         metrics.update(target_metrics)
+        self._proximal = proximal.FromUpdate(gb, self.cfg, self.device) if from_update else None
 
         sums = ldist.MetricSums()
         self._update_stats: dict[str, list[float]] = defaultdict(list)
-        # critic warm-up (learner.critic.warmup_steps): the policy waits for useful values
-        train_policy = self.global_step >= self.cfg.critic.warmup_steps
         for _epoch in range(self.cfg.ppo_epochs):
-            for mini in mini_batches(gb.group_index, self.cfg.ppo_mini_batch_size):
+            for mini in minis:
                 plan = self._plan(gb, mini)
                 counts = global_counts(gb, mini)
                 if train_policy:
@@ -376,6 +386,8 @@ class LearnerWorker:
                 if self.critic is not None:
                     with timer("update_critic"):
                         self._update_critic(gb, plan, targets, counts, sums)
+        if self._proximal is not None:
+            metrics.update(self._proximal.metrics(targets.behavior, targets.mask))
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         if train_policy:
             self.scheduler.step()
@@ -424,10 +436,16 @@ class LearnerWorker:
             width = logprob.shape[1]
             mask = targets.mask[indices, :width]
             pick = _slicer(indices, width)
-            loss_inputs = (logprob, pick(targets.old_logprob), pick(targets.advantages), mask)
+            old_logprob, is_weights = pick(targets.old_logprob), pick(targets.is_weights)
+            if self._proximal is not None:  # π_prox is this forward's (learner.proximal)
+                old_logprob, is_weights = self._proximal.micro_batch(
+                    logprob, out.logprobs, pick(targets.behavior), mask, indices,
+                    record=bool(mb.num_tokens) and self.sp_leader,
+                )  # fmt: skip
+            loss_inputs = (logprob, old_logprob, pick(targets.advantages), mask)
             clip_kwargs = dict(
                 clip_ratio_low=pl.clip_ratio_low, clip_ratio_high=pl.clip_ratio_high,
-                clip_ratio_c=pl.clip_ratio_c, is_weights=pick(targets.is_weights),
+                clip_ratio_c=pl.clip_ratio_c, is_weights=is_weights,
                 behavior_logprob=pick(targets.behavior_logprob),
             )  # fmt: skip
             if pl.loss_mode == "gspo":  # always seq-mean-token-mean (learner.gspo)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fleetrl.log import get_logger, setup_logging
+from fleetrl.threads import role_threads
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.engine_kinds import engine_kind
 
@@ -113,7 +114,7 @@ def engine_spec(
         max_running_requests=config.max_running_requests,
         expose_on_node_ip=expose_on_node_ip,
         api_key=api_key,
-        torch_threads=max(1, int(config.cpus_per_engine)),
+        torch_threads=role_threads(config.cpus_per_engine),
         tp_size=config.tp_size,
         mem_fraction_static=config.mem_fraction_static,
         gpu_memory_utilization=config.gpu_memory_utilization,

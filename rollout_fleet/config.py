@@ -1,5 +1,5 @@
 """Rollout section of the run config: sampling, engines, workers, placement (co-located
-engines: ``ColocateConfig``) and multi-turn conversations."""
+engines: ``ColocateConfig``), multi-turn conversations and agent programs as the rollout."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from rollout_fleet.agents.config import AgentConfig
 from rollout_fleet.engine_kinds import engine_kind
 from rollout_fleet.multi_turn.config import MultiTurnConfig
 
@@ -249,6 +250,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = "disaggregated"
     colocate: ColocateConfig = msgspec.field(default_factory=ColocateConfig)
     multi_turn: MultiTurnConfig = msgspec.field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = msgspec.field(default_factory=AgentConfig)
 
     @property
     def engine_range(self) -> tuple[int, int]:

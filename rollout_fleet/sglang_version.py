@@ -24,7 +24,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 TESTED_SGLANG = ">=0.5.23,<0.5.24"
-INSTALL_HINT = 'pip install "fleetrl[sglang]"'
+# this project's own build with its extra (a checkout, or `make wheel`'s wheel), never a
+# package of fleetrl's name from an index
+INSTALL_HINT = 'pip install ".[sglang]" in fleetrl\'s checkout'
 
 
 class SGLangVersionError(RuntimeError):
@@ -82,7 +84,7 @@ def preflight_problems(
         return [
             (
                 "backend sglang, but SGLang is not installed",
-                f'pip install "fleetrl[sglang]" on the machines that run them, or {instead}',
+                f'pip install ".[sglang]" in fleetrl\'s checkout on the machines that run them, or {instead}',
             )
         ]
     try:
@@ -94,6 +96,6 @@ def preflight_problems(
     return [
         (
             f"SGLang {version} is installed; fleetrl is tested with sglang{TESTED_SGLANG}",
-            f'pip install "sglang[srt]{TESTED_SGLANG}" (or "fleetrl[sglang]")',
+            f'pip install "sglang{TESTED_SGLANG}"',
         )
     ]

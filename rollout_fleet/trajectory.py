@@ -186,11 +186,13 @@ def build_trajectory(
     timings: dict[str, float] | None = None,
     temperature: float = 1.0,
     reward_error: str = "",
+    episode: str = "",
 ) -> Trajectory:
     """The wire message for one finished sample (raises ValueError if it is unfinished).
 
     ``reward_error`` (non-empty: the sample's reward failed) is cut to its first
-    ``REWARD_ERROR_CHARS`` characters: it is a diagnosis, not a payload."""
+    ``REWARD_ERROR_CHARS`` characters: it is a diagnosis, not a payload. ``episode``
+    names the agent episode a branch came from."""
     if not sample.finished:
         raise ValueError(
             f"sample {group_id}/{sample_index} is unfinished ({sample.finish_reason or 'no pieces'})"
@@ -213,6 +215,7 @@ def build_trajectory(
         temperature=float(temperature),
         loss_mask=Array.of(sample.loss_mask, "uint8") if sample.num_env_tokens else None,
         reward_error=reward_error[:REWARD_ERROR_CHARS],
+        episode=episode,
     )
     traj.validate()
     return traj

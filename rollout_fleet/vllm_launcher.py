@@ -49,7 +49,7 @@ from rollout_fleet.sglang_version import installed_version, tested_release_probl
 log = get_logger(__name__)
 
 TESTED_VLLM = "==0.34.0"
-INSTALL_HINT = 'pip install "vllm==0.34.0" (or "fleetrl[vllm]")'
+INSTALL_HINT = 'pip install "vllm==0.34.0" (or ".[vllm]" in fleetrl\'s checkout)'
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 KEY_ENV = "VLLM_API_KEY"
 LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"

@@ -75,6 +75,7 @@ from buffer.wire import Trajectory
 from fleetrl.data.reader import PromptItem
 from fleetrl.log import get_logger
 from rollout_fleet.adapters import AdapterNames
+from rollout_fleet.agents.groups import AgentGroups
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.delivery import group_id_for
 from rollout_fleet.engine_api import RolloutEngine
@@ -180,6 +181,8 @@ class RolloutWorker:
         ledger: SentLedger | None = None,
         lora: bool = False,
         serving_share: Callable[[], float] | None = None,
+        max_prompt_tokens: int | None = None,
+        gateway_host: str = "127.0.0.1",
         max_failed_reward_groups: int = 0,
     ):
         self.config = config
@@ -212,6 +215,8 @@ class RolloutWorker:
             if config.multi_turn.enabled
             else None
         )
+        # rollout.agent: a sample is an agent episode through the gateway (rollout_fleet/agents)
+        self.agents = self._agent_groups(max_prompt_tokens, gateway_host)
         self._groups: dict[str, _Group] = {}
         self._wake = asyncio.Event()
         self._stopping = False
@@ -234,6 +239,19 @@ class RolloutWorker:
         self.samples_sent = 0
         self.admission_errors = 0
         self.send_s = 0.0
+
+    def _agent_groups(self, max_prompt_tokens: int | None, host: str) -> AgentGroups | None:
+        if not self.config.agent.enabled:
+            return None
+        if max_prompt_tokens is None:
+            raise ValueError("an agent rollout needs max_prompt_tokens (data.max_prompt_length)")
+        from rollout_fleet.agents.rollout import AgentRollout
+
+        agents = AgentRollout(
+            self.config.agent, self.runner, self._tokenizer,
+            max_prompt_tokens=max_prompt_tokens, host=host,
+        )  # fmt: skip
+        return AgentGroups(agents, self._rewards, self.config.n)
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -289,6 +307,8 @@ class RolloutWorker:
                 await self._drain(0.0)
                 raise RuntimeError(f"rollout group crashed: {self._fatal!r}") from self._fatal
             await self._drain(None if not self._stopping else self._stop_deadline_s)
+            if self._fatal is not None:  # a group crashed while the last ones drained
+                raise RuntimeError(f"rollout group crashed: {self._fatal!r}") from self._fatal
         finally:
             self._running = False
             self._stopped.set()
@@ -313,6 +333,8 @@ class RolloutWorker:
 
     async def aclose(self) -> None:
         """Release engine clients, threads and the router subscription (after ``stop``)."""
+        if self.agents is not None:
+            await self.agents.agents.close()
         await self.runner.aclose()
         self._send_thread.shutdown(wait=False, cancel_futures=True)
         self._admission_thread.shutdown(wait=False, cancel_futures=True)
@@ -339,6 +361,10 @@ class RolloutWorker:
             async with limit:
                 group_id = f"val-{position}-{group_id_for(prompt)}"
                 try:
+                    if self.agents is not None:  # the same agent program, one episode
+                        result = await self.agents.validate(group_id, position, prompt, sampling)
+                        results.append(result)
+                        return
                     done = await self._run_sample(group_id, 0, prompt, sampling)
                 except SampleFailed as err:
                     failed.append(group_id)
@@ -355,8 +381,10 @@ class RolloutWorker:
             for position, prompt in enumerate(prompts):
                 total = position + 1
                 tasks.create_task(one(position, prompt))
-        metrics = summarize(results, len(failed), multi_turn=self.multi_turn is not None)
-        samples = pick_samples(results, total, keep_samples, sample_seed, self._tokenizer.decode)
+        turns = self.multi_turn is not None or self.agents is not None
+        metrics = summarize(results, len(failed), multi_turn=turns)
+        decode = functools.partial(self._tokenizer.decode, skip_special_tokens=True)
+        samples = pick_samples(results, total, keep_samples, sample_seed, decode)
         return Validation(metrics=metrics, samples=samples)
 
     def metrics(self) -> dict[str, float]:
@@ -386,6 +414,8 @@ class RolloutWorker:
             out["rollout/adapter_refreshes"] = self.runner.adapters.refreshes
         if self.multi_turn is not None:
             out.update(self.multi_turn.stats())
+        if self.agents is not None:
+            out.update(self.agents.agents.stats())
         out.update(self._rewards.stats())
         return {k: float(v) for k, v in out.items()}
 
@@ -462,25 +492,15 @@ class RolloutWorker:
             self._wake.set()
 
     async def _run_group(self, group: _Group, sampling: dict[str, Any]) -> None:
-        n = self.config.n
         try:
-            async with asyncio.TaskGroup() as tasks:
-                pending = [
-                    tasks.create_task(self._run_sample(group.group_id, i, group.prompt, sampling))
-                    for i in range(n)
-                ]
-            done = [task.result() for task in pending]
-            rewards = await self._rewards.score_group(
-                group.prompt, [d.text for d in done], [d.rule for d in done]
-            )
-            if all(reward.failed for reward in rewards):
-                self._drop_unscored(group, rewards)
+            if self.agents is not None:
+                trajectories = await self.agents.run(group.group_id, group.prompt, sampling)
+            else:
+                trajectories = await self._sample_group(group, sampling)
+            if all(traj.reward_failed for traj in trajectories):
+                self._drop_unscored(group, trajectories)
                 return
             self.reward_streak.scored()
-            trajectories = [
-                self._trajectory(group, i, d, reward, sampling["temperature"])
-                for i, (d, reward) in enumerate(zip(done, rewards, strict=True))
-            ]
             t0 = time.monotonic()
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._send_thread, self._send_all, trajectories)
@@ -497,16 +517,33 @@ class RolloutWorker:
             self.router.finish_group(group.group_id)
             self._wake.set()
 
-    def _drop_unscored(self, group: _Group, rewards: list[SampleReward]) -> None:
+    async def _sample_group(self, group: _Group, sampling: dict[str, Any]) -> list[Trajectory]:
+        """The group's n samples, generated concurrently and scored (``SampleFailed`` if one
+        exhausted its attempts)."""
+        async with asyncio.TaskGroup() as tasks:
+            pending = [
+                tasks.create_task(self._run_sample(group.group_id, i, group.prompt, sampling))
+                for i in range(self.config.n)
+            ]
+        done = [task.result() for task in pending]
+        rewards = await self._rewards.score_group(
+            group.prompt, [d.text for d in done], [d.rule for d in done]
+        )
+        return [
+            self._trajectory(group, i, d, reward, sampling["temperature"])
+            for i, (d, reward) in enumerate(zip(done, rewards, strict=True))
+        ]
+
+    def _drop_unscored(self, group: _Group, trajectories: list[Trajectory]) -> None:
         """Every sample's reward failed: nothing of the group can train; drop it, counted."""
         self.groups_reward_failed += 1
-        self.reward_streak.failed(rewards[0].error or "")
+        self.reward_streak.failed(trajectories[0].reward_error)
         if self.groups_reward_failed <= 20 or self.groups_reward_failed % 1000 == 0:
             log.warning(
                 "group %s dropped: the reward of all %d samples failed (%s); %d such groups",
                 group.group_id,
-                len(rewards),
-                rewards[0].error,
+                len(trajectories),
+                trajectories[0].reward_error,
                 self.groups_reward_failed,
             )
         if self._ledger is not None:  # nothing of it will be sent: neither awaited nor redone

@@ -38,16 +38,23 @@ class WeightSyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     verify: Annotated[
         bool,
         Meta(
-            description="After each publish, check through SGLang's own routes that every engine serves the version (GET /model_info) and holds the values sent (POST /get_weights_by_name on verify_tensors tensors, verify_rows rows each); a mismatch is an error naming the engine. An engine that cannot report weights by name (SGLang answers it for some architectures only) has its values left unchecked, said once in the log."
+            description="After each publish, check through SGLang's own routes that every engine serves the version (GET /model_info) and holds the values sent (POST /get_weights_by_name, verify_rows rows of each compared tensor: verify_tensors of them on a weight group's first publish, verify_tensors_per_version after it); a mismatch is an error naming the engine. An engine that cannot report weights by name (SGLang answers it for some architectures only) has its values left unchecked, said once in the log."
         ),
     ] = True
     verify_tensors: Annotated[
         int,
         Meta(
             ge=1,
-            description="How many tensors verification compares per engine, spread evenly over the stream (the first and the last always).",
+            description="How many tensors the first publish to a weight group (a new or changed membership, where a rendezvous or layout error would show) compares per engine, spread evenly over the stream (the first and the last always).",
         ),
     ] = 8
+    verify_tensors_per_version: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="How many tensors every later publish to the same group compares per engine, taking turns through the stream so that each is compared every (tensors ÷ this) versions; 0 = the served version only. Each is one HTTP request per engine per version: at small sizes they were a third of a publish.",
+        ),
+    ] = 1
     verify_rows: Annotated[
         int,
         Meta(

@@ -32,7 +32,9 @@ to ``publish``, the other ranks drain theirs (``drain_stream``):
      in_place (see ``flushes_cache``);
   6. continue every engine;
   7. if ``config.verify``: each engine's ``/model_info`` version and
-     ``/get_weights_by_name`` rows against what was sent (``verify``).
+     ``/get_weights_by_name`` rows against what was sent (``verify``): a spread
+     of ``verify_tensors`` tensors on a group's first publish, then
+     ``verify_tensors_per_version`` a version, in turns through the stream.
 
 Failures: any call or broadcast that fails or exceeds ``config.timeout_s``
 drops the engine(s) it names; ``publish`` finishes for the others where it can
@@ -136,6 +138,8 @@ class WeightSender(Publisher):
         self._instance = uuid.uuid4().hex[:8]  # torch allows one group per name per process
         self._pool = ThreadPoolExecutor(_MAX_HTTP_THREADS, thread_name_prefix="weight-sync-http")
         self._unchecked = UncheckedEngines()
+        self._fully_verified = -1  # the group generation whose first publish verified clean
+        self._turn = 0  # where the next publish's per-version comparison starts in the stream
         # removed (not dropped) engines still in the current group: told to leave it when it
         # is torn down, then closed
         self._leaving: list[EngineClient] = []
@@ -398,8 +402,21 @@ class WeightSender(Publisher):
         return errors, partial
 
     def _verify(self, sent: SentRows, version: int, metrics: SyncMetrics) -> dict[str, str]:
-        """Ask every engine what it serves (``verify``); ``{engine: why}`` for those that differ."""
-        names = sent.sample(self.config.verify_tensors)
+        """Ask every engine what it serves (``verify``); ``{engine: why}`` for those that differ.
+
+        The first publish to a group compares ``verify_tensors`` tensors spread over the
+        stream; later ones ``verify_tensors_per_version``, taking turns through it.
+        """
+        first = self._fully_verified != self._generation
+        if first:
+            names = sent.sample(self.config.verify_tensors)
+        else:
+            streamed, count = (
+                sent.names,
+                min(self.config.verify_tensors_per_version, len(sent.names)),
+            )
+            names = [streamed[(self._turn + i) % len(streamed)] for i in range(count)]
+            self._turn = (self._turn + count) % max(len(streamed), 1)
         futures = {
             c.name: self._pool.submit(
                 check_engine, c, sent, names, version, self.config.verify_rows, self._unchecked
@@ -416,6 +433,8 @@ class WeightSender(Publisher):
             status.verified = not problem
             if problem:
                 mismatched[name] = f"engine {name}: {problem}"
+        if first and not mismatched:
+            self._fully_verified = self._generation
         return mismatched
 
     # ------------------------------------------------------------------ group lifecycle

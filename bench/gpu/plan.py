@@ -93,7 +93,7 @@ def vllm_skip_reason(device: str, options: dict[str, str]) -> str | None:
     if importlib.util.find_spec("vllm") is None:
         return (
             "vllm is not installed: the vLLM stages need a machine with vLLM 0.34 "
-            '(pip install "fleetrl[vllm]"; the H200 machine the check targets cannot have it)'
+            '(pip install ".[vllm]" in the fleetrl checkout; the H200 machine the check targets cannot have it)'
         )
     return None
 

@@ -3,7 +3,7 @@
 They run in one process (they share one server) and report four results; the driver skips
 them with one line where vLLM or a GPU is missing (``bench.gpu.plan.vllm_skip_reason``).
 The GPU machine the check targets (one H200, torch 2.11, no package registry) cannot have
-vLLM 0.34, which pins torch 2.14: they run where a user installed ``fleetrl[vllm]``.
+vLLM 0.34, which pins torch 2.14: they run where a user installed fleetrl's ``vllm`` extra.
 
 - ``vllm_engine``: a random-init Qwen2-shaped folder (~0.45 B parameters) served by a real
   ``vllm serve`` started by ``rollout_fleet.vllm_launcher.VllmServer`` on the command line

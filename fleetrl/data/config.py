@@ -65,9 +65,9 @@ class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         int, Meta(ge=-1, description="Cap on validation prompts (-1 = all).")
     ] = -1
     synth_task: Annotated[
-        Literal["", "add", "add2", "copy_last", "count", "calc"],
+        Literal["", "add", "add2", "copy_last", "count", "calc", "calc_tool"],
         Meta(
-            description="If set (add, add2, copy_last, count; calc, multi-turn with rollout.multi_turn.env=calculator) and the data files are missing, generate this synthetic task there (see fleetrl.data.synth)."
+            description="If set (add, add2, copy_last, count; calc, multi-turn with rollout.multi_turn.env=calculator; calc_tool, for an agent with a calculator tool) and the data files are missing, generate this synthetic task there (see fleetrl.data.synth)."
         ),
     ] = ""
     synth_train_size: Annotated[

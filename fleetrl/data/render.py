@@ -31,9 +31,10 @@ whitespace and any end-of-sequence text the policy's decoding left at its end; t
 and the EOS id is appended unless the ids already end with it (OpenRLHF's reward
 dataset does the same), so the score is always read at an EOS.
 
-Public API (the gateway renders chat requests with it): ``render_prompt(tokenizer, prompt,
-chat_template)`` -> ids; ``prompt_text`` -> (text, templated); ``render_reward_input``;
-``encode_text``; ``prompt_messages``. ``fleetrl.data.reader.render_prompt`` is this one.
+Public API: ``render_prompt(tokenizer, prompt, chat_template)`` -> ids; ``prompt_text`` ->
+(text, templated); ``render_chat`` / ``render_chat_text`` (the gateway's conversations,
+tool calls and the tools offered included, through the same template call);
+``render_reward_input``; ``encode_text``; ``prompt_messages``. ``fleetrl.data.reader.render_prompt`` is this one.
 
 Left out: truncation (each caller has its rule: the prompt reader filters or cuts,
 ``rm train`` drops over-long pairs, scoring keeps the last tokens), multimodal
@@ -47,7 +48,8 @@ from typing import Any, Literal, Protocol
 
 __all__ = [
     "ChatTemplateMissing", "ChatTemplateMode", "Prompt", "encode_text", "prompt_messages",
-    "prompt_text", "render_prompt", "render_reward_input", "reward_text", "templated",
+    "prompt_text", "render_chat", "render_chat_text", "render_prompt", "render_reward_input",
+    "reward_text", "templated",
 ]  # fmt: skip
 
 Prompt = str | Sequence[Mapping[str, Any]]
@@ -115,9 +117,37 @@ def prompt_text(
     """(the prompt's text as the policy reads it, whether the chat template rendered it)."""
     if templated(tokenizer, prompt, chat_template):
         messages = prompt_messages(prompt)
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return text, True
+        return render_chat_text(tokenizer, messages, add_generation_prompt=True), True
     return _plain_text(prompt), False
+
+
+def render_chat_text(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> str:
+    """The chat template's text of ``messages`` as given (an assistant's ``tool_calls``, a
+    tool result's ``tool_call_id`` and ``name`` kept) with the ``tools`` offered, if any."""
+    extra = {"tools": [dict(tool) for tool in tools]} if tools else {}
+    return tokenizer.apply_chat_template(
+        [dict(message) for message in messages],
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **extra,
+    )
+
+
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of a templated conversation, generation prompt included: the gateway's
+    chat calls, rendered as a dataset's chat prompt is (``render_prompt``)."""
+    text = render_chat_text(tokenizer, messages, add_generation_prompt=True, tools=tools)
+    return encode_text(tokenizer, text, from_template=True)
 
 
 def render_prompt(

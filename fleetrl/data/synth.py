@@ -16,6 +16,9 @@ project's character tokenizer, so ``max_new_tokens`` of 4 is enough):
                  the policy writes ``<calc>EXPR</calc>``, the tool replies) and asks
                  for the answer after ``####``. Answers are up to 4 digits and a
                  conversation needs room: give ``max_new_tokens`` 64 or more.
+- ``calc_tool``  "What is 47*86+3?" -> "4045": the same instances asked plainly, for an
+                 agent program that offers the policy a calculator as an OpenAI tool
+                 (``examples/agents/calculator_agent.py``, ``make demo-agent``).
 
 Train/test split (the demo reports the held-out score): the instance space is
 shuffled with ``seed`` and ``HOLDOUT_FRACTION`` of it (at least one instance) is
@@ -108,6 +111,15 @@ def _calc_instances() -> list[tuple[str, str]]:
     ]
 
 
+def _calc_tool_instances() -> list[tuple[str, str]]:
+    return [
+        (f"What is {a}*{b}+{c}?", str(a * b + c))
+        for a in range(10, 100)
+        for b in range(10, 100)
+        for c in range(10)
+    ]
+
+
 TASKS: dict[str, SynthTask] = {
     task.name: task
     for task in (
@@ -116,6 +128,9 @@ TASKS: dict[str, SynthTask] = {
         SynthTask("copy_last", "copy the last of 2-4 digits", _copy_last_instances),
         SynthTask("count", "count the a's in 1-8 letters a/b", _count_instances),
         SynthTask("calc", "a*b+c with a calculator tool (multi-turn)", _calc_instances),
+        SynthTask(
+            "calc_tool", "a*b+c asked plainly, for an agent with a tool", _calc_tool_instances
+        ),
     )
 }
 

@@ -30,6 +30,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from fleetrl.log import get_logger
+from fleetrl.threads import role_threads
 from rollout_fleet.actors import EngineSpec
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.engine_kinds import engine_kind
@@ -99,7 +100,7 @@ def reward_server_spec(
         max_running_requests=None if engine_kind(backend).gpu_server else model.batch_size,
         expose_on_node_ip=expose_on_node_ip,
         api_key=api_key,
-        torch_threads=max(1, int(model.cpus_per_engine)),
+        torch_threads=role_threads(model.cpus_per_engine),
         tp_size=max(1, int(gpus)) if engine_kind(backend).gpu_server else 1,
         mem_fraction_static=model.mem_fraction_static,
         load_format="auto",  # its own weights, from the folder: never pushed

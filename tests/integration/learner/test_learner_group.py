@@ -101,6 +101,25 @@ def test_resume_in_fresh_processes_matches_uninterrupted_run(two_rank_run, tiny_
     assert resume[0]["actor/pg_loss"] == pytest.approx(train[2]["actor/pg_loss"], abs=1e-6)
 
 
+def test_a_plain_one_rank_checkpoint_resumes_on_two_fsdp_ranks_and_back(
+    two_rank_run, tiny_model_dir, tmp_path
+):
+    """One rank trains without FSDP2 (learner.model_build.uses_fsdp), two with it: the DCP
+    checkpoint each writes resumes on the other, and the resumed steps match."""
+    for world, source in ((1, two_rank_run), (2, tmp_path / "one_rank")):
+        if world == 2:  # the one-rank run whose checkpoint two ranks resume
+            source.mkdir()
+            procs.spawn(procs.run_rank, 1, str(tiny_model_dir), str(source), "train", {})
+        resumed = tmp_path / f"resume_on_{world}"
+        shutil.copytree(source / "ckpt", resumed / "ckpt")
+        procs.spawn(procs.run_rank, world, str(tiny_model_dir), str(resumed), "resume", {})
+        for step in (3, 4):
+            assert_weights_close(
+                torch.load(resumed / f"resume_weights_step{step}.pt"),
+                torch.load(source / f"train_weights_step{step}.pt"),
+            )
+
+
 def test_corrupt_checkpoint_falls_back_and_export_round_trips(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,5 +1,6 @@
 """Fixtures of the rollout integration tests: the tiny model's tokenizer and one embedded engine
-serving it on loopback (a test module may define its own ``engine`` instead)."""
+serving it on loopback (a test module may define its own ``engine`` instead), and ``engines``
+to start several."""
 
 from __future__ import annotations
 
@@ -21,3 +22,20 @@ def engine(tiny_model_dir):
     started.start_server()
     yield started
     started.stop()
+
+
+@pytest.fixture
+def engines(tiny_model_dir):
+    """``engines(count)`` starts that many embedded engines e0, e1, ...; all stop after the test."""
+    started = []
+
+    def start(count):
+        for i in range(count):
+            engine = EmbeddedEngine(tiny_model_dir, engine_id=f"e{i}", max_running_requests=16)
+            engine.start_server()
+            started.append(engine)
+        return started
+
+    yield start
+    for engine in started:
+        engine.stop()

@@ -16,13 +16,11 @@ import time
 from collections import Counter
 
 import numpy as np
-import pytest
 
 from buffer.wire import AdmissionState
 from fleetrl.data.reader import PromptItem
 from rollout_fleet.client import EngineClient
 from rollout_fleet.config import RolloutConfig
-from rollout_fleet.engine.server import EmbeddedEngine
 from rollout_fleet.rewards.pipeline import RewardPipeline
 from rollout_fleet.rewards.runner import RewardRunner
 from rollout_fleet.router import Router
@@ -43,22 +41,6 @@ class Sink:
     def send(self, traj):
         with self._lock:
             self.trajectories.append(traj)
-
-
-@pytest.fixture
-def engines(tiny_model_dir):
-    started = []
-
-    def start(count):
-        for i in range(count):
-            engine = EmbeddedEngine(tiny_model_dir, engine_id=f"e{i}", max_running_requests=16)
-            engine.start_server()
-            started.append(engine)
-        return started
-
-    yield start
-    for engine in started:
-        engine.stop()
 
 
 def prompts(tokenizer, count):
@@ -82,9 +64,11 @@ def make_worker(
     max_new_tokens=MAX_NEW_TOKENS,
     stop_token_ids=None,
     rewards=None,
+    worker_options=None,
     **config,
 ):
-    """A worker on ``engines`` over ``items`` (default: ``count`` addition prompts)."""
+    """A worker on ``engines`` over ``items`` (default: ``count`` addition prompts);
+    ``worker_options`` go to ``RolloutWorker`` itself, the rest to its ``RolloutConfig``."""
     router = Router()
     for engine in engines:
         router.membership.launch(engine.engine_id, engine.base_url)
@@ -115,6 +99,7 @@ def make_worker(
         or RewardPipeline(RewardRunner(timeout_s=5, max_workers=2, custom=parity_reward)),
         tokenizer=tokenizer,
         stop_token_ids=stop_token_ids,
+        **(worker_options or {}),
     )
     return worker, router, sink
 

@@ -216,3 +216,42 @@ def test_bad_inputs_are_rejected_with_clear_messages(engines):
             sender.add_engine(EngineEndpoint("e0", "http://127.0.0.1:1", None))
         with pytest.raises(ValueError, match="version must be >= 0"):
             sender.publish([], -1)
+
+
+class _CountingEngine(ReferenceEngine):
+    """Records the tensors asked for by name; corrupts one from version 2 on."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[list[str]] = []
+
+    def route(self, method, path, body):
+        if path == "/get_weights_by_name":
+            self.asked[-1].append(body["name"])
+        if path == "/begin_weight_update":
+            self.asked.append([])
+        return super().route(method, path, body)
+
+    def update(self, body):
+        reply = super().update(body)
+        if int(body["weight_version"]) >= 2:
+            with self._lock:
+                self.tensors["layers.1.proj.weight"].view(-1)[0] += 1.0
+        return reply
+
+
+def test_a_groups_first_publish_checks_a_spread_and_later_ones_take_turns(engines):
+    config = WeightSyncConfig(timeout_s=10, verify_tensors=3, verify_tensors_per_version=1)
+    with WeightSender(config) as sender:
+        sender.connect([engines.start("e0", _CountingEngine)])
+        for version in range(2):
+            sender.publish(_weights(version + 1).items(), version)
+        with pytest.raises(WeightSyncError, match=r"tensor layers.1.proj.weight differs"):
+            for version in range(2, 2 + len(_weights(0))):  # within one turn of every tensor
+                sender.publish(_weights(version + 1).items(), version)
+    asked = engines.engines["e0"].asked
+    names = list(_weights(0))
+    assert asked[0] == [names[0], names[2], names[4]]  # the first publish: a spread, ends included
+    assert asked[1] == [names[0]] and asked[2] == [names[1]]  # then one a version, in turns
+    # the corruption (from v2) is found at its tensor's turn: v4 compares names[3]
+    assert asked[-1] == ["layers.1.proj.weight"] and len(asked) == 5

@@ -40,9 +40,11 @@ def test_every_task_answer_is_right_and_short():
         b, c = rest.split("+")
         assert int(answer) == int(a) * int(b) + int(c) and "<calc>EXPR</calc>" in content
     assert len(instances["calc"]) == 81000
+    assert ("What is 47*86+3?", "4045") in instances["calc_tool"]
+    assert len(instances["calc_tool"]) == 81000
     for name, pairs in instances.items():
         assert len(set(pairs)) == len(pairs), name
-        longest = 4 if name == "calc" else 3  # calc: up to 99*99+9
+        longest = 4 if name.startswith("calc") else 3  # calc: up to 99*99+9
         assert all(1 <= len(answer) <= longest for _, answer in pairs), name
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ REWARD = RayConfig().reward_resource
 AWS_WORKER_TYPES = {"rollout_gpu": ROLLOUT, "learner_gpu": LEARNER, "reward_gpu": REWARD}
 KUBERAY_GROUPS = {"rollout": ROLLOUT, "learner": LEARNER, "reward": REWARD}
 RAY_PIN = re.compile(r"ray\[default\]==([0-9][0-9.]*)")
+TORCH_PIN = re.compile(r"torch==([0-9][0-9.]*)")
+WHEEL_ON_NODE = "$HOME/fleetrl/dist/fleetrl-*.whl"  # where file_mounts puts `make wheel`'s dist/
 
 
 def _load_aws() -> dict[str, Any]:
@@ -158,20 +161,76 @@ def test_aws_each_worker_type_setup_is_complete_and_installs_its_extra():
     rollout_install = " ".join(node_types["rollout_gpu"]["worker_setup_commands"])
     learner_install = " ".join(node_types["learner_gpu"]["worker_setup_commands"])
     reward_install = " ".join(node_types["reward_gpu"]["worker_setup_commands"])
-    assert '"fleetrl[sglang]"' in rollout_install
-    assert '"fleetrl[sglang]"' in reward_install  # SGLang --is-embedding serves the reward model
-    assert '"fleetrl"' in learner_install and "sglang" not in learner_install
+    assert f'"$(echo {WHEEL_ON_NODE})[sglang]"' in rollout_install
+    assert f'"$(echo {WHEEL_ON_NODE})[sglang]"' in reward_install  # SGLang --is-embedding
+    assert learner_install.endswith(f" {WHEEL_ON_NODE}") and "sglang" not in learner_install
     assert "boto3" in " ".join(config["head_setup_commands"]), "the head autoscaler needs boto3"
 
 
-def test_aws_every_install_pins_the_same_ray_version():
-    config = _load_aws()
-    install_lists = [config["head_setup_commands"]] + [
-        config["available_node_types"][name]["worker_setup_commands"] for name in AWS_WORKER_TYPES
+def _install_lists(config: dict[str, Any]) -> dict[str, list[str]]:
+    lists = {"head": config["setup_commands"] + config["head_setup_commands"]}
+    for name in AWS_WORKER_TYPES:
+        lists[name] = config["available_node_types"][name]["worker_setup_commands"]
+    return lists
+
+
+def _published_names() -> set[str]:
+    """pyproject's dependencies and extras, by name: what a node may install besides the
+    project's own wheel (plus boto3, which Ray's AWS autoscaler on the head needs)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    specs = project["dependencies"] + [
+        spec for extra in project["optional-dependencies"].values() for spec in extra
     ]
-    pins = [RAY_PIN.findall(" ".join(commands)) for commands in install_lists]
-    assert all(len(found) == 1 for found in pins), pins
-    assert len({found[0] for found in pins}) == 1, pins
+    return {Requirement(spec).name for spec in specs} | {"boto3"}
+
+
+def test_configs_install_only_this_projects_wheel_and_published_dependencies():
+    from packaging.requirements import Requirement
+
+    allowed = _published_names()
+    for node_type, commands in _install_lists(_load_aws()).items():
+        installs = [c for c in commands if " pip install " in c]
+        assert len(installs) == 1, f"{node_type}: {installs}"
+        args = shlex.split(installs[0].split(" pip install ", 1)[1])
+        specs = args[2:]  # after --python PATH
+        assert args[0] == "--python", installs[0]
+        wheels = [s for s in specs if WHEEL_ON_NODE.split("/")[-1] in s]
+        assert len(wheels) == 1, f"{node_type} does not install the wheel from file_mounts"
+        for spec in specs:
+            if spec in wheels:
+                continue
+            name = Requirement(spec).name
+            assert name != "fleetrl", f"{node_type}: {spec!r} would come from a package index"
+            assert name in allowed, f"{node_type}: {spec!r} is not a published dependency"
+    # every file under configs/ that names a container image names this project's
+    for path in (REPO_ROOT / "configs").rglob("*.yaml"):
+        for image in re.findall(r"^\s*image:\s*(\S+)", path.read_text(), re.MULTILINE):
+            assert image == f"REGISTRY/fleetrl:{_version()}", f"{path}: image {image}"
+
+
+def test_aws_ships_the_wheel_that_make_wheel_builds_to_where_setup_installs_it():
+    mounts = _load_aws()["file_mounts"]
+    assert mounts["/home/ubuntu/fleetrl/dist"] == "./dist"
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    assert "--wheel-dir dist ." in makefile  # `make wheel` writes dist/ and nothing else there
+
+
+def _version() -> str:
+    import tomllib
+
+    return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def test_aws_every_install_pins_the_same_ray_and_torch_as_the_makefile():
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    for pattern in (RAY_PIN, TORCH_PIN):
+        (make_pin,) = set(pattern.findall(makefile))  # TORCH / RAY: the venv's and the image's
+        for name, commands in _install_lists(_load_aws()).items():
+            assert pattern.findall(" ".join(commands)) == [make_pin], (name, pattern.pattern)
 
 
 def test_aws_start_commands_leave_custom_resources_to_node_types():
@@ -186,7 +245,8 @@ def test_aws_start_commands_leave_custom_resources_to_node_types():
 
 def test_aws_file_mount_sources_exist_in_repo():
     for local in _load_aws().get("file_mounts", {}).values():
-        assert (REPO_ROOT / local).exists(), f"file_mounts source {local!r} missing"
+        if local != "./dist":  # made by `make wheel`
+            assert (REPO_ROOT / local).exists(), f"file_mounts source {local!r} missing"
 
 
 # --- kuberay.yaml ---------------------------------------------------------------------

@@ -50,6 +50,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
             "env 'calculatr' is neither a built-in environment (calculator) nor",
         ),
         ("rollout.multi_turn.max_turns=0", "rollout.multi_turn.max_turns", "expected int >= 1"),
+        (
+            "rollout.agent.entrypoint=agent.py",
+            "rollout.agent",
+            "neither 'path/to/file.py:function'",
+        ),
     ],
 )
 def test_cli_config_error_is_one_line_naming_the_dotted_path(override, path, detail):
@@ -220,6 +225,18 @@ def test_missing_config_file_is_named():
             "rollout.multi_turn.env",
             "data.apply_chat_template",
             "the prompt must be chat-rendered too",
+        ),
+        (
+            ["rollout.agent.entrypoint=my_agent:run", "rollout.multi_turn.env=calculator"],
+            "rollout.agent.entrypoint",
+            "rollout.multi_turn.env",
+            "an episode is the agent's conversation",
+        ),
+        (
+            ["rollout.agent.entrypoint=my_agent:run", "data.apply_chat_template=false"],
+            "rollout.agent.entrypoint",
+            "data.apply_chat_template",
+            "renders every call with the chat template",
         ),
         (
             ["reward.rule_weight=0"],

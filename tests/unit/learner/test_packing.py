@@ -17,6 +17,7 @@ from learner.packing import (
     build_inputs,
     pack_rows,
     packed_row_budget,
+    padding_is_cheaper,
     policy_forward,
     split_by_sequence,
 )
@@ -139,6 +140,15 @@ def test_row_budget_follows_the_attention():
     assert packed_row_budget("sdpa", 0, lens) == 300  # the longest sequence
     assert packed_row_budget("eager", 0, np.array([10, 20])) == MIN_ROW_TOKENS
     assert packed_row_budget("sdpa", 64, lens) == 64  # configured
+
+
+def test_short_similar_sequences_are_padded_and_long_tails_packed():
+    demo = np.random.default_rng(0).integers(24, 28, size=128)  # the CPU demo's batch
+    assert padding_is_cheaper(demo, MIN_ROW_TOKENS, hidden=64)
+    tail = np.minimum(np.random.default_rng(1).lognormal(np.log(40), 1.2, 64), 400).astype(int)
+    tail[0] = 400  # one straggler: padding every row to it costs more than packing
+    assert not padding_is_cheaper(tail + 20, int(tail.max()) + 20, hidden=64)
+    assert not padding_is_cheaper(np.array([30]), MIN_ROW_TOKENS, hidden=64)  # nothing to pack
 
 
 def test_a_short_rows_padding_never_takes_a_position_beyond_the_longest_sequence():

@@ -156,7 +156,7 @@ def test_missing_sglang_raises_sglang_unavailable_with_a_hint(monkeypatch):
         check_available(lookup=lambda: None)
     monkeypatch.setattr("rollout_fleet.sglang_launcher.installed_sglang_version", lambda: None)
     server = SGLangServer(SGLangServerSpec(model_path="/m"))
-    with pytest.raises(SGLangUnavailable, match='pip install "fleetrl\\[sglang\\]"'):
+    with pytest.raises(SGLangUnavailable, match=r'pip install "\.\[sglang\]" in fleetrl'):
         server.start()
     assert server.pid is None
 

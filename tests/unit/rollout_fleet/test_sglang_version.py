@@ -39,7 +39,7 @@ def test_releases_outside_the_range_are_refused_in_one_line_with_the_fix(version
     assert "\n" not in message
     assert f"sglang {version} is installed" in message
     assert TESTED_SGLANG in message
-    assert 'pip install "fleetrl[sglang]"' in message
+    assert 'pip install ".[sglang]" in fleetrl\'s checkout' in message
 
 
 def test_an_unparseable_version_is_refused():
@@ -52,7 +52,7 @@ def test_not_installed_is_refused_with_the_fix():
         check_sglang_version(lookup=lambda: None)
     message = str(info.value)
     assert "not installed" in message and "\n" not in message
-    assert 'pip install "fleetrl[sglang]"' in message
+    assert 'pip install ".[sglang]" in fleetrl\'s checkout' in message
 
 
 def test_the_installed_version_is_read_from_metadata_and_is_tested_here():

@@ -1,0 +1,129 @@
+"""A gateway on loopback over scripted engines, for tests that drive it with real clients.
+
+``ScriptedEngine`` speaks SGLang's ``/generate`` response (output ids, logprobs,
+``weight_versions`` spans) through the ``GenerateClient`` interface: its reply to
+a request is ``reply(prompt_text)`` encoded by the tokenizer, plus the stop token;
+it records every request's input ids. ``GatewayHarness`` runs the real
+``SampleRunner`` + ``CallRunner`` + ``AgentGateway`` on an event loop of its own
+thread, so synchronous clients (``openai.OpenAI``, LangChain) can call it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from rollout_fleet.client import EngineError, generate_sample_sglang
+from rollout_fleet.gateway.calls import CallRunner
+from rollout_fleet.gateway.episodes import SessionTable
+from rollout_fleet.gateway.rendering import ChatRenderer
+from rollout_fleet.gateway.server import AgentGateway
+from rollout_fleet.router import Router
+from rollout_fleet.sample_runner import SampleRunner
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "evaluate an arithmetic expression",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
+
+
+class ScriptedEngine:
+    """Replies ``reply(prompt text)`` + the stop token; versions tagged ``version``."""
+
+    def __init__(self, name: str, tokenizer: Any, reply: Callable[[str], str], version: int = 0):
+        self.name = name
+        self.base_url = f"http://{name}"
+        self.tokenizer = tokenizer
+        self.reply = reply
+        self.version = version
+        self.fail_next = 0  # requests to fail with a connection error before answering
+        self.requests: list[dict[str, Any]] = []
+        self.outputs: list[list[int]] = []
+
+    generate_sample = generate_sample_sglang  # the engine interface over SGLang's format
+
+    async def generate(self, input_ids, sampling_params, return_logprob=True, rid=None, **extra):
+        self.requests.append({"input_ids": list(input_ids), "params": dict(sampling_params),
+                              "rid": rid})  # fmt: skip
+        if self.fail_next:
+            self.fail_next -= 1
+            raise EngineError(self.base_url, "/generate", None, "connection reset")
+        await asyncio.sleep(0)
+        text = self.tokenizer.decode(list(input_ids), skip_special_tokens=False)
+        eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        ids = self.tokenizer.encode(self.reply(text), add_special_tokens=False) + [eos]
+        limit = sampling_params["max_new_tokens"]
+        finish = "stop" if len(ids) <= limit else "length"
+        ids = ids[:limit]
+        self.outputs.append(list(ids))
+        return {
+            "text": "",
+            "output_ids": ids,
+            "meta_info": {
+                "id": rid,
+                "finish_reason": {"type": finish},
+                "prompt_tokens": len(input_ids),
+                "weight_version": str(self.version),
+                "weight_versions": [{"version": self.version, "start": 0, "end": len(ids)}],
+                "output_token_logprobs": [[-0.25 - 0.001 * i, t, None] for i, t in enumerate(ids)],
+            },
+        }
+
+    async def abort_request(self, rid=None, abort_all=False):
+        return None
+
+
+class GatewayHarness:
+    """The gateway stack on a loop of its own thread (see the module docstring)."""
+
+    def __init__(self, tokenizer: Any, engines: list[ScriptedEngine], *, max_new_tokens=256,
+                 max_prompt_tokens=512, temperature=1.0, tool_format="hermes"):  # fmt: skip
+        self.tokenizer = tokenizer
+        self.engines = engines
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.sampling = {"temperature": temperature, "top_p": 1.0, "top_k": -1,
+                         "max_new_tokens": max_new_tokens,
+                         "stop_token_ids": [tokenizer.convert_tokens_to_ids("<|im_end|>")]}  # fmt: skip
+        self.call(self._build(max_prompt_tokens, tool_format))
+
+    async def _build(self, max_prompt_tokens: int, tool_format: str) -> None:
+        router = Router()
+        for engine in self.engines:
+            router.membership.launch(engine.name, engine.base_url)
+            router.membership.weights_loaded(engine.name, 0)
+        self.runner = SampleRunner(router, {e.name: e for e in self.engines}, retry_backoff_s=0.01)
+        self.sessions = SessionTable()
+        self.calls = CallRunner(self.runner, ChatRenderer(self.tokenizer), tool_format=tool_format,
+                                max_prompt_tokens=max_prompt_tokens,
+                                vocab_size=len(self.tokenizer))  # fmt: skip
+        self.gateway = AgentGateway(self.sessions, self.calls, model_name="policy",
+                                    token_text=lambda t: self.tokenizer.decode([t]))  # fmt: skip
+        self.base_url = await self.gateway.start()
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def open_episode(self, uid: str = "g0/e0"):
+        async def open_():
+            return self.sessions.open(uid, uid.split("/")[0], self.sampling)
+
+        return self.call(open_())
+
+    def close(self) -> None:
+        self.call(self.gateway.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
