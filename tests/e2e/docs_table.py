@@ -95,6 +95,8 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
     ("~/fleetrl/configs/", "configs/", "the repo on the cluster's head"),
     ("/home/ubuntu/fleetrl/configs/", "configs/", "the repo on the cluster's head"),
     (" /configs/", " configs/", "the configs ConfigMap in the KubeRay pod"),
+    ("my_run.yaml", "configs/demo_cpu.yaml", "the reader's run config: the CPU demo's"),
+    ("my_agent.py", "examples/agents/calculator_agent.py", "the reader's agent: the example"),
     ("--model rm ", "--model runs/demo/rm/reward_model ", "a reward model folder"),
     ("30001", "{port_classify}", "a free port"),
     ("30010", "{port_rm}", "a free port"),
@@ -232,6 +234,43 @@ DOC_COMMANDS: dict[str, object] = {
         "tests/e2e/test_gpu_check_cpu.py",
     ),
 }
+
+_SLURM = "needs a Slurm cluster"
+DOC_COMMANDS.update(
+    {
+        "make wheel": Run(),
+        "make demo-agent": Run(),
+        "make image": Excluded("builds a container image", "tests/cluster/test_image.py"),
+        "docker tag fleetrl:0.1.0 REGISTRY/fleetrl:0.1.0 && docker push "
+        "REGISTRY/fleetrl:0.1.0": Excluded(
+            "needs a container registry", "tests/cluster/test_image.py"
+        ),  # fmt: skip
+        "docker run --rm --shm-size=8g fleetrl:0.1.0 fleetrl train --config configs/demo_cpu.yaml "
+        "trainer.output_dir=runs/demo/run": Excluded(
+            "needs the image `make image` builds", "tests/cluster/test_image.py"
+        ),
+        "kubectl create namespace fleetrl": Excluded(
+            "needs a Kubernetes cluster", "tests/unit/launcher/test_cluster_configs.py"
+        ),
+        "kubectl apply -n fleetrl -f configs/cluster/kuberay.yaml": Excluded(
+            "needs a Kubernetes cluster with KubeRay", "tests/unit/launcher/test_cluster_configs.py"
+        ),
+        "fleetrl train --config my_run.yaml rollout.agent.entrypoint=my_agent.py:run": ViaCheck(),
+        "sbatch -N 4 --gpus-per-node=8 scripts/slurm/fleetrl.sbatch --config "
+        "configs/gsm8k_grpo_qwen2.5_7b.yaml rollout.backend=sglang rollout.num_engines=16 "
+        "learner.num_ranks=8": ViaCheck(),
+        "sbatch -N 4 --gpus-per-node=8 scripts/slurm/fleetrl.sbatch --config "
+        "configs/gsm8k_grpo_qwen2.5_7b.yaml": ViaCheck(),
+        "FLEETRL_LEARNER_NODES=2 FLEETRL_REWARD_NODES=1 sbatch -N 9 --gpus-per-node=8 "
+        "scripts/slurm/fleetrl.sbatch --config my_run.yaml learner.num_ranks=16 "
+        "rollout.num_engines=40 reward.model.num_engines=8": ViaCheck(),
+        "FLEETRL_LEARNER_NODES=node2 FLEETRL_ROLLOUT_NODES=node2 sbatch -N 2 -w node1,node2 "
+        "scripts/slurm/fleetrl.sbatch --config configs/demo_cpu.yaml": ViaCheck(),
+        "squeue --me": Excluded(_SLURM, "tests/cluster/test_slurm_job.py"),
+        "tail -f fleetrl-<jobid>.out": Excluded(_SLURM, "tests/cluster/test_slurm_job.py"),
+        "scancel <jobid>": Excluded(_SLURM, "tests/cluster/test_slurm_job.py"),
+    }
+)
 
 # Before a command: what its text tells the reader to have done first.
 PREREQUISITES: dict[str, Prerequisite] = {
