@@ -238,7 +238,7 @@ DOC_COMMANDS: dict[str, object] = {
 _SLURM = "needs a Slurm cluster"
 DOC_COMMANDS.update(
     {
-        "make wheel": Run(),
+        "make wheel": Run(writes=("dist",)),
         "make demo-agent": Run(),
         "make image": Excluded("builds a container image", "tests/cluster/test_image.py"),
         "docker tag fleetrl:0.1.0 REGISTRY/fleetrl:0.1.0 && docker push "
