@@ -202,12 +202,24 @@ def rule_reward(completions: list[Any], data_source: list[str], ground_truth: li
     return scores
 
 
+def _trl_without_vllm() -> None:
+    """Tell TRL vLLM is absent. TRL imports vLLM at module level wherever its package is
+    found, and this project's virtualenv holds vLLM's code without its dependencies (the vLLM
+    conformance tier's, which puts them on its own path); the baseline generates with
+    transformers (``use_vllm=False``), so vLLM has nothing to do in it either way."""
+    import trl.import_utils as trl_imports
+
+    trl_imports.is_vllm_available = lambda *args, **kwargs: False
+
+
 def train(cfg: Any, out_dir: Path, *, threads: int | None, generation: str) -> dict[str, Any]:
     """Run GRPOTrainer on ``cfg``; write metrics, snapshots and the summary into ``out_dir``."""
     imported = time.monotonic()
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    _trl_without_vllm()
     from trl import GRPOConfig, GRPOTrainer
 
     from learner.snapshot import snapshot_root, write_hf_snapshot
