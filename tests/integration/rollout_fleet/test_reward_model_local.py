@@ -80,10 +80,10 @@ def reference_score(folder, messages, response: str) -> float:
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     turn = [*messages, {"role": "assistant", "content": response}]
-    text = tokenizer.apply_chat_template(turn, tokenize=False).rstrip("\n")
-    if not text.endswith(tokenizer.eos_token):
-        text += " " + tokenizer.eos_token
+    text = tokenizer.apply_chat_template(turn, tokenize=False).rstrip()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if ids[-1] != tokenizer.eos_token_id:  # the score is read at an EOS id, never its text
+        ids.append(tokenizer.eos_token_id)
     model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
     with torch.no_grad():
         return float(model(torch.tensor([ids])).logits[0, 0])
@@ -102,7 +102,7 @@ def test_model_scores_are_the_reward_models_own_on_the_re_rendered_response(
         path=str(reward_folder), urls=["http://unused"], clip=CLIP, max_length=0
     )
     model = build_model_scorer(config, {"reward-0": "http://unused"}, None, client_factory=factory)
-    assert model.inputs.chat and model.inputs.max_length == 512
+    assert model.inputs.chat_template == "auto" and model.inputs.max_length == 512
     rewards = RewardPipeline(RewardRunner(5, 2, parity_reward), model, rule_weight=1.0)
     items = prompts(tokenizer, 2)
     for position, item in enumerate(items):  # messages for the reward model to re-render
