@@ -135,6 +135,9 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 STEPS, SAVE_AT = 8, 4
 
 
+# a whole training job (two Ray nodes, a warm start, a requeue): make test-deploy's, beside the
+# image, so that make test keeps its hour
+@pytest.mark.deploy
 @pytest.mark.timeout(2400)
 def test_two_node_job_trains_demo_requeues_resumes_and_stops_ray(
     slurm, ray_tmp: Path, tmp_path: Path
