@@ -32,13 +32,13 @@ learner), reward servers sharing devices with the engines.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from bench import e2e
 from bench.common import Progress, median, ratio, suite_json_path, suite_record, write_json
@@ -51,20 +51,6 @@ DEFAULT_ETA = 2
 # the e2e suite's workload and sizes (a quick run: 2 repetitions x 2 arms of 32 steps)
 QUICK_SIZES, FULL_SIZES = e2e.QUICK_SIZES, e2e.FULL_SIZES
 SCORING_KEYS = ("reward/group_latency_s/mean", "reward/model_failed", "reward/samples_failed")
-
-
-@contextlib.contextmanager
-def _key_in_environ(name: str, key: str) -> Iterator[None]:
-    """``name`` set to ``key`` while the runs read it, then as it was."""
-    before = os.environ.get(name)
-    os.environ[name] = key
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
 
 
 def run_plan(reps: int) -> list[tuple[int, str]]:
@@ -182,7 +168,7 @@ def run_served(
     with server_factory(prepared.reward_model) as server:
         server.wait()
         prepared.progress.note(f"reward server at {server.url}")
-        with _key_in_environ(API_KEY_ENV, server.api_key):  # reward.model.api_key_env's default
+        with mock.patch.dict(os.environ, {API_KEY_ENV: server.api_key}):  # api_key_env's default
             out = _train_arms(
                 prepared, [server.url], quick=quick, reps=reps, eta=eta, train_fn=train_fn
             )
