@@ -196,3 +196,15 @@ def test_deltas_hold_partial_characters_tool_markup_and_stop_starts():
     texts = [e["choices"][0]["text"] for k in range(1, 9)
              for e in stopped.tokens(0, list(b"abcEN" + b"Dxx")[:k])]  # fmt: skip
     assert "".join(texts).startswith("abc") and "E" not in "".join(texts[:2])
+
+
+def test_n_choices_stream_side_by_side_each_whole(harness):
+    _, key = harness.open_episode()
+    chunks = list(client(harness, key).chat.completions.create(
+        model="m", messages=MESSAGES, n=2, stream=True, logprobs=True, top_logprobs=2))  # fmt: skip
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert "".join(c.delta.content or "" for c in mine) == LONG
+        assert mine[-1].finish_reason == "stop"
+        assert len(mine[-1].logprobs.content) == len(LONG) + 1  # a character a token, and the stop
+        assert all(len(e.top_logprobs) == 2 for e in mine[-1].logprobs.content)
