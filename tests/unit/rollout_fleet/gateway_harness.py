@@ -6,7 +6,7 @@ through the ``GenerateClient`` interface, streamed too (``generate_stream``: SGL
 cumulative events, one per token): its reply to a request is ``reply(prompt_text)``
 encoded by the tokenizer, plus the stop token; it records every request's input ids.
 A stream can stop after ``hold_at`` tokens until ``release`` is set, or fail after
-``fail_stream_after`` tokens. ``GatewayHarness`` runs the real
+``fail_stream_after`` tokens (the next ``stream_failures`` streams). ``GatewayHarness`` runs the real
 ``SampleRunner`` + ``CallRunner`` + ``AgentGateway`` on an event loop of its own
 thread, so synchronous clients (``openai.OpenAI``, LangChain) can call it.
 """
@@ -58,7 +58,8 @@ class ScriptedEngine:
         self.hold_at: int | None = None  # a stream waits after this many tokens ...
         self.release = threading.Event()  # ... until this is set
         self.streamed = 0  # tokens a stream has sent so far
-        self.fail_stream_after: int | None = None  # a stream fails after this many tokens
+        self.fail_stream_after: int | None = None  # a stream fails after this many tokens ...
+        self.stream_failures = 1  # ... this many times
 
     generate_sample = generate_sample_sglang  # the engine interface over SGLang's format
 
@@ -75,7 +76,10 @@ class ScriptedEngine:
         """SGLang's stream: the response so far after each token, the last with its finish."""
         whole = await self.generate(input_ids, sampling_params, rid=rid, **extra)
         n = len(whole["output_ids"])
-        fail_after, self.fail_stream_after = self.fail_stream_after, None
+        fail_after = self.fail_stream_after
+        self.stream_failures -= fail_after is not None
+        if self.stream_failures <= 0:
+            self.fail_stream_after = None
         for k in range(1, n + 1):
             if k == fail_after:
                 raise EngineError(self.base_url, "/generate", None, "stream reset")

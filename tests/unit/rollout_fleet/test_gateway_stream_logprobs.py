@@ -2,8 +2,9 @@
 scripted engines that stream SGLang's events token by token (``gateway_harness``): content
 arrives while the engine is still generating, tool calls come as deltas the client's stream
 helper assembles into the unstreamed call, the recorded tokens are the unstreamed call's, a
-stream that fails midway continues elsewhere from the tokens it had sent, and top logprobs
-come back in OpenAI's shapes, with OpenAI's refusals."""
+stream that fails midway continues elsewhere from the tokens it had sent, a call no engine
+can finish ends its stream with an error the client raises, and top logprobs come back in
+OpenAI's shapes, with OpenAI's refusals."""
 
 from __future__ import annotations
 
@@ -208,3 +209,17 @@ def test_n_choices_stream_side_by_side_each_whole(harness):
         assert mine[-1].finish_reason == "stop"
         assert len(mine[-1].logprobs.content) == len(LONG) + 1  # a character a token, and the stop
         assert all(len(e.top_logprobs) == 2 for e in mine[-1].logprobs.content)
+
+
+def test_a_call_that_fails_after_its_first_event_ends_the_stream_with_an_error(harness):
+    for engine in harness.engines:  # every piece streams a token, then its engine fails
+        engine.fail_stream_after, engine.stream_failures = 2, 100
+    episode, key = harness.open_episode()
+    stream = client(harness, key).chat.completions.create(model="m", messages=MESSAGES, stream=True)
+    seen = []
+    with pytest.raises(openai.APIError) as err:
+        for chunk in stream:
+            seen.append(chunk)
+    assert "no engine could serve this call" in err.value.message
+    assert seen and seen[0].choices[0].delta.role == "assistant"
+    assert "could not be served" in episode.failure  # nothing of it is trained
