@@ -16,10 +16,18 @@ Retry policy (never retry something that may already have had an effect twice):
 - weight-update calls never retry (they are collectives: a lone retry would hang).
 
 ``parse_generate_response`` turns one response object into ``GenerateOutput``
-for the rollout workers. Per-token versions come from SGLang 0.5.23's
+for the rollout workers (with ``top_logprobs``, SGLang's ``output_top_logprobs``
+as ``(logprob, token_id)`` rows, when the request asked ``top_logprobs_num``). Per-token versions come from SGLang 0.5.23's
 ``meta_info.weight_versions`` spans (both SGLang and the embedded engine send
 them; a sequence an in-place update landed in has two or more spans). A reply
 without spans (an unfinished one) tags every token ``int(weight_version)``.
+
+Streaming (``generate_sample(..., on_partial=)``): ``POST /generate`` with ``stream:
+true`` answers SGLang's server-sent events, ``data: {response object}`` per step and
+``data: [DONE]``; without SGLang's ``--incremental-streaming-output`` (fleetrl's
+launcher never sets it) each object holds the whole output so far, so every event
+parses as a ``GenerateOutput`` of the tokens so far, handed to ``on_partial``, until the
+one with a finish reason: that is the piece, exactly as a non-streamed reply.
 
 ``SyncEngineClient`` runs the same client on a private event-loop thread for
 scripts and tests.
@@ -28,9 +36,10 @@ scripts and tests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import aiohttp
@@ -71,6 +80,24 @@ class GenerateOutput(msgspec.Struct, frozen=True):
     rid: str = ""
     text: str = ""
     matched_stop: int | str | None = None
+    # per output token when asked (top_logprobs_num): [(logprob, token id), ...], highest first
+    top_logprobs: list[list[tuple[float, int]]] = msgspec.field(default_factory=list)
+
+
+PartialCallback = Callable[[GenerateOutput], None]
+
+
+def _top_rows(rows: Any, num_tokens: int) -> list[list[tuple[float, int]]]:
+    """``meta_info.output_top_logprobs`` as ``(logprob, token_id)`` rows, one per token."""
+    if rows is None:
+        return []
+    try:
+        out = [[(float(e[0]), int(e[1])) for e in row or ()] for row in rows]
+    except (TypeError, ValueError, IndexError) as err:
+        raise ValueError(f"bad meta_info.output_top_logprobs {str(rows)[:200]}: {err}") from None
+    if len(out) != num_tokens:
+        raise ValueError(f"{len(out)} top-logprob rows for {num_tokens} output tokens")
+    return out
 
 
 def parse_generate_response(
@@ -106,8 +133,9 @@ def parse_generate_response(
         weight_version=weight_version,
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         rid=str(meta.get("id", "")),
-        text=str(resp.get("text", "")),
+        text=str(resp.get("text") or ""),
         matched_stop=finish.get("matched"),
+        top_logprobs=_top_rows(meta.get("output_top_logprobs"), len(output_ids)),
     )
 
 
@@ -118,12 +146,29 @@ async def generate_sample_sglang(
     *,
     rid: str | None = None,
     lora_path: str | None = None,
+    top_logprobs: int = 0,
+    on_partial: PartialCallback | None = None,
 ) -> GenerateOutput:
     """``generate_sample`` for anything with SGLang's ``generate`` (the engine clients and
-    test doubles speaking SGLang's format): ``POST /generate``, then its ``GenerateOutput``."""
-    extra = {"lora_path": lora_path} if lora_path is not None else {}
-    reply = await client.generate(input_ids, sampling_params, return_logprob=True, rid=rid, **extra)
-    return parse_generate_response(reply)
+    test doubles speaking SGLang's format): ``POST /generate``, then its ``GenerateOutput``.
+    With ``on_partial`` and a client that has ``generate_stream``, the reply is streamed and
+    each event before the last is handed to ``on_partial`` (see the module docstring)."""
+    extra: dict[str, Any] = {"lora_path": lora_path} if lora_path is not None else {}
+    if top_logprobs:
+        extra["top_logprobs_num"] = top_logprobs
+    stream = getattr(client, "generate_stream", None)
+    if on_partial is None or stream is None:
+        reply = await client.generate(
+            input_ids, sampling_params, return_logprob=True, rid=rid, **extra
+        )
+        return parse_generate_response(reply)
+    async with contextlib.aclosing(stream(input_ids, sampling_params, rid=rid, **extra)) as events:
+        async for event in events:
+            output = parse_generate_response(event)
+            if output.finish_reason:
+                return output
+            on_partial(output)
+    raise ValueError("the engine's stream ended without a finished response")
 
 
 def token_versions(spans: Any, weight_version: str, num_tokens: int) -> list[int]:
@@ -255,6 +300,55 @@ class EngineClient:
             body["rid"] = rid
         return await self._request("POST", "/generate", body, retry="unsent")
 
+    async def generate_stream(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        rid: str | None = None,
+        **extra: Any,
+    ) -> AsyncIterator[dict]:
+        """``POST /generate`` with ``stream: true`` (one prompt, logprobs on): each event's
+        response object, in order, until ``data: [DONE]``. Failures are ``EngineError``s,
+        retried only when the connection could not be opened, as ``generate``."""
+        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
+                                "return_logprob": True, "stream": True, **extra}  # fmt: skip
+        if rid is not None:
+            body["rid"] = rid
+        session = await self._get_session()
+        url = self.base_url + "/generate"
+        for attempt in range(1 + self.retries):
+            try:
+                async with session.post(url, data=_ENCODER.encode(body), headers=_JSON_HEADERS) as resp:  # fmt: skip
+                    if resp.status >= 400:
+                        text = (await resp.read()).decode("utf-8", errors="replace")
+                        raise EngineError(
+                            self.base_url, "/generate", resp.status, _error_message(text)
+                        )
+                    async for line in resp.content:
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            return
+                        yield _DECODER.decode(data)
+                    raise EngineError(
+                        self.base_url, "/generate", None, "the stream ended before [DONE]"
+                    )
+            except aiohttp.ClientConnectorError as err:  # never reached the server
+                if attempt == self.retries:
+                    raise EngineError(
+                        self.base_url, "/generate", None, f"cannot connect: {err}"
+                    ) from err
+            except (aiohttp.ClientError, TimeoutError) as err:
+                raise EngineError(
+                    self.base_url, "/generate", None, f"{type(err).__name__}: {err}"
+                ) from err
+            except msgspec.DecodeError as err:
+                raise EngineError(
+                    self.base_url, "/generate", None, f"event is not JSON: {err}"
+                ) from err
+            await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))
+
     async def generate_sample(
         self,
         input_ids: list[int],
@@ -262,11 +356,14 @@ class EngineClient:
         *,
         rid: str | None = None,
         lora_path: str | None = None,
+        top_logprobs: int = 0,
+        on_partial: PartialCallback | None = None,
     ) -> GenerateOutput:
         """One piece of a sample (the engine interface, ``rollout_fleet.engine_api``)."""
         return await generate_sample_sglang(
-            self, input_ids, sampling_params, rid=rid, lora_path=lora_path
-        )
+            self, input_ids, sampling_params, rid=rid, lora_path=lora_path,
+            top_logprobs=top_logprobs, on_partial=on_partial,
+        )  # fmt: skip
 
     # -- control -----------------------------------------------------------------------------
 

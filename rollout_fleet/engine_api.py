@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Protocol
 
-from rollout_fleet.client import EngineClient, GenerateOutput
+from rollout_fleet.client import EngineClient, GenerateOutput, PartialCallback
 from rollout_fleet.engine_kinds import engine_kind
 
 # the HTTP API engines speak -> the class of their rollout client
@@ -36,7 +36,11 @@ class RolloutEngine(Protocol):
         *,
         rid: str | None = None,
         lora_path: str | None = None,
-    ) -> GenerateOutput: ...
+        top_logprobs: int = 0,
+        on_partial: PartialCallback | None = None,
+    ) -> GenerateOutput:
+        """One piece of a sample; ``top_logprobs`` > 0 fills ``GenerateOutput.top_logprobs``;
+        ``on_partial`` (where the engine's API streams) gets the tokens so far as they come."""
 
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None: ...
 

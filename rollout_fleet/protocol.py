@@ -20,6 +20,7 @@ Generate response (one object per sample; a list for batched input or n > 1)::
                    "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int,
                    "weight_version": str, "e2e_latency": float,
                    "output_token_logprobs": [[logprob, token_id, text|null], ...],  # if return_logprob
+                   "output_top_logprobs": [[[logprob, token_id, text|null], ...], ...],  # and top_logprobs_num
                    "weight_versions": [{"version": str, "start": int, "end": int}, ...]}}
 
 ``finish_reason``: ``{"type": "stop", "matched": <token id int | stop string>}``,
@@ -65,7 +66,7 @@ null = all) answer 200 with a null body; ``/update_weights_from_tensor``
 weight_version, ...}`` carries tensors by handle (``weight_sync.ipc_payload``) and
 answers ``{success, message}``, refused outside the update session like every update.
 
-Left out: multimodal inputs, sessions, top-logprobs, input (prompt) logprobs.
+Left out: multimodal inputs, sessions, input (prompt) logprobs.
 """
 
 from __future__ import annotations

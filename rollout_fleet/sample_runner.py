@@ -16,6 +16,14 @@ the sample is finished (stop or length):
 5. when the router declares the engine dead, the request is cancelled at once
    (the listener below) and the sample continues elsewhere.
 
+``top_logprobs`` k > 0 asks each piece for its tokens' k largest logprobs
+(``SampleProgress.top_logprobs``). With ``on_tokens``, pieces are streamed where the
+engine's client streams (``on_partial``): ``on_tokens(ids)`` is called with all of
+the sample's generated ids so far each time more arrive. A streamed piece whose
+request then fails or is lost keeps the tokens it had streamed (as an ``abort``
+piece: ids, logprobs and versions as the engine sent them) and the sample goes on
+from there, so what a caller was shown is never generated again differently.
+
 With LoRA on (``adapters`` given), each request names the engine's current
 adapter in ``lora_path`` and its tokens carry that adapter's version
 (``rollout_fleet.adapters``); an engine that says the adapter is gone gets the
@@ -42,7 +50,7 @@ import msgspec
 
 from fleetrl.log import get_logger
 from rollout_fleet.adapters import AdapterNames, is_adapter_gone
-from rollout_fleet.client import EngineError
+from rollout_fleet.client import EngineError, GenerateOutput
 from rollout_fleet.engine_api import RolloutEngine
 from rollout_fleet.membership import EngineStatus, MembershipError, MembershipEvent
 from rollout_fleet.router import Lease, Router
@@ -135,12 +143,20 @@ class SampleRunner:
     # ---- the sample loop ------------------------------------------------------------------
 
     async def generate(
-        self, group_id: str, uid: str, sample: SampleProgress, sampling_params: dict[str, Any]
+        self,
+        group_id: str,
+        uid: str,
+        sample: SampleProgress,
+        sampling_params: dict[str, Any],
+        *,
+        top_logprobs: int = 0,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> None:
         """Run ``sample`` until it is finished; raise SampleFailed after too many failures."""
         self.attach()
         failures = 0
         while not sample.finished:
+            streamed: list[GenerateOutput] = []  # the latest partial of this piece
             lease = self.router.acquire(group_id)
             client = self.clients.get(lease.engine) if lease is not None else None
             if lease is None or client is None:
@@ -167,6 +183,10 @@ class SampleRunner:
                         ) from None
                     await asyncio.sleep(self.retry_backoff_s)
                     continue
+            if top_logprobs:
+                extra["top_logprobs"] = top_logprobs
+            if on_tokens is not None:
+                extra["on_partial"] = self._on_partial(sample, streamed, on_tokens)
             request = asyncio.ensure_future(
                 client.generate_sample(sample.resume_input_ids(), params, rid=rid, **extra)
             )
@@ -183,6 +203,7 @@ class SampleRunner:
             if request.cancelled():
                 self.requests_lost_to_dead_engines += 1
                 failures += 1
+                self._keep_streamed(sample, streamed, lease.engine, extra.get("lora_path"))
                 log.info("request %s lost with engine %s; resubmitting", rid, lease.engine)
             elif self.adapters is not None and is_adapter_gone(request.exception()):
                 # the engine moved to a newer adapter: ask which, resubmit under its name
@@ -197,6 +218,7 @@ class SampleRunner:
                 failures += 1
                 self.engine_errors += 1
                 self._suspect(lease, error)
+                self._keep_streamed(sample, streamed, lease.engine, extra.get("lora_path"))
                 log.warning("request %s on %s failed: %s", rid, lease.engine, error)
                 if failures < self.max_attempts:
                     await asyncio.sleep(self.retry_backoff_s)
@@ -205,6 +227,39 @@ class SampleRunner:
                     f"sample {uid}: {failures} engine failures (max_sample_attempts="
                     f"{self.max_attempts}); last engine {lease.engine}"
                 )
+
+    @staticmethod
+    def _on_partial(
+        sample: SampleProgress,
+        streamed: list[GenerateOutput],
+        on_tokens: Callable[[list[int]], None],
+    ) -> Callable[[GenerateOutput], None]:
+        def on_partial(partial: GenerateOutput) -> None:
+            streamed[:] = [partial]
+            on_tokens(sample.output_ids + partial.output_ids[: sample.remaining_tokens])
+
+        return on_partial
+
+    def _keep_streamed(
+        self,
+        sample: SampleProgress,
+        streamed: list[GenerateOutput],
+        engine: str,
+        adapter: str | None,
+    ) -> None:
+        """After a streamed piece failed: keep the tokens it had streamed, as an aborted piece."""
+        if not streamed or not streamed[0].output_ids or sample.finished:
+            return
+        partial = msgspec.structs.replace(streamed[0], finish_reason=ABORT)
+        if adapter is not None and self.adapters is not None:
+            tag = self.adapters.version_of(adapter)
+            partial = msgspec.structs.replace(
+                partial, token_versions=[tag] * len(partial.output_ids)
+            )
+        try:
+            self.tokens_generated += sample.add(partial, engine)
+        except ValueError as err:  # a partial whose lists disagree: regenerate those tokens
+            log.warning("streamed tokens of %s not kept: %s", engine, err)
 
     async def _follow_adapter(self, engine: str, client: Any, gone: str) -> bool:
         """After ``engine`` said adapter ``gone`` is not loaded: True once a newer name is known."""

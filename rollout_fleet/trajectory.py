@@ -61,6 +61,9 @@ class SampleProgress:
     engines: list[str] = field(default_factory=list)  # engine of each piece, in order
     # one per response token once an environment's tokens were added (1 = generated); None before
     loss_mask: list[int] | None = None
+    # per generated token when the engine was asked for them: [(logprob, token id), ...]
+    # (a reply's top logprobs; not part of the trajectory)
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -116,6 +119,7 @@ class SampleProgress:
         self.output_ids.extend(int(t) for t in piece.output_ids[:take])
         self.logprobs.extend(float(lp) for lp in piece.logprobs[:take])
         self.token_versions.extend(int(v) for v in piece.token_versions[:take])
+        self.top_logprobs.extend(getattr(piece, "top_logprobs", ())[:take])
         reason = piece.finish_reason if take == n else "length"
         self.finish_reason = reason
         self.pieces += 1

@@ -5,7 +5,9 @@ bearer key) with vLLM's routes behind the same methods, so the sample runner, th
 health checks and co-location drive either engine alike (``rollout_fleet.engine_api``):
 
 - ``generate_sample``: ``POST /v1/completions`` with the prompt as token ids, ``logprobs:
-  0`` (the sampled token's only), ``return_token_ids`` and ``return_weight_versions``;
+  0`` (the sampled token's only; ``k`` with ``return_tokens_as_token_ids`` when
+  ``top_logprobs`` = k is asked, whose ``top_logprobs`` dicts, keyed ``token_id:<id>``,
+  become the k largest ``(logprob, id)``), ``return_token_ids`` and ``return_weight_versions``;
   the reply's ``choices[0].token_ids``, ``logprobs.token_logprobs`` and ``weight_versions``
   (spans ``{version, start, end}`` over output tokens, as SGLang's) become the same
   ``GenerateOutput`` as SGLang's. vLLM labels each output token with the version its engine
@@ -16,6 +18,9 @@ health checks and co-location drive either engine alike (``rollout_fleet.engine_
   While paused in ``abort`` mode vLLM refuses new requests unrun with HTTP 503 (its
   ``RetryableRequestError``; SGLang queues them instead): the request is sent again every
   ``PAUSED_RETRY_S`` until it is taken or the client's ``timeout_s`` has passed.
+  ``on_partial`` is not called: a piece is one non-streamed reply (vLLM sends its
+  ``weight_versions`` only in a stream's last chunk, so a partial could not carry the
+  versions a kept partial needs), and a streaming gateway sends it when it is whole.
 - ``pause_generation(mode)``: ``POST /pause?mode=``: ``in_place`` → ``keep`` (requests stay,
   with their KV, and continue on the new weights: later tokens carry the new version),
   ``abort`` → ``abort`` (in-flight requests end with finish reason ``abort`` and their
@@ -40,7 +45,13 @@ import asyncio
 from http import HTTPStatus
 from typing import Any
 
-from rollout_fleet.client import EngineClient, EngineError, GenerateOutput, token_versions
+from rollout_fleet.client import (
+    EngineClient,
+    EngineError,
+    GenerateOutput,
+    PartialCallback,
+    token_versions,
+)
 from rollout_fleet.vllm_launcher import SERVED_MODEL_NAME
 from weight_sync.vllm_engine_client import PAUSE_MODES
 
@@ -64,6 +75,7 @@ def completion_request(
     *,
     rid: str | None = None,
     lora_path: str | None = None,
+    top_logprobs: int = 0,
 ) -> dict[str, Any]:
     """The ``/v1/completions`` body of one sample's piece (SGLang-style sampling params in)."""
     unknown = set(sampling_params) - set(_SAMPLING_FIELDS)
@@ -82,10 +94,23 @@ def completion_request(
             body[theirs] = sampling_params[ours]
     if rid is not None:
         body["request_id"] = rid
+    if top_logprobs:
+        body["logprobs"] = top_logprobs
+        body["return_tokens_as_token_ids"] = True
     return body
 
 
-def parse_completion(reply: dict[str, Any], rid: str = "") -> GenerateOutput:
+def _top_rows(entries: Any, top_logprobs: int) -> list[list[tuple[float, int]]]:
+    """vLLM's ``logprobs.top_logprobs`` (per token ``{"token_id:<id>": logprob}``, the k
+    largest plus the sampled token) as the ``top_logprobs`` largest ``(logprob, id)`` rows."""
+    rows = []
+    for entry in entries:
+        pairs = [(float(lp), int(key.rpartition(":")[2])) for key, lp in (entry or {}).items()]
+        rows.append(sorted(pairs, key=lambda p: -p[0])[:top_logprobs])
+    return rows
+
+
+def parse_completion(reply: dict[str, Any], rid: str = "", top_logprobs: int = 0) -> GenerateOutput:
     """``GenerateOutput`` from one ``/v1/completions`` reply of vLLM (one choice)."""
     try:
         choice = reply["choices"][0]
@@ -94,7 +119,8 @@ def parse_completion(reply: dict[str, Any], rid: str = "") -> GenerateOutput:
         spans = choice.get("weight_versions")
         finish = str(choice.get("finish_reason") or "")
         prompt_tokens = len(reply.get("prompt_token_ids") or choice.get("prompt_token_ids") or [])
-    except (KeyError, TypeError, IndexError) as err:
+        tops = _top_rows(choice["logprobs"]["top_logprobs"], top_logprobs) if top_logprobs else []
+    except (KeyError, TypeError, IndexError, ValueError) as err:
         raise ValueError(
             f"not a vLLM completion reply (missing {err}): {str(reply)[:200]}"
         ) from None
@@ -111,6 +137,7 @@ def parse_completion(reply: dict[str, Any], rid: str = "") -> GenerateOutput:
         rid=rid,
         text=str(choice.get("text") or ""),
         matched_stop=choice.get("stop_reason"),
+        top_logprobs=tops,
     )
 
 
@@ -129,14 +156,18 @@ class VllmEngineClient(EngineClient):
         *,
         rid: str | None = None,
         lora_path: str | None = None,
+        top_logprobs: int = 0,
+        on_partial: PartialCallback | None = None,
     ) -> GenerateOutput:
-        body = completion_request(input_ids, sampling_params, rid=rid, lora_path=lora_path)
+        body = completion_request(
+            input_ids, sampling_params, rid=rid, lora_path=lora_path, top_logprobs=top_logprobs
+        )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         while True:
             try:
                 reply = await self._request("POST", "/v1/completions", body, retry="unsent")
-                return parse_completion(reply, rid or "")
+                return parse_completion(reply, rid or "", top_logprobs)
             except EngineError as err:
                 # 503: vLLM refused it unrun (paused for a weight update): send it again
                 if err.status != HTTPStatus.SERVICE_UNAVAILABLE or loop.time() > deadline:

@@ -15,7 +15,13 @@ parent rid aborts all of its samples.
 from the first ``n_tokens`` outputs, so streaming chunks and the final answer
 share one code path.
 
-Left out: prompt logprobs (``logprob_start_len >= 0``), top logprobs.
+Top logprobs: with ``return_logprob`` and ``top_logprobs_num`` k > 0 the reply's
+``meta_info.output_top_logprobs`` holds, per output token, the k largest
+``[logprob, token_id, text|null]`` of the distribution the token was sampled from,
+highest first (SGLang's ``TokenizerManager.detokenize_top_logprobs_tokens``);
+without ``return_logprob`` SGLang reports no logprobs at all, and neither does this.
+
+Left out: prompt logprobs (``logprob_start_len >= 0``).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class ResponseOptions:
     spaces_between_special_tokens: bool
     no_stop_trim: bool
     index: int
+    top_logprobs_num: int = 0
 
 
 @dataclass
@@ -137,8 +144,16 @@ def expand_generate(
             raise RequestError(
                 "logprob_start_len >= 0 (prompt logprobs) is not supported by the embedded engine"
             )
-        if top_nums[i] not in (None, 0):
-            raise RequestError("top_logprobs_num > 0 is not supported by the embedded engine")
+        top_num = top_nums[i] or 0
+        if not 0 <= top_num <= limits.vocab_size:
+            where_top = (
+                f"top_logprobs_num[{i}]"
+                if isinstance(req.top_logprobs_num, list)
+                else "top_logprobs_num"
+            )
+            raise RequestError(f"{where_top} must be in [0, {limits.vocab_size}], got {top_num}")
+        if not logprob_flags[i]:
+            top_num = 0  # SGLang reports top logprobs only with return_logprob
         if len(prompt) + params.max_new_tokens > limits.max_context:
             raise RequestError(
                 f"prompt {i} has {len(prompt)} tokens and asks for max_new_tokens={params.max_new_tokens}:"
@@ -163,6 +178,7 @@ def expand_generate(
                     top_k=params.top_k,
                     min_p=params.min_p,
                     generator=generator,
+                    top_logprobs=top_num,
                 ),
                 stop_token_ids=frozenset(stop_ids),
                 stop_strings=params.stop_strings,
@@ -177,6 +193,7 @@ def expand_generate(
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
                 no_stop_trim=params.no_stop_trim,
                 index=len(out),
+                top_logprobs_num=top_num,
             )
             out.append((seq, options))
     return out, batched
@@ -232,11 +249,28 @@ def response_object(
             [lp, tid, tx]
             for lp, tid, tx in zip(seq.logprobs[:n_tokens], output_ids, texts, strict=True)
         ]
+        if options.top_logprobs_num:
+            meta["output_top_logprobs"] = _top_logprobs(
+                seq.top_logprobs[:n_tokens], tokenizer, options.return_text_in_logprobs
+            )
     spans = weight_version_spans(seq.versions[:n_tokens])
     if spans:
         meta["weight_versions"] = spans
         meta["weight_version"] = spans[-1]["version"]
     return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+
+def _top_logprobs(
+    rows: list[tuple[list[float], list[int]]], tokenizer: Any, with_text: bool
+) -> list[list[list[Any]]]:
+    """SGLang's ``output_top_logprobs``: per token, ``[logprob, token_id, text|None]`` rows."""
+    return [
+        [
+            [lp, tid, tokenizer.decode([tid]) if with_text else None]
+            for lp, tid in zip(*row, strict=True)
+        ]
+        for row in rows
+    ]
 
 
 def weight_version_spans(versions: list[int]) -> list[dict[str, Any]]:

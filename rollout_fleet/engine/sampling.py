@@ -14,6 +14,12 @@ Which logprob is returned (documented contract, DESIGN section 3):
     so importance ratios are unbiased for T != 1. ``temperature == 0`` means
     greedy (argmax of the raw logits) and reports ``log_softmax(logits)`` at T = 1.
 
+Top log-probs (``top_logprobs_num`` of ``/generate``): a row asking for ``k`` gets the
+``k`` largest entries of that same distribution, highest first, with their token ids,
+as SGLang takes its ``output_top_logprobs`` from the logprobs it reports the sampled
+token's from. So the sampled token, whenever it is among the ``k``, carries the same
+logprob in both lists, and a greedy row's first entry is the sampled token.
+
 Random draws use the exponential-race form of the Gumbel-max trick
 (``argmax(p / q)``, ``q ~ Exp(1)``), which samples exactly from ``p``; ``q`` is
 ``-log(1 - u)`` of a uniform ``u`` (inverse-CDF sampling: the same distribution as
@@ -29,6 +35,7 @@ constraints (the protocol rejects non-neutral values for them).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +52,7 @@ class RowSampling:
     top_k: int = -1
     min_p: float = 0.0
     generator: torch.Generator | None = None
+    top_logprobs: int = 0  # how many of the largest logprobs to report per token
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +84,7 @@ class BatchSampling:
             device=self.device,
         )
         self.min_p = torch.tensor([r.min_p for r in rows], dtype=torch.float32, device=self.device)
+        self.top_logprobs = max((r.top_logprobs for r in rows), default=0)
         self.seeded_rows = [
             i for i, r in enumerate(rows) if r.generator is not None and not greedy[i]
         ]
@@ -95,6 +104,19 @@ def _filtered_logprobs(logprobs: torch.Tensor, params: BatchSampling) -> torch.T
     return torch.empty_like(logprobs).scatter_(-1, order, sorted_lp)
 
 
+class Sampled(NamedTuple):
+    """One sampled token per row, its logprob, and (when a row asked) the top logprobs.
+
+    ``top_values`` / ``top_ids`` ``[B, K]`` hold, highest first, the ``K`` largest
+    logprobs of each row (``K`` the largest ``top_logprobs`` of the batch; a row reads its
+    own first ``k``); None when no row asked."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+
+
 def sample_next_tokens(
     logits: torch.Tensor, params: BatchSampling
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,11 +125,25 @@ def sample_next_tokens(
     Returns ``(token_ids [B] long, logprobs [B] float32)``; see the module
     docstring for which logprob is reported.
     """
-    logits = logits.float()
+    sampled = sample_tokens(logits, params)
+    return sampled.tokens, sampled.logprobs
+
+
+def sample_tokens(logits: torch.Tensor, params: BatchSampling) -> Sampled:
+    """``sample_next_tokens`` with the top logprobs the batch's rows asked for."""
+    tokens, logprobs = _sample(logits.float(), params)
+    chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    if not params.top_logprobs:
+        return Sampled(tokens, chosen)
+    k = min(params.top_logprobs, logprobs.shape[-1])
+    top = logprobs.topk(k, dim=-1)
+    return Sampled(tokens, chosen, top.values, top.indices)
+
+
+def _sample(logits: torch.Tensor, params: BatchSampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled tokens ``[B]`` and the full logprobs ``[B, V]`` they are reported from."""
     if params.all_greedy:
-        tokens = logits.argmax(dim=-1)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        return logits.argmax(dim=-1), torch.log_softmax(logits, dim=-1)
 
     scaled = logits if params.unit_temperature else logits / params.temperatures
     logprobs = torch.log_softmax(scaled, dim=-1)
@@ -120,4 +156,4 @@ def sample_next_tokens(
     tokens = (draw_from - log_q).argmax(dim=-1)
     if params.any_greedy:
         tokens = torch.where(params.greedy_mask, logits.argmax(dim=-1), tokens)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logprobs

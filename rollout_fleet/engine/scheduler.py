@@ -61,7 +61,7 @@ import torch
 from fleetrl.log import get_logger
 from rollout_fleet.engine.kv_cache import PrefillCache, PrefillEntry
 from rollout_fleet.engine.runner import ModelRunner
-from rollout_fleet.engine.sampling import BatchSampling, RowSampling, sample_next_tokens
+from rollout_fleet.engine.sampling import BatchSampling, RowSampling, Sampled, sample_tokens
 from rollout_fleet.protocol import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -102,6 +102,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    # per output token, when ``sampling.top_logprobs``: (logprobs, token ids), highest first
+    top_logprobs: list[tuple[list[float], list[int]]] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
     retractions: int = 0
@@ -517,10 +519,10 @@ class Scheduler:
         flat = [s for group, _ in entries for s in group]
         counts = torch.tensor([len(g) for g, _ in entries], device=self.runner.device)
         row_logits = torch.cat([e.logits for _, e in entries]).repeat_interleave(counts, dim=0)
-        tokens_out, logprobs = sample_next_tokens(
+        sampled = sample_tokens(
             row_logits, BatchSampling([s.sampling for s in flat], self.runner.device)
         )
-        self._record(flat, tokens_out.tolist(), logprobs.tolist())
+        self._record(flat, sampled)
         result = []
         for group, entry in entries:
             live = [s for s in group if not s.finished]
@@ -539,17 +541,23 @@ class Scheduler:
     def _decode(self) -> None:
         assert self._batch_sampling is not None
         logits = self.runner.decode(self._next_tokens)
-        tokens, logprobs = sample_next_tokens(logits, self._batch_sampling)
-        self._next_tokens = tokens
+        sampled = sample_tokens(logits, self._batch_sampling)
+        self._next_tokens = sampled.tokens
         self.stats["decode_steps"] += 1
         self.last_step_at = time.monotonic()
-        self._record(self.running, tokens.tolist(), logprobs.tolist())
+        self._record(self.running, sampled)
 
-    def _record(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> None:
+    def _record(self, seqs: list[Sequence], sampled: Sampled) -> None:
         """Append one sampled token to each sequence and finish those that should stop."""
         version = self._version_int
         max_context = self.runner.max_context
-        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+        tokens = sampled.tokens.tolist()
+        if sampled.top_values is not None and sampled.top_ids is not None:
+            top_values, top_ids = sampled.top_values.tolist(), sampled.top_ids.tolist()
+            for row, seq in enumerate(seqs):
+                if k := seq.sampling.top_logprobs:
+                    seq.top_logprobs.append((top_values[row][:k], top_ids[row][:k]))
+        for seq, token, logprob in zip(seqs, tokens, sampled.logprobs.tolist(), strict=True):
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(version)

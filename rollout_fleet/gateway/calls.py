@@ -11,6 +11,10 @@
     ─► each choice: a child branch (parent ids + delta + generated ids, mask 1), its text
        parsed for tool calls in the template's format
 
+A streamed call is this same path: ``on_tokens(choice index, ids so far)`` only
+watches the tokens arrive (``SampleRunner.generate``'s ``on_tokens``); what is
+recorded is what a call without it records.
+
 A branch's response (generated and template tokens) is bounded by the run's
 ``rollout.max_new_tokens``, a new branch's prompt by ``max_prompt_tokens``: a call
 that would exceed either is refused as OpenAI does (400
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +40,9 @@ from rollout_fleet.gateway.requests import (
     CompletionRequest,
     check_chat,
     check_completion,
+    top_logprobs,
 )
-from rollout_fleet.gateway.tool_parsers import PARSERS, ParsedReply
+from rollout_fleet.gateway.tool_parsers import PARSERS, SENDABLE, ParsedReply
 from rollout_fleet.sample_runner import SampleFailed, SampleRunner
 from rollout_fleet.trajectory import SampleProgress
 
@@ -50,6 +56,9 @@ class Choice:
     reply: ParsedReply
     finish_reason: str  # stop | length | tool_calls
     prompt_tokens: int
+
+
+TokensCallback = Callable[[int, list[int]], None]  # (choice index, generated ids so far)
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -83,7 +92,15 @@ class CallRunner:
         self.call_s = 0.0  # wall time of served calls, gateway included
         self.generate_s = 0.0  # of which the fleet generated (SampleRunner.generate)
 
-    async def chat(self, episode: Episode, req: ChatRequest) -> list[Choice]:
+    def sendable(self, req: ChatRequest | CompletionRequest) -> Callable[[str], int]:
+        """How much of a reply's text a stream may send before the reply is whole."""
+        if isinstance(req, ChatRequest) and req.tools and req.tool_choice != "none":
+            return SENDABLE[self.tool_format]
+        return len
+
+    async def chat(
+        self, episode: Episode, req: ChatRequest, on_tokens: TokensCallback | None = None
+    ) -> list[Choice]:
         max_tokens = check_chat(req)
         messages = check_messages(req.messages)
         if req.tools and self.tool_format == "none":
@@ -103,7 +120,7 @@ class CallRunner:
         else:
             start = self._new_branch(self.renderer.prompt_ids(rendered, req.tools), episode)
         parse = self.parse if req.tools and req.tool_choice != "none" else ParsedReply
-        choices = await self._run(episode, start, max_tokens, req, parse)
+        choices = await self._run(episode, start, max_tokens, req, parse, on_tokens)
         for choice in choices:
             raw = self.renderer.generated_text(choice.turn.output_ids)
             reply = ChatMessage("assistant", choice.reply.content, choice.reply.tool_calls)
@@ -115,7 +132,9 @@ class CallRunner:
             episode.add(branch, parent)
         return choices
 
-    async def completion(self, episode: Episode, req: CompletionRequest) -> list[Choice]:
+    async def completion(
+        self, episode: Episode, req: CompletionRequest, on_tokens: TokensCallback | None = None
+    ) -> list[Choice]:
         max_tokens = check_completion(req)
         ids = list(req.prompt) if isinstance(req.prompt, list) else self.renderer.encode(req.prompt)
         if any(not 0 <= t < self.vocab_size for t in ids):
@@ -125,7 +144,7 @@ class CallRunner:
             start = self._extend(parent, ids[len(parent.ids) :], param="prompt")
         else:
             start = self._new_branch(ids, episode, param="prompt")
-        choices = await self._run(episode, start, max_tokens, req, ParsedReply)
+        choices = await self._run(episode, start, max_tokens, req, ParsedReply, on_tokens)
         for choice in choices:
             child = fork(start)
             child.add_turn(choice.turn)
@@ -172,7 +191,7 @@ class CallRunner:
         return params
 
     async def _run(self, episode: Episode, start: SampleProgress, max_tokens: int | None,
-                   req: Any, parse: Any) -> list[Choice]:  # fmt: skip
+                   req: Any, parse: Any, on_tokens: TokensCallback | None) -> list[Choice]:  # fmt: skip
         max_new = min(max_tokens or start.remaining_tokens, start.remaining_tokens)
         params = self._sampling(episode, req, max_new)
         input_ids = start.resume_input_ids()
@@ -181,7 +200,7 @@ class CallRunner:
         try:
             await asyncio.gather(
                 *(
-                    self._generate(episode, turn, params, req.seed, i)
+                    self._generate(episode, turn, params, req, i, on_tokens)
                     for i, turn in enumerate(turns)
                 )
             )
@@ -196,10 +215,12 @@ class CallRunner:
         return [self._choice(i, turn, len(input_ids), stops, parse, episode) for i, turn in enumerate(turns)]  # fmt: skip
 
     async def _generate(self, episode: Episode, turn: SampleProgress, params: dict[str, Any],
-                        seed: int | None, index: int) -> None:  # fmt: skip
-        if seed is not None:
-            params = {**params, "sampling_seed": seed + index}
-        await self.runner.generate(episode.group_id, episode.next_call_uid(), turn, params)
+                        req: Any, index: int, on_tokens: TokensCallback | None) -> None:  # fmt: skip
+        if req.seed is not None:
+            params = {**params, "sampling_seed": req.seed + index}
+        watch = None if on_tokens is None else (lambda ids: on_tokens(index, ids))
+        await self.runner.generate(episode.group_id, episode.next_call_uid(), turn, params,
+                                   top_logprobs=top_logprobs(req), on_tokens=watch)  # fmt: skip
 
     def _choice(self, index: int, turn: SampleProgress, prompt_tokens: int, stops: list[str],
                 parse: Any, episode: Episode) -> Choice:  # fmt: skip

@@ -1,20 +1,19 @@
-"""Replies in OpenAI's shapes: chat completions, text completions, models, and their SSE chunks.
+"""Replies in OpenAI's shapes: chat completions, text completions, models, and SSE framing.
 
 ``chat_reply`` / ``completion_reply`` build the JSON the ``openai`` package's
-``ChatCompletion`` / ``Completion`` types parse; ``chat_chunks`` /
-``completion_chunks`` the ``chat.completion.chunk`` / ``text_completion`` events
-of ``stream: true`` (a role chunk, the content, each tool call, the finish
-reason, usage when ``stream_options.include_usage``), framed by ``sse`` and
-ended by ``data: [DONE]``. A streamed reply is sent once the call's tokens are
-generated (they come through the same failover path as every sample), so its
-first chunk arrives with the last.
+``ChatCompletion`` / ``Completion`` types parse, logprobs included: chat
+``choices[].logprobs.content[i]`` = ``{token, logprob, bytes, top_logprobs: [{token,
+logprob, bytes}, ...]}``, completions ``choices[].logprobs`` = ``{tokens,
+token_logprobs, top_logprobs: [{token: logprob}, ...] | null, text_offset}``.
+``sse`` frames one event of ``stream: true`` (``rollout_fleet.gateway.streaming``
+makes them), ``DONE`` ends a stream.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -42,12 +41,18 @@ def _tool_calls(choice: Choice) -> list[dict[str, Any]]:
     ]
 
 
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
 def chat_logprobs(choice: Choice, token_text: Callable[[int], str]) -> dict[str, Any]:
+    turn = choice.turn
+    tops = turn.top_logprobs or [[] for _ in turn.output_ids]
     content = []
-    for token_id, logprob in zip(choice.turn.output_ids, choice.turn.logprobs, strict=True):
-        text = token_text(token_id)
-        content.append({"token": text, "logprob": logprob,
-                        "bytes": list(text.encode("utf-8")), "top_logprobs": []})  # fmt: skip
+    for token_id, logprob, top in zip(turn.output_ids, turn.logprobs, tops, strict=True):
+        entry = _token(token_text(token_id), logprob)
+        entry["top_logprobs"] = [_token(token_text(t), lp) for lp, t in top]
+        content.append(entry)
     return {"content": content, "refusal": None}
 
 
@@ -78,8 +83,11 @@ def completion_reply(
         if logprobs:
             tokens = [logprobs(t) for t in choice.turn.output_ids]
             offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+            tops = None
+            if choice.turn.top_logprobs:
+                tops = [{logprobs(t): lp for lp, t in top} for top in choice.turn.top_logprobs]
             lp = {"tokens": tokens, "token_logprobs": list(choice.turn.logprobs),
-                  "top_logprobs": None, "text_offset": offsets}  # fmt: skip
+                  "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
         out.append({"index": choice.index, "text": choice.reply.content,
                     "finish_reason": choice.finish_reason, "logprobs": lp})  # fmt: skip
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
@@ -88,36 +96,6 @@ def completion_reply(
 
 def sse(event: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(event) + b"\n\n"
-
-
-def chat_chunks(reply: dict[str, Any], include_usage: bool) -> Iterator[dict[str, Any]]:
-    head = {k: reply[k] for k in ("id", "created", "model")}
-    head["object"] = "chat.completion.chunk"
-    for choice in reply["choices"]:
-        index, message = choice["index"], choice["message"]
-
-        def chunk(delta: dict[str, Any], finish: str | None = None, *, i: int = index) -> dict:
-            return {**head, "choices": [{"index": i, "delta": delta, "finish_reason": finish,
-                                         "logprobs": None}]}  # fmt: skip
-
-        yield chunk({"role": "assistant", "content": ""})
-        if message.get("content"):
-            yield chunk({"content": message["content"]})
-        for k, call in enumerate(message.get("tool_calls") or []):
-            yield chunk({"tool_calls": [{"index": k, **call}]})
-        yield chunk({}, choice["finish_reason"])
-    if include_usage:
-        yield {**head, "choices": [], "usage": reply["usage"]}
-
-
-def completion_chunks(reply: dict[str, Any], include_usage: bool) -> Iterator[dict[str, Any]]:
-    head = {k: reply[k] for k in ("id", "object", "created", "model")}
-    for choice in reply["choices"]:
-        yield {**head, "choices": [{**choice, "finish_reason": None, "logprobs": None}]}
-        yield {**head, "choices": [{"index": choice["index"], "text": "",
-                                    "finish_reason": choice["finish_reason"], "logprobs": None}]}  # fmt: skip
-    if include_usage:
-        yield {**head, "choices": [], "usage": reply["usage"]}
 
 
 def models_reply(model: str) -> dict[str, Any]:

@@ -3,8 +3,14 @@
 Fields are OpenAI's. Unknown fields are ignored (clients send ``user``,
 ``metadata``, ``store``, ``parallel_tool_calls``, ...); fields that would change
 the output in a way the fleet cannot honour (penalties, ``logit_bias``, a JSON
-``response_format``, a forced ``tool_choice``, ``top_logprobs``, ``echo``) are
-refused with a 400 naming them rather than silently dropped.
+``response_format``, a forced ``tool_choice``, ``echo``) are refused with a 400
+naming them rather than silently dropped.
+
+Log-probs: chat ``logprobs: true`` reports each generated token's logprob, and
+``top_logprobs`` k (0 to 20, OpenAI's bounds; only with ``logprobs: true``, as
+OpenAI requires) its k most likely tokens; ``/v1/completions`` ``logprobs`` k (0 to
+5, OpenAI's bounds) the sampled token's logprob and the k most likely. Both come
+from the distribution the token was sampled from (the run's temperature).
 
 Sampling: training samples at the run's ``rollout.temperature`` / ``top_p`` /
 ``top_k`` (validation at ``rollout.val_temperature``), whatever a request asks:
@@ -23,6 +29,8 @@ import msgspec
 from rollout_fleet.gateway.errors import ApiError, bad_request
 
 MAX_CHOICES = 16
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat top_logprobs
+MAX_COMPLETION_LOGPROBS = 5  # and on /v1/completions logprobs
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
@@ -100,11 +108,14 @@ def check_chat(req: ChatRequest) -> int | None:
             "(forcing one would train on tokens it did not choose)",
             "tool_choice",
         )
-    if req.top_logprobs:
-        raise bad_request(
-            "top_logprobs is not supported: the fleet returns the sampled token's logprob",
-            "top_logprobs",
-        )
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
+                "top_logprobs",
+            )
+        if not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     if req.response_format and req.response_format.get("type") not in (None, "text"):
         raise bad_request("response_format other than text is not supported", "response_format")
     if req.tools is not None and not all(
@@ -118,11 +129,21 @@ def check_completion(req: CompletionRequest) -> int | None:
     _refuse_unsupported(req)
     if req.echo:
         raise bad_request("echo is not supported", "echo")
-    if req.logprobs and req.logprobs > 1:
-        raise bad_request("logprobs above 1 is not supported", "logprobs")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise bad_request(
+            f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {req.logprobs}",
+            "logprobs",
+        )
     if req.prompt is None or req.prompt in ("", []):
         raise bad_request("prompt must be a non-empty string or list of token ids", "prompt")
     return _max_tokens(req.max_tokens)
+
+
+def top_logprobs(req: ChatRequest | CompletionRequest) -> int:
+    """How many top logprobs per token a checked request asks for (0: none)."""
+    if isinstance(req, ChatRequest):
+        return (req.top_logprobs or 0) if req.logprobs else 0
+    return req.logprobs or 0
 
 
 def _max_tokens(value: int | None) -> int | None:

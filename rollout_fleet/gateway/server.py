@@ -13,14 +13,21 @@ sample. ``start(host, port)`` binds (a non-loopback host is served the same way:
 every route needs a key) and returns the ``base_url`` agents are given;
 ``restart()`` (the watchdog's remedy for a gateway that stopped answering)
 fails every live episode, counted, and binds again on the same port.
+
+``stream: true`` sends events as the tokens are generated (``streaming``). The
+stream's headers go out with its first event, so a call refused before anything
+was generated (a bad body, a conversation too long) is an ordinary error reply; a
+call that fails later ends its stream with an ``error`` event in OpenAI's shape,
+which the ``openai`` client raises as ``APIError``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -28,20 +35,19 @@ import msgspec
 from aiohttp import web
 
 from fleetrl.log import get_logger
-from rollout_fleet.gateway.calls import CallRunner
+from rollout_fleet.gateway.calls import CallRunner, Choice
 from rollout_fleet.gateway.episodes import SessionTable
 from rollout_fleet.gateway.errors import ApiError, unauthorized
 from rollout_fleet.gateway.replies import (
     DONE,
-    chat_chunks,
     chat_reply,
-    completion_chunks,
     completion_reply,
     models_reply,
     reply_id,
     sse,
 )
 from rollout_fleet.gateway.requests import ChatRequest, CompletionRequest, decode_body
+from rollout_fleet.gateway.streaming import ReplyStream
 
 log = get_logger(__name__)
 
@@ -165,38 +171,93 @@ class AgentGateway:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         episode = self.sessions.episode(_bearer(request))
         req = decode_body(await request.read(), ChatRequest)
+        logprobs = self.token_text if req.logprobs else None
+        model = req.model or self.model_name
+        if req.stream:
+            stream = self._reply_stream(req, True, reply_id("chatcmpl"), model, logprobs)
+            return await self._stream(request, stream, lambda watch: self.calls.chat(episode, req, watch))  # fmt: skip
         t0 = time.monotonic()
         choices = await self.calls.chat(episode, req)
-        logprobs = self.token_text if req.logprobs else None
-        reply = chat_reply(reply_id("chatcmpl"), req.model or self.model_name, choices, logprobs)
         self.calls.call_s += time.monotonic() - t0
-        if req.stream:
-            usage = bool((req.stream_options or {}).get("include_usage"))
-            return await self._stream(request, chat_chunks(reply, usage))
-        return _json(reply)
+        return _json(chat_reply(reply_id("chatcmpl"), model, choices, logprobs))
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         episode = self.sessions.episode(_bearer(request))
         req = decode_body(await request.read(), CompletionRequest)
+        logprobs = self.token_text if req.logprobs is not None else None
+        model = req.model or self.model_name
+        if req.stream:
+            stream = self._reply_stream(req, False, reply_id("cmpl"), model, logprobs)
+            return await self._stream(request, stream, lambda watch: self.calls.completion(episode, req, watch))  # fmt: skip
         t0 = time.monotonic()
         choices = await self.calls.completion(episode, req)
-        logprobs = self.token_text if req.logprobs else None
-        reply = completion_reply(reply_id("cmpl"), req.model or self.model_name, choices, logprobs)
         self.calls.call_s += time.monotonic() - t0
-        if req.stream:
-            usage = bool((req.stream_options or {}).get("include_usage"))
-            return await self._stream(request, completion_chunks(reply, usage))
-        return _json(reply)
+        return _json(completion_reply(reply_id("cmpl"), model, choices, logprobs))
 
-    async def _stream(self, request: web.Request, events: Iterator[dict]) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})  # fmt: skip
-        await response.prepare(request)
+    def _reply_stream(self, req: Any, chat: bool, rid: str, model: str,
+                      logprobs: Callable[[int], str] | None) -> ReplyStream:  # fmt: skip
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        return ReplyStream(chat=chat, rid=rid, model=model, n=max(req.n, 1),
+                           text_of=self.calls.renderer.generated_text,
+                           sendable=self.calls.sendable(req), stops=stops, token_text=logprobs,
+                           include_usage=bool((req.stream_options or {}).get("include_usage")))  # fmt: skip
+
+    async def _stream(
+        self,
+        request: web.Request,
+        stream: ReplyStream,
+        run: Callable[[Callable[[int, list[int]], None]], Awaitable[list[Choice]]],
+    ) -> web.StreamResponse:
+        """Run the call, sending its events as its tokens come (see the module docstring)."""
+        latest: dict[int, list[int]] = {}  # per choice, the ids so far not yet looked at
+        arrived = asyncio.Event()
+
+        def watch(index: int, ids: list[int]) -> None:
+            latest[index] = ids
+            arrived.set()
+
+        t0 = time.monotonic()
+        call = asyncio.ensure_future(run(watch))
+        response: web.StreamResponse | None = None
+        try:
+            while True:
+                waiter = asyncio.ensure_future(arrived.wait())
+                await asyncio.wait({call, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if call.done() and call.exception() is not None and response is None:
+                    raise call.exception()  # refused before anything was sent: a plain error
+                if response is None:
+                    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                           "Cache-Control": "no-cache"})  # fmt: skip
+                    await response.prepare(request)
+                    await self._send(response, stream.opening())
+                arrived.clear()
+                pending = sorted(latest.items())
+                latest.clear()
+                for index, ids in pending:
+                    await self._send(response, stream.tokens(index, ids))
+                if call.done():
+                    break
+            error = call.exception()
+            if error is None:
+                await self._send(response, stream.closing(call.result()))
+                self.calls.call_s += time.monotonic() - t0
+            else:
+                body = error.body() if isinstance(error, ApiError) else ApiError(
+                    500, f"the call failed: {error}", type="server_error").body()  # fmt: skip
+                log.warning("streamed call failed after its first event: %s", error)
+                await response.write(sse(body))
+            await response.write(DONE)
+            await response.write_eof()
+        finally:
+            if not call.done():  # the client went away: stop generating for it
+                call.cancel()
+        return response
+
+    @staticmethod
+    async def _send(response: web.StreamResponse, events: list[dict]) -> None:
         for event in events:
             await response.write(sse(event))
-        await response.write(DONE)
-        await response.write_eof()
-        return response
 
     def stats(self) -> dict[str, float]:
         out = self.calls.stats()

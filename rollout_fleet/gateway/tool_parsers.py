@@ -1,7 +1,8 @@
 """Tool calls parsed from the policy's own text, in its chat template's format.
 
 - ``hermes`` (Qwen2.5, Hermes, Qwen3): each call is ``<tool_call>{"name": ...,
-  "arguments": {...}}</tool_call>``; text outside the tags is the content.
+  "arguments": {...}}</tool_call>``; text outside the tags is the content (trailing
+  whitespace dropped).
 - ``llama3_json`` (Llama 3.1 / 3.2 / 3.3): the whole reply is one JSON object
   ``{"name": ..., "parameters": {...}}`` (``"arguments"`` accepted), optionally after
   ``<|python_tag|>``; several calls are separated by ``;``.
@@ -10,6 +11,13 @@
 ``detect_tool_format(chat_template)`` reads the template's source for the markers
 SGLang's and vLLM's parsers key on; a template with none of them is refused at
 start (``UnknownToolFormat``) unless ``rollout.agent.tool_format`` names one.
+
+``SENDABLE[format](text)``: how much of a reply's text so far a stream may send as
+content, holding back whatever could still turn out to be a tool call: hermes sends
+up to the first ``<tool_call>`` (or a suffix that may be its start), less trailing
+whitespace; llama3_json holds a reply that starts (after whitespace) with ``{`` or
+``<|python_tag|>``, or may still. What is sent is then always the start of the
+content ``PARSERS`` gives for the whole reply.
 
 A reply whose tool-call markup does not parse (bad JSON, no name, an unclosed
 tag) comes back whole as content with no tool calls, and counts as ``malformed``:
@@ -77,7 +85,7 @@ def parse_hermes(text: str) -> ParsedReply:
         if call is None or "<tool_call>" in rest:
             return ParsedReply(text, malformed=True)
         calls.append(call)
-    return ParsedReply(rest.strip(), tuple(calls))
+    return ParsedReply(rest.rstrip(), tuple(calls))
 
 
 def parse_llama3_json(text: str) -> ParsedReply:
@@ -107,6 +115,39 @@ PARSERS: dict[str, Callable[[str], ParsedReply]] = {
     "hermes": parse_hermes,
     "llama3_json": parse_llama3_json,
     "none": parse_none,
+}
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that is a start of ``marker`` (all of it too)."""
+    for size in range(min(len(marker), len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def sendable_hermes(text: str) -> int:
+    at = text.find("<tool_call>")
+    end = at if at >= 0 else len(text) - partial_suffix(text, "<tool_call>")
+    return len(text[:end].rstrip())
+
+
+def sendable_llama3_json(text: str) -> int:
+    body = text.lstrip()
+    if (
+        not body
+        or body.startswith("{")
+        or body.startswith(_PYTHON_TAG)
+        or _PYTHON_TAG.startswith(body)
+    ):
+        return 0
+    return len(text)
+
+
+SENDABLE: dict[str, Callable[[str], int]] = {
+    "hermes": sendable_hermes,
+    "llama3_json": sendable_llama3_json,
+    "none": len,
 }
 
 

@@ -9,6 +9,8 @@ with the same method (the embedded engine has no route a real server lacks), and
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 import pytest
 import requests
@@ -151,3 +153,34 @@ def test_the_profile_body_mirrors_sglangs_and_our_clients_body_parses_as_sglangs
     parsed = pydantic.TypeAdapter(io.ProfileReq).validate_python(sent[0])
     assert parsed.output_dir == "/runs/x/profile/step_2" and parsed.activities == ["CPU", "GPU"]
     assert parsed.profile_prefix == "engine_" and set(sent[0]) <= set(theirs)
+
+
+def test_top_logprobs_reply_is_what_sglangs_tokenizer_manager_builds(engine, tiny_model_dir):
+    """``top_logprobs_num`` on ``/generate``, the body validated as SGLang's ``GenerateReqInput``:
+    ``meta_info.output_top_logprobs`` (plain and streamed) is exactly what SGLang's
+    ``TokenizerManager.detokenize_top_logprobs_tokens`` makes of those values and ids, one row
+    per output token, highest first; greedy, the sampled token leads its row with its logprob."""
+    import pydantic
+    from sglang.srt.managers import io_struct as io
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from transformers import AutoTokenizer
+
+    _, url = engine
+    body = {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 4,
+            "return_text_in_logprobs": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}}  # fmt: skip
+    pydantic.TypeAdapter(io.GenerateReqInput).validate_python(body)
+    manager = object.__new__(TokenizerManager)  # only its detokenizing methods are used
+    manager.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    reply = requests.post(f"{url}/generate", json=body, timeout=60).json()
+    events = requests.post(f"{url}/generate", json={**body, "stream": True}, timeout=60)
+    last = [line[6:] for line in events.text.splitlines() if line.startswith("data: {")][-1]
+    for meta in (reply["meta_info"], json.loads(last)["meta_info"]):
+        rows = meta["output_top_logprobs"]
+        values = [[entry[0] for entry in row] for row in rows]
+        ids = [[entry[1] for entry in row] for row in rows]
+        theirs = TokenizerManager.detokenize_top_logprobs_tokens(manager, values, ids, True)
+        assert rows == [[list(entry) for entry in row] for row in theirs]
+        assert len(rows) == 6 and all(v == sorted(v, reverse=True) for v in values)
+        for (lp, tid, _), row in zip(meta["output_token_logprobs"], rows, strict=True):
+            assert row[0][:2] == [lp, tid]

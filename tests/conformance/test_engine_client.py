@@ -10,6 +10,7 @@ ends and continues.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -17,7 +18,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollout_fleet.client import EngineError, SyncEngineClient, parse_generate_response
+from rollout_fleet.client import (
+    EngineClient,
+    EngineError,
+    SyncEngineClient,
+    parse_generate_response,
+)
 from weight_sync.config import WeightSyncConfig
 from weight_sync.sender import EngineEndpoint, WeightSender
 from weight_sync.sources import module_named_tensors
@@ -64,6 +70,28 @@ def test_generate_parses_into_tokens_logprobs_and_versions(synced):
         assert all(parse_generate_response(r).token_versions == [0] * 3 for r in batch)
     finally:
         client.close()
+
+
+def test_a_streamed_piece_from_sglangs_server_equals_the_unstreamed_one(synced):
+    """``generate_sample(on_partial=)`` reads SGLang's own ``/generate`` stream (its
+    ``TokenizerManager`` writes the events): every event before the last is the output so far,
+    one token more each time, and the piece is what an unstreamed request returns."""
+    engine, _ = synced
+    params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+    async def both():
+        async with EngineClient(engine.url, api_key=engine.api_key) as client:
+            partials: list = []
+            streamed = await client.generate_sample(PROMPT, params, on_partial=partials.append)
+            return partials, streamed, await client.generate_sample(PROMPT, params)
+
+    partials, streamed, plain = asyncio.run(both())
+    assert [len(p.output_ids) for p in partials] == [1, 2, 3, 4, 5]
+    assert all(p.output_ids == plain.output_ids[: len(p.output_ids)] for p in partials)
+    assert all(p.token_versions == [0] * len(p.output_ids) for p in partials)
+    assert (streamed.output_ids, streamed.logprobs, streamed.token_versions) == (
+        plain.output_ids, plain.logprobs, plain.token_versions)  # fmt: skip
+    assert streamed.finish_reason == "length"
 
 
 def test_sglang_refuses_what_its_io_structs_do_not_define(synced):

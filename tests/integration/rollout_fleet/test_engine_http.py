@@ -258,6 +258,7 @@ def test_weight_update_with_unknown_name_fails_cleanly_and_changes_nothing(engin
         ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
         ({"text": "a", "input_ids": [1]}, "exactly one"),
         ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
+        ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
     ],
 )
 def test_malformed_generate_bodies_get_400_naming_the_field_and_server_stays_up(

@@ -1,10 +1,15 @@
-"""Batched sampler: greedy rows, the reported logprob, top-k/top-p support, seeds."""
+"""Batched sampler: greedy rows, the reported logprob, top logprobs, top-k/top-p support, seeds."""
 
 from __future__ import annotations
 
 import torch
 
-from rollout_fleet.engine.sampling import BatchSampling, RowSampling, sample_next_tokens
+from rollout_fleet.engine.sampling import (
+    BatchSampling,
+    RowSampling,
+    sample_next_tokens,
+    sample_tokens,
+)
 
 
 def _logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -68,3 +73,19 @@ def test_seeded_rows_are_reproducible_and_independent_of_batch_mates():
 
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
+
+
+def test_top_logprobs_are_the_largest_of_the_distribution_the_logprob_comes_from():
+    logits = _logits()
+    rows = [RowSampling(temperature=0.7, top_p=0.9, top_logprobs=5), RowSampling(temperature=0.0,
+            top_logprobs=2), RowSampling(temperature=1.0), RowSampling(top_logprobs=50)]  # fmt: skip
+    out = sample_tokens(logits, BatchSampling(rows))
+    temps = torch.tensor([0.7, 1.0, 1.0, 1.0])[:, None]
+    full = torch.log_softmax(logits / temps, -1)
+    assert out.top_values.shape == out.top_ids.shape == (4, 50)  # the batch's largest k
+    assert torch.allclose(out.top_values, full.sort(-1, descending=True).values, atol=1e-6)
+    assert torch.equal(full.gather(-1, out.top_ids), out.top_values)
+    # a greedy row's first entry is its sampled token, with the logprob it reports
+    assert int(out.top_ids[1, 0]) == int(out.tokens[1])
+    assert float(out.top_values[1, 0]) == float(out.logprobs[1])
+    assert sample_tokens(logits, BatchSampling([RowSampling()] * 4)).top_values is None

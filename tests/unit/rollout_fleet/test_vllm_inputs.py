@@ -21,6 +21,21 @@ def test_the_completion_body_carries_sglang_style_sampling_under_vllms_names():
         completion_request([1], {"min_p": 0.1})
 
 
+def test_top_logprobs_ask_vllm_for_k_by_token_id_and_come_back_as_the_k_largest():
+    body = completion_request([1, 2], {"max_new_tokens": 2}, top_logprobs=2)
+    assert body["logprobs"] == 2 and body["return_tokens_as_token_ids"] is True
+    assert completion_request([1], {})["logprobs"] == 0  # the sampled token's only
+    # vLLM's CompletionLogProbs with return_tokens_as_token_ids: keys "token_id:<id>"
+    # (format_token_id_placeholder); the sampled token first, then the k most likely
+    top = [{"token_id:9": -3.0, "token_id:4": -0.5, "token_id:7": -1.0},
+           {"token_id:4": -0.2, "token_id:8": -2.0}]  # fmt: skip
+    reply = {"choices": [{"token_ids": [9, 4], "finish_reason": "length",
+                          "logprobs": {"token_logprobs": [-3.0, -0.2], "top_logprobs": top}}]}  # fmt: skip
+    out = parse_completion(reply, "r", top_logprobs=2)
+    assert out.top_logprobs == [[(-0.5, 4), (-1.0, 7)], [(-0.2, 4), (-2.0, 8)]]
+    assert parse_completion(reply, "r").top_logprobs == []
+
+
 def test_a_reply_that_is_not_a_completion_is_named():
     with pytest.raises(ValueError, match="not a vLLM completion reply"):
         parse_completion({"choices": [{"text": "x"}]})
