@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench import trl_grpo, vs_trl
-from bench.vs_trl_regimes import DEMO, DEMO_CONFIG, GENERATION_BOUND, regime
+from bench.vs_trl_regimes import DEMO, DEMO_CONFIG, GENERATION_BOUND, GENERATION_EVAL_CAP, regime
 from launcher.config import load_run_config
 
 
@@ -90,7 +90,7 @@ def test_ratios_are_fleetrl_over_trl_on_medians_of_seeds():
 def test_size_flags_scale_the_generation_bound_regime_and_the_demo_keeps_its_model():
     scaled = regime("generation-bound", hidden=256, layers=8, max_new_tokens=1024, device="cuda")
     assert scaled.sizes.hidden == 256 and scaled.sizes.layers == 8
-    assert scaled.eval_max_new_tokens == 1024 and scaled.device == "cuda"
+    assert scaled.eval_max_new_tokens == GENERATION_EVAL_CAP and scaled.device == "cuda"
     assert regime("generation-bound").sizes == GENERATION_BOUND.sizes
     demo = regime("demo", hidden=512, batch=64)
     assert demo.batch == 64 and demo.sizes is None
