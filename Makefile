@@ -4,6 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
+CONFORMANCE_STAMP := $(VENV)/.installed-conformance
 # torch and torchvision as the matching pair SGLang 0.5.23 pins (torch 2.14.1);
 # an unpinned torch would pull whatever is newest. It runs on the CPU here.
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
@@ -30,22 +31,36 @@ DEMO_AGENT ?= runs/demo/agent
 
 .PHONY: demo demo-rm demo-rlhf demo-elastic demo-agent wheel image test-deploy test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
 
-venv: $(STAMP)
+venv: $(STAMP) $(CONFORMANCE_STAMP)
 
-$(STAMP): pyproject.toml tests/conformance/requirements-cpu.txt tests/conformance/vllm/requirements-cpu.txt
+# What the demos and the product need: torch and fleetrl with its extras. One line per step
+# says what is installed and why; pip itself stays quiet (-q).
+$(STAMP): pyproject.toml
+	@echo "venv: Python virtualenv in $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@echo "venv: $(TORCH): the pair SGLang pins; the index serves torch's CUDA build (3.2 GB of libraries), which runs on a CPU as well"
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[dev,tensorboard,mlflow,agent]"
-	$(PY) -m pip install -q --no-deps "$(SGLANG)"
+	@echo "venv: fleetrl (editable) with its dev, tensorboard, mlflow and agent extras"
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[dev,tensorboard,mlflow,agent]"
+	touch $(STAMP)
+
+# What the conformance tier tests against (make test installs it; the demos do not need it):
+# SGLang's and vLLM's own Python code, without their GPU dependencies. The pure-Python
+# packages their import chains need go in first, the two releases last with --no-deps, so
+# pip has nothing to report about the GPU packages it deliberately leaves out.
+$(CONFORMANCE_STAMP): $(STAMP) tests/conformance/requirements-cpu.txt tests/conformance/vllm/requirements-cpu.txt
+	@echo "venv: $(SGLANG) and $(VLLM), their Python code only (no GPU dependencies), for tests/conformance"
 	$(PY) -m pip install -q -r tests/conformance/requirements-cpu.txt
+	$(PY) -m pip install -q --no-deps "$(SGLANG)"
 	$(PY) -m pip install -q --no-deps --no-compile "$(VLLM)"
 	$(PY) -m pip install -q --no-deps --no-compile --upgrade --target $(VENV)/vllm-overlay -r tests/conformance/vllm/requirements-cpu.txt
-	touch $(STAMP)
+	touch $(CONFORMANCE_STAMP)
 
 # The `bench` extra (TRL, the vs-trl suite's baseline): make test and make bench install it.
 $(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e ".[bench]"
+	@echo "venv: the bench extra (TRL $(shell sed -n 's/.*"trl==\([0-9.]*\)".*/\1/p' pyproject.toml), the vs-trl baseline)"
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[bench]"
 	touch $(BENCH_STAMP)
 
 # The demo run starts afresh each time (the tiny model and data it built are reused).
@@ -90,24 +105,24 @@ TIERS := unit conformance integration e2e cluster
 
 # tests/cluster drives a real Slurm (slurm-wlm, munge): installed here with apt-get, or its
 # tests skip, one line each.
-test: $(STAMP) $(BENCH_STAMP) lint
+test: $(CONFORMANCE_STAMP) $(BENCH_STAMP) lint
 	@bash scripts/test_tools.sh slurm-wlm:slurmctld munge:munged
 	@status=0; for tier in $(TIERS); do \
 		echo "== tests/$$tier"; \
 		env -u RAY_ADDRESS $(PY) -m pytest -q tests/$$tier || status=1; \
 	done; exit $$status
 
-test-unit: $(STAMP)
+test-unit: $(CONFORMANCE_STAMP)
 	$(PY) -m pytest -q tests/unit
 
-test-integration: $(STAMP) $(BENCH_STAMP)
+test-integration: $(CONFORMANCE_STAMP) $(BENCH_STAMP)
 	env -u RAY_ADDRESS $(PY) -m pytest -q tests/integration
 
-test-e2e: $(STAMP)
+test-e2e: $(CONFORMANCE_STAMP) $(BENCH_STAMP)
 	env -u RAY_ADDRESS $(PY) -m pytest -q tests/e2e
 
 # SGLang's own HTTP server and weight-update code on CPU (tests/conformance/sglang_engine)
-test-conformance: $(STAMP)
+test-conformance: $(CONFORMANCE_STAMP)
 	$(PY) -m pytest -q tests/conformance
 
 lint: $(STAMP)
