@@ -461,13 +461,7 @@ def run(
     largest η); write ``e2e.json``. ``placement="colocated"``: co-located engines beside
     disaggregated ones instead (``bench.e2e_placement``); ``elastic``: engines joining a
     running job against the same engines from the start (``bench.e2e_elastic``)."""
-    if 0 not in etas or len(etas) < 2:
-        raise ValueError(f"e2e: etas must include 0 and at least one async bound, got {list(etas)}")
-    if headline_eta not in etas or headline_eta == 0:
-        raise ValueError(
-            f"e2e: headline_eta must be one of the async bounds {[e for e in etas if e]},"
-            f" got {headline_eta}"
-        )
+    _check_etas(etas, headline_eta)
     started = time.monotonic()
     sizes = sizes or apply_size_flags(
         QUICK_SIZES if quick else FULL_SIZES,
@@ -513,8 +507,33 @@ def run(
     progress = Progress(SUITE, total=len(plan))
     progress.note(f"headline η = {headline_eta} (declared); {reps} repetitions per η")
     workload = prepare_workload(work, sizes, base_config, progress)
-    budget_stats = workload.budget
-    max_eta = max(etas)
+    runs = _train_plan(plan, reps, max(etas), work, sizes, workload, train, base, progress)
+    return _write_results(out_dir, config, runs, etas, headline_eta, workload.budget, started)
+
+
+def _check_etas(etas: Sequence[int], headline_eta: int) -> None:
+    """The grid needs η = 0 and an async bound; the headline η is one of the async bounds."""
+    if 0 not in etas or len(etas) < 2:
+        raise ValueError(f"e2e: etas must include 0 and at least one async bound, got {list(etas)}")
+    if headline_eta not in etas or headline_eta == 0:
+        raise ValueError(
+            f"e2e: headline_eta must be one of the async bounds {[e for e in etas if e]},"
+            f" got {headline_eta}"
+        )
+
+
+def _train_plan(
+    plan: list[tuple[int, int, str]],
+    reps: int,
+    max_eta: int,
+    work: Path,
+    sizes: E2ESizes,
+    workload: Workload,
+    train: TrainFn,
+    base: Path,
+    progress: Progress,
+) -> list[dict[str, Any]]:
+    """Train each (rep, η, correction) of the plan in order; one record of figures per run."""
     runs: list[dict[str, Any]] = []
     for rep, eta, correction in plan:
         label = f"η={eta}" + (" bypass" if correction == "bypass" else "")
@@ -548,6 +567,19 @@ def run(
             if k not in ("curve", "throughput_method")
         }
         progress.step(f"{label}: {shown}")
+    return runs
+
+
+def _write_results(
+    out_dir: str | Path,
+    config: dict[str, Any],
+    runs: list[dict[str, Any]],
+    etas: Sequence[int],
+    headline_eta: int,
+    budget_stats: dict[str, Any],
+    started: float,
+) -> dict[str, Any]:
+    """Summarise the runs (ratios, long tail, η sweep), write ``e2e.json`` and return it."""
     summary = summarise(runs, etas, headline_eta)
     lengths = [r["response_length_mean"] for r in runs if r["response_length_mean"] is not None]
     measured_length = median(lengths) if lengths else None
