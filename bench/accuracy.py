@@ -53,7 +53,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import Progress, ratio, suite_json_path, suite_record, write_json
+from bench.common import Progress, ratio, write_suite
 from bench.e2e import (
     STEP_TIME_KEYS,
     E2ESizes,
@@ -415,14 +415,6 @@ def _write_record(
         "sizes": dataclasses.asdict(sizes.workload),
     }
     results = {"runs": runs, "settings": per_setting, "long_tail": workload.budget}
-    write_json(
-        suite_json_path(out_dir, SUITE),
-        suite_record(
-            SUITE,
-            config=config,
-            results=results,
-            summary=summary,
-            wall_s=time.monotonic() - started,
-        ),
+    return write_suite(
+        out_dir, SUITE, config=config, results=results, summary=summary, started=started
     )
-    return {"config": config, "results": results, "summary": summary}

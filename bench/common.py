@@ -304,6 +304,33 @@ def suite_record(
     return record
 
 
+def write_suite(
+    out_dir: str | Path,
+    suite: str,
+    *,
+    config: Mapping[str, Any],
+    results: Mapping[str, Any],
+    summary: Mapping[str, Any],
+    started: float,
+    sweep: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write a finished suite's ``DIR/<suite>.json`` (``started``: its ``time.monotonic()``
+    at the start) and return what its ``run`` returns: config, results, summary (sweep)."""
+    write_json(
+        suite_json_path(out_dir, suite),
+        suite_record(
+            suite,
+            config=config,
+            results=results,
+            summary=summary,
+            sweep=sweep,
+            wall_s=time.monotonic() - started,
+        ),
+    )
+    out = {"config": config, "results": results, "summary": summary}
+    return {**out, "sweep": sweep} if sweep is not None else out
+
+
 def suite_json_path(out_dir: str | Path, suite: str) -> Path:
     """``DIR/<suite>.json`` with the suite's CLI name (``weight-sync.json``)."""
     return Path(out_dir) / f"{suite}.json"

@@ -45,7 +45,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import Progress, median, ratio, suite_json_path, suite_record, write_json
+from bench.common import (
+    Progress,
+    median,
+    ratio,
+    suite_json_path,
+    suite_record,
+    write_json,
+    write_suite,
+)
 from bench.e2e_workload import build_model, write_long_tail_data
 from fleetrl.log import get_logger
 
@@ -598,15 +606,12 @@ def _write_results(
     ]
     results = {"runs": runs, "long_tail": long_tail}
     sweep = {"x": "max_staleness η", "unit": "samples/s", "rows": sweep_rows}
-    write_json(
-        suite_json_path(out_dir, SUITE),
-        suite_record(
-            SUITE,
-            config=config,
-            results=results,
-            summary=summary,
-            sweep=sweep,
-            wall_s=time.monotonic() - started,
-        ),
+    return write_suite(
+        out_dir,
+        SUITE,
+        config=config,
+        results=results,
+        summary=summary,
+        started=started,
+        sweep=sweep,
     )
-    return {"config": config, "results": results, "summary": summary, "sweep": sweep}

@@ -30,7 +30,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Progress, median, ratio, suite_json_path, suite_record, write_json
+from bench.common import (
+    Progress,
+    median,
+    ratio,
+    suite_json_path,
+    suite_record,
+    write_json,
+    write_suite,
+)
 from bench.e2e import (
     SUITE,
     E2ESizes,
@@ -184,14 +192,6 @@ def run(
         )
     summary = summarise(runs, etas, headline_eta)
     results = {"runs": runs}
-    write_json(
-        suite_json_path(out_dir, SUITE),
-        suite_record(
-            SUITE,
-            config=config,
-            results=results,
-            summary=summary,
-            wall_s=time.monotonic() - started,
-        ),
+    return write_suite(
+        out_dir, SUITE, config=config, results=results, summary=summary, started=started
     )
-    return {"config": config, "results": results, "summary": summary}

@@ -58,9 +58,7 @@ from bench.common import (
     median,
     ratio,
     stats,
-    suite_json_path,
-    suite_record,
-    write_json,
+    write_suite,
 )
 from fleetrl.log import get_logger, setup_logging
 
@@ -297,15 +295,8 @@ def run(
         figures, paired, engine_stats = _measure(engine, config, progress, deadline)
     summary = _summary(figures, paired)
     results = {**figures, "paired_ratios": paired, "engine_scheduler": engine_stats}
-    write_json(
-        suite_json_path(out_dir, "rollout"),
-        suite_record(
-            "rollout",
-            config=config,
-            results=results,
-            summary=summary,
-            wall_s=time.monotonic() - started,
-        ),
+    record = write_suite(
+        out_dir, "rollout", config=config, results=results, summary=summary, started=started
     )
     log.info(
         "rollout: engine %.0f tok/s, generate %.0f tok/s, ratio %s",
@@ -313,7 +304,7 @@ def run(
         summary["hf_generate_tokens_per_s"],
         summary["vs_hf_generate"],
     )
-    return {"config": config, "results": results, "summary": summary}
+    return record
 
 
 def _config(
