@@ -198,6 +198,22 @@ def alternate(
     figure (higher is better, e.g. items/s). Returns ``{name: stats(...)}``. With
     ``deadline`` (``time.monotonic()``) rounds stop once it has passed, after at least one.
     """
+    figures = alternate_rounds(
+        measures, reps, warmup=warmup, progress=progress, label=label, deadline=deadline
+    )
+    return {name: stats(values) for name, values in figures.items()}
+
+
+def alternate_rounds(
+    measures: Mapping[str, Callable[[], float]],
+    reps: int,
+    *,
+    warmup: int = 1,
+    progress: Progress | None = None,
+    label: str = "",
+    deadline: float | None = None,
+) -> dict[str, list[float]]:
+    """``alternate``'s rounds: every measurement's figure of each round, in round order."""
     if reps < 1:
         raise ValueError(f"alternate: reps must be >= 1, got {reps}")
     names = list(measures)
@@ -214,7 +230,7 @@ def alternate(
         if progress is not None:
             latest = ", ".join(f"{n}={figures[n][-1]:.4g}" for n in names)
             progress.note(f"{label} rep {round_index + 1}/{reps}: {latest}")
-    return {name: stats(values) for name, values in figures.items()}
+    return figures
 
 
 class Progress:

@@ -55,6 +55,7 @@ from typing import Any
 
 from bench.common import (
     Progress,
+    alternate_rounds,
     median,
     ratio,
     stats,
@@ -138,21 +139,12 @@ def _alternate_paired(
     """Like ``bench.common.alternate`` (one warm-up round, then ``reps`` rounds in an order
     reversed every other round), also returning each round's ratio to ``baseline``. With
     ``deadline`` (``time.monotonic()``) rounds stop once it has passed, after at least one."""
-    names = list(measures)
-    for name in names:
-        measures[name]()
-    figures: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(reps):
-        if round_index and deadline is not None and time.monotonic() >= deadline:
-            break
-        order = names if round_index % 2 == 0 else list(reversed(names))
-        for name in order:
-            figures[name].append(float(measures[name]()))
-        latest = ", ".join(f"{n}={figures[n][-1]:.4g}" for n in names)
-        progress.note(f"engine vs generate rep {round_index + 1}/{reps}: {latest}")
+    figures = alternate_rounds(
+        measures, reps, progress=progress, label="engine vs generate", deadline=deadline
+    )
     paired = {
         name: [a / b for a, b in zip(figures[name], figures[baseline], strict=True)]
-        for name in names
+        for name in figures
         if name != baseline
     }
     return {name: stats(values) for name, values in figures.items()}, paired
