@@ -183,13 +183,7 @@ def stats(values: list[float]) -> dict[str, Any]:
 
 
 def alternate(
-    measures: Mapping[str, Callable[[], float]],
-    reps: int,
-    *,
-    warmup: int = 1,
-    progress: Progress | None = None,
-    label: str = "",
-    deadline: float | None = None,
+    measures: Mapping[str, Callable[[], float]], reps: int, **options: Any
 ) -> dict[str, dict[str, Any]]:
     """Run every measurement ``warmup`` times (discarded), then ``reps`` rounds in alternation.
 
@@ -197,10 +191,9 @@ def alternate(
     so neither side always runs right after the other. Each callable returns one
     figure (higher is better, e.g. items/s). Returns ``{name: stats(...)}``. With
     ``deadline`` (``time.monotonic()``) rounds stop once it has passed, after at least one.
+    ``options``: ``alternate_rounds``'s (warmup, progress, label, deadline).
     """
-    figures = alternate_rounds(
-        measures, reps, warmup=warmup, progress=progress, label=label, deadline=deadline
-    )
+    figures = alternate_rounds(measures, reps, **options)
     return {name: stats(values) for name, values in figures.items()}
 
 
