@@ -313,6 +313,15 @@ def suite_record(
     return record
 
 
+def declare_suite(out_dir: str | Path, suite: str, config: Mapping[str, Any]) -> None:
+    """Write the suite's config before any run (status error, "running: no figures yet"),
+    so a reader can check that what the figures are about was not chosen after them."""
+    write_json(
+        suite_json_path(out_dir, suite),
+        suite_record(suite, config=config, error="running: no figures yet"),
+    )
+
+
 def write_suite(
     out_dir: str | Path,
     suite: str,

@@ -45,15 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    Progress,
-    median,
-    ratio,
-    suite_json_path,
-    suite_record,
-    write_json,
-    write_suite,
-)
+from bench.common import Progress, declare_suite, median, ratio, write_suite
 from bench.e2e_workload import build_model, write_long_tail_data
 from fleetrl.log import get_logger
 
@@ -508,10 +500,7 @@ def run(
         "sizes": dataclasses.asdict(sizes),
     }
     # Declared before any run: written now, so a reader can check it was not chosen after.
-    write_json(
-        suite_json_path(out_dir, SUITE),
-        suite_record(SUITE, config=config, error="running: no figures yet"),
-    )
+    declare_suite(out_dir, SUITE, config)
     progress = Progress(SUITE, total=len(plan))
     progress.note(f"headline η = {headline_eta} (declared); {reps} repetitions per η")
     workload = prepare_workload(work, sizes, base_config, progress)

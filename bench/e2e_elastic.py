@@ -44,15 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    Progress,
-    median,
-    ratio,
-    suite_json_path,
-    suite_record,
-    write_json,
-    write_suite,
-)
+from bench.common import Progress, declare_suite, median, ratio, write_suite
 from bench.e2e import (
     SUITE,
     E2ESizes,
@@ -180,7 +172,7 @@ def run(
             "others_lost_share": f"<= {GOAL_LOST_SHARE}",
         },  # fmt: skip
     }
-    write_json(suite_json_path(out_dir, SUITE), suite_record(SUITE, config=config, error="running: no figures yet"))  # fmt: skip
+    declare_suite(out_dir, SUITE, config)
     progress = Progress(SUITE, total=len(plan))
     workload = prepare_workload(work, sizes, base_config, progress)
     per_step = sizes.train_batch_size * sizes.group_size

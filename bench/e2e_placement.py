@@ -30,15 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    Progress,
-    median,
-    ratio,
-    suite_json_path,
-    suite_record,
-    write_json,
-    write_suite,
-)
+from bench.common import Progress, declare_suite, median, ratio, write_suite
 from bench.e2e import (
     SUITE,
     E2ESizes,
@@ -155,10 +147,7 @@ def run(
         "plan": [f"rep{rep} eta{eta} {placement}" for rep, eta, placement in plan],
         "sizes": dataclasses.asdict(sizes),
     }
-    write_json(  # declared before any run
-        suite_json_path(out_dir, SUITE),
-        suite_record(SUITE, config=config, error="running: no figures yet"),
-    )
+    declare_suite(out_dir, SUITE, config)
     progress = Progress(SUITE, total=len(plan))
     workload = prepare_workload(work, sizes, base_config, progress)
     runs: list[dict[str, Any]] = []

@@ -41,15 +41,7 @@ from typing import Any
 from unittest import mock
 
 from bench import e2e
-from bench.common import (
-    Progress,
-    median,
-    ratio,
-    suite_json_path,
-    suite_record,
-    write_json,
-    write_suite,
-)
+from bench.common import Progress, declare_suite, median, ratio, write_suite
 from bench.reward_server import RewardServer
 from rollout_fleet.engine.http_service import API_KEY_ENV
 
@@ -251,10 +243,7 @@ def _train_arms(
         "reward_urls": list(reward_urls),
         "sizes": dataclasses.asdict(sizes),
     }
-    write_json(
-        suite_json_path(out_dir, SUITE),
-        suite_record(SUITE, config=config, error="running: no figures yet"),
-    )
+    declare_suite(out_dir, SUITE, config)
     runs: list[dict[str, Any]] = []
     for rep, arm in plan:
         run_dir = work / "runs" / f"rep{rep}-{arm}"
