@@ -53,7 +53,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import Progress, ratio, suite_json_path, suite_record, write_json
+from bench.common import Progress, ratio, write_suite
 from bench.e2e import (
     STEP_TIME_KEYS,
     E2ESizes,
@@ -280,21 +280,16 @@ def run(
     if 0 not in etas:
         raise ValueError(f"accuracy: etas must include 0 (the sync baseline), got {list(etas)}")
     started = time.monotonic()
-    sizes = sizes or (QUICK_SIZES if quick else FULL_SIZES)
-    if reps is not None and not quick:
-        sizes = dataclasses.replace(sizes, seeds=tuple(range(max(1, reps))))
-    sizes = dataclasses.replace(
-        sizes,
-        workload=apply_size_flags(
-            sizes.workload,
-            hidden=hidden,
-            layers=layers,
-            engines=engines,
-            learner_ranks=learner_ranks,
-            batch=batch,
-            max_new_tokens=max_new_tokens,
-            device=device,
-        ),
+    sizes = _grid_sizes(
+        sizes or (QUICK_SIZES if quick else FULL_SIZES),
+        None if quick else reps,
+        hidden=hidden,
+        layers=layers,
+        engines=engines,
+        learner_ranks=learner_ranks,
+        batch=batch,
+        max_new_tokens=max_new_tokens,
+        device=device,
     )
     work_sizes = sizes.workload
     train = train_fn or default_train_fn()
@@ -313,52 +308,88 @@ def run(
             run_dir = work / "runs" / f"{setting_key(eta, correction)}-seed{seed}"
             overrides = workload.overrides(
                 work_sizes, eta=eta, correction=correction, run_dir=run_dir, max_eta=max_eta
-            ) + [
-                f"trainer.seed={seed}",
-                # every group as early as η allows: the grid measures the correction at
-                # staleness η, not the adaptive lead's lower staleness (buffer/lead.py)
-                "buffer.admission_lead=bound",
-                # no in-run validation: snapshots, scored after the run (see the docstring)
-                "trainer.test_freq=-1",
-                "trainer.val_before_train=false",
-                f"trainer.save_hf_freq={work_sizes.test_freq}",
-            ]
-            if sizes.learning_rate is not None:
-                overrides.append(f"learner.optim.lr={sizes.learning_rate}")
+            ) + _grid_overrides(sizes, seed)
             progress.note(f"training {label} -> {run_dir}")
             result, rows = train_once(train, workload.base_config, overrides, run_dir)
-            curve = score_curve(rows, score(Path(result.get("run_dir", run_dir))))
-            reached = first_reaching(curve, sizes.target_score)
-            figures = analyse_run(
+            record = _run_record(
+                label,
+                eta,
+                correction,
+                seed,
+                str(result.get("run_dir", run_dir)),
                 rows,
-                samples_per_step=work_sizes.train_batch_size * work_sizes.group_size,
-                warmup_steps=work_sizes.warmup_steps,
+                score,
+                sizes,
             )
-            record = {
-                "label": label,
-                "eta": eta,
-                "correction": correction,
-                "seed": seed,
-                "run_dir": str(result.get("run_dir", run_dir)),
-                "curve": curve,
-                "initial_score": curve[0]["score"] if curve else None,
-                "final_score": curve[-1]["score"] if curve else None,
-                "time_to_target_s": reached["wall_s"] if reached else None,
-                "step_to_target": reached["step"] if reached else None,
-                "samples_per_s": figures["samples_per_s"],
-                "staleness_max": figures["staleness_max"],
-                "trainer_idle_fraction": figures["trainer_idle_fraction"],
-                "response_length_mean": figures["response_length_mean"],
-                "train_wall_s": curve[-1]["wall_s"] if curve else None,
-            }
             runs.append(record)
             _write_record(out_dir, runs, sizes, etas, bypass_eta, workload, started, complete=False)
             progress.step(
                 f"{label}: final {record['final_score']}, target {sizes.target_score} at "
                 f"{record['time_to_target_s']} s / step {record['step_to_target']}, "
-                f"{figures['samples_per_s']} samples/s"
+                f"{record['samples_per_s']} samples/s"
             )
     return _write_record(out_dir, runs, sizes, etas, bypass_eta, workload, started, complete=True)
+
+
+def _grid_sizes(sizes: AccuracySizes, seeds: int | None, **size_flags: Any) -> AccuracySizes:
+    """The grid's sizes: ``seeds`` seeds when given, the workload changed by the size flags."""
+    if seeds is not None:
+        sizes = dataclasses.replace(sizes, seeds=tuple(range(max(1, seeds))))
+    return dataclasses.replace(sizes, workload=apply_size_flags(sizes.workload, **size_flags))
+
+
+def _grid_overrides(sizes: AccuracySizes, seed: int) -> list[str]:
+    """What every run of the grid adds to the workload's overrides: seed, admission, snapshots."""
+    overrides = [
+        f"trainer.seed={seed}",
+        # every group as early as η allows: the grid measures the correction at
+        # staleness η, not the adaptive lead's lower staleness (buffer/lead.py)
+        "buffer.admission_lead=bound",
+        # no in-run validation: snapshots, scored after the run (see the docstring)
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        f"trainer.save_hf_freq={sizes.workload.test_freq}",
+    ]
+    if sizes.learning_rate is not None:
+        overrides.append(f"learner.optim.lr={sizes.learning_rate}")
+    return overrides
+
+
+def _run_record(
+    label: str,
+    eta: int,
+    correction: str,
+    seed: int,
+    run_dir: str,
+    rows: list[dict[str, Any]],
+    score: ScoreFn,
+    sizes: AccuracySizes,
+) -> dict[str, Any]:
+    """One finished run's entry in ``accuracy.json``: its score curve and throughput figures."""
+    curve = score_curve(rows, score(Path(run_dir)))
+    reached = first_reaching(curve, sizes.target_score)
+    figures = analyse_run(
+        rows,
+        samples_per_step=sizes.workload.train_batch_size * sizes.workload.group_size,
+        warmup_steps=sizes.workload.warmup_steps,
+    )
+    return {
+        "label": label,
+        "eta": eta,
+        "correction": correction,
+        "seed": seed,
+        "run_dir": run_dir,
+        "curve": curve,
+        "initial_score": curve[0]["score"] if curve else None,
+        "final_score": curve[-1]["score"] if curve else None,
+        "time_to_target_s": reached["wall_s"] if reached else None,
+        "step_to_target": reached["step"] if reached else None,
+        "samples_per_s": figures["samples_per_s"],
+        "staleness_max": figures["staleness_max"],
+        "trainer_idle_fraction": figures["trainer_idle_fraction"],
+        "response_length_mean": figures["response_length_mean"],
+        "train_wall_s": curve[-1]["wall_s"] if curve else None,
+    }
 
 
 def _write_record(
@@ -384,14 +415,6 @@ def _write_record(
         "sizes": dataclasses.asdict(sizes.workload),
     }
     results = {"runs": runs, "settings": per_setting, "long_tail": workload.budget}
-    write_json(
-        suite_json_path(out_dir, SUITE),
-        suite_record(
-            SUITE,
-            config=config,
-            results=results,
-            summary=summary,
-            wall_s=time.monotonic() - started,
-        ),
+    return write_suite(
+        out_dir, SUITE, config=config, results=results, summary=summary, started=started
     )
-    return {"config": config, "results": results, "summary": summary}

@@ -95,6 +95,66 @@ class SuiteUnavailable(ValueError):
     """The suite's module or its ``run`` cannot be used."""
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``fleetrl bench``'s arguments: the suite, where to write, repetitions and size flags."""
+    p.add_argument(
+        "suite",
+        choices=[*SUITE_MODULES, "all"],
+        help="the stage to measure against its baseline, or all",
+    )
+    p.add_argument("--out", required=True, help="folder for the report, figures and plots")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer repetitions, and smaller sizes where a suite's figure does not depend on them",
+    )
+    p.add_argument("--reps", type=int, default=None, help="repetitions per measurement")
+    p.add_argument(
+        "--hidden", type=int, nargs="*", default=None, help="model hidden sizes to sweep"
+    )
+    p.add_argument("--layers", type=int, default=None, help="model layers (default: the suite's)")
+    p.add_argument(
+        "--engines", type=int, default=None, help="rollout engines (default: the suite's)"
+    )
+    p.add_argument(
+        "--learner-ranks", type=int, default=None, help="learner ranks (default: the suite's)"
+    )
+    p.add_argument(
+        "--batch", type=int, default=None, help="prompts per step (default: the suite's)"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="tokens per sample (default: the suite's)"
+    )
+    p.add_argument(
+        "--headline-eta",
+        type=int,
+        default=None,
+        help="e2e: the η whose ratio to η = 0 is the headline, declared before the runs (2)",
+    )
+    p.add_argument(
+        "--placement",
+        choices=["disaggregated", "colocated"],
+        default=None,
+        help="e2e: colocated runs co-located engines beside disaggregated ones on the same "
+        "resources, alternated, and reports the ratio and the switch's share of a step",
+    )
+    p.add_argument(
+        "--elastic",
+        action="store_const",
+        const=True,
+        default=None,
+        help="e2e: one engine at the start joined by more mid-run (fleetrl fleet scale) against "
+        "the same engines from the start: samples/s after the join and what it cost the others",
+    )
+    p.add_argument(
+        "--regime",
+        choices=["demo", "generation-bound", "both"],
+        default=None,
+        help="vs-trl: the overhead-bound demo, the generation-bound workload, or both (default)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+
+
 def size_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The size flags the user set (None / empty = the suite's own default)."""
     flags = {name: getattr(args, name, None) for name in SIZE_PARAMETERS}

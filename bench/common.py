@@ -183,13 +183,7 @@ def stats(values: list[float]) -> dict[str, Any]:
 
 
 def alternate(
-    measures: Mapping[str, Callable[[], float]],
-    reps: int,
-    *,
-    warmup: int = 1,
-    progress: Progress | None = None,
-    label: str = "",
-    deadline: float | None = None,
+    measures: Mapping[str, Callable[[], float]], reps: int, **options: Any
 ) -> dict[str, dict[str, Any]]:
     """Run every measurement ``warmup`` times (discarded), then ``reps`` rounds in alternation.
 
@@ -197,7 +191,22 @@ def alternate(
     so neither side always runs right after the other. Each callable returns one
     figure (higher is better, e.g. items/s). Returns ``{name: stats(...)}``. With
     ``deadline`` (``time.monotonic()``) rounds stop once it has passed, after at least one.
+    ``options``: ``alternate_rounds``'s (warmup, progress, label, deadline).
     """
+    figures = alternate_rounds(measures, reps, **options)
+    return {name: stats(values) for name, values in figures.items()}
+
+
+def alternate_rounds(
+    measures: Mapping[str, Callable[[], float]],
+    reps: int,
+    *,
+    warmup: int = 1,
+    progress: Progress | None = None,
+    label: str = "",
+    deadline: float | None = None,
+) -> dict[str, list[float]]:
+    """``alternate``'s rounds: every measurement's figure of each round, in round order."""
     if reps < 1:
         raise ValueError(f"alternate: reps must be >= 1, got {reps}")
     names = list(measures)
@@ -214,7 +223,7 @@ def alternate(
         if progress is not None:
             latest = ", ".join(f"{n}={figures[n][-1]:.4g}" for n in names)
             progress.note(f"{label} rep {round_index + 1}/{reps}: {latest}")
-    return {name: stats(values) for name, values in figures.items()}
+    return figures
 
 
 class Progress:
@@ -302,6 +311,42 @@ def suite_record(
     if sweep:
         record["sweep"] = dict(sweep)
     return record
+
+
+def declare_suite(out_dir: str | Path, suite: str, config: Mapping[str, Any]) -> None:
+    """Write the suite's config before any run (status error, "running: no figures yet"),
+    so a reader can check that what the figures are about was not chosen after them."""
+    write_json(
+        suite_json_path(out_dir, suite),
+        suite_record(suite, config=config, error="running: no figures yet"),
+    )
+
+
+def write_suite(
+    out_dir: str | Path,
+    suite: str,
+    *,
+    config: Mapping[str, Any],
+    results: Mapping[str, Any],
+    summary: Mapping[str, Any],
+    started: float,
+    sweep: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write a finished suite's ``DIR/<suite>.json`` (``started``: its ``time.monotonic()``
+    at the start) and return what its ``run`` returns: config, results, summary (sweep)."""
+    write_json(
+        suite_json_path(out_dir, suite),
+        suite_record(
+            suite,
+            config=config,
+            results=results,
+            summary=summary,
+            sweep=sweep,
+            wall_s=time.monotonic() - started,
+        ),
+    )
+    out = {"config": config, "results": results, "summary": summary}
+    return {**out, "sweep": sweep} if sweep is not None else out
 
 
 def suite_json_path(out_dir: str | Path, suite: str) -> Path:

@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import Progress, median, ratio, suite_json_path, suite_record, write_json
+from bench.common import Progress, declare_suite, median, ratio, write_suite
 from bench.e2e_workload import build_model, write_long_tail_data
 from fleetrl.log import get_logger
 
@@ -461,13 +461,7 @@ def run(
     largest η); write ``e2e.json``. ``placement="colocated"``: co-located engines beside
     disaggregated ones instead (``bench.e2e_placement``); ``elastic``: engines joining a
     running job against the same engines from the start (``bench.e2e_elastic``)."""
-    if 0 not in etas or len(etas) < 2:
-        raise ValueError(f"e2e: etas must include 0 and at least one async bound, got {list(etas)}")
-    if headline_eta not in etas or headline_eta == 0:
-        raise ValueError(
-            f"e2e: headline_eta must be one of the async bounds {[e for e in etas if e]},"
-            f" got {headline_eta}"
-        )
+    _check_etas(etas, headline_eta)
     started = time.monotonic()
     sizes = sizes or apply_size_flags(
         QUICK_SIZES if quick else FULL_SIZES,
@@ -506,15 +500,37 @@ def run(
         "sizes": dataclasses.asdict(sizes),
     }
     # Declared before any run: written now, so a reader can check it was not chosen after.
-    write_json(
-        suite_json_path(out_dir, SUITE),
-        suite_record(SUITE, config=config, error="running: no figures yet"),
-    )
+    declare_suite(out_dir, SUITE, config)
     progress = Progress(SUITE, total=len(plan))
     progress.note(f"headline η = {headline_eta} (declared); {reps} repetitions per η")
     workload = prepare_workload(work, sizes, base_config, progress)
-    budget_stats = workload.budget
-    max_eta = max(etas)
+    runs = _train_plan(plan, reps, max(etas), work, sizes, workload, train, base, progress)
+    return _write_results(out_dir, config, runs, etas, headline_eta, workload.budget, started)
+
+
+def _check_etas(etas: Sequence[int], headline_eta: int) -> None:
+    """The grid needs η = 0 and an async bound; the headline η is one of the async bounds."""
+    if 0 not in etas or len(etas) < 2:
+        raise ValueError(f"e2e: etas must include 0 and at least one async bound, got {list(etas)}")
+    if headline_eta not in etas or headline_eta == 0:
+        raise ValueError(
+            f"e2e: headline_eta must be one of the async bounds {[e for e in etas if e]},"
+            f" got {headline_eta}"
+        )
+
+
+def _train_plan(
+    plan: list[tuple[int, int, str]],
+    reps: int,
+    max_eta: int,
+    work: Path,
+    sizes: E2ESizes,
+    workload: Workload,
+    train: TrainFn,
+    base: Path,
+    progress: Progress,
+) -> list[dict[str, Any]]:
+    """Train each (rep, η, correction) of the plan in order; one record of figures per run."""
     runs: list[dict[str, Any]] = []
     for rep, eta, correction in plan:
         label = f"η={eta}" + (" bypass" if correction == "bypass" else "")
@@ -548,6 +564,19 @@ def run(
             if k not in ("curve", "throughput_method")
         }
         progress.step(f"{label}: {shown}")
+    return runs
+
+
+def _write_results(
+    out_dir: str | Path,
+    config: dict[str, Any],
+    runs: list[dict[str, Any]],
+    etas: Sequence[int],
+    headline_eta: int,
+    budget_stats: dict[str, Any],
+    started: float,
+) -> dict[str, Any]:
+    """Summarise the runs (ratios, long tail, η sweep), write ``e2e.json`` and return it."""
     summary = summarise(runs, etas, headline_eta)
     lengths = [r["response_length_mean"] for r in runs if r["response_length_mean"] is not None]
     measured_length = median(lengths) if lengths else None
@@ -566,15 +595,12 @@ def run(
     ]
     results = {"runs": runs, "long_tail": long_tail}
     sweep = {"x": "max_staleness η", "unit": "samples/s", "rows": sweep_rows}
-    write_json(
-        suite_json_path(out_dir, SUITE),
-        suite_record(
-            SUITE,
-            config=config,
-            results=results,
-            summary=summary,
-            sweep=sweep,
-            wall_s=time.monotonic() - started,
-        ),
+    return write_suite(
+        out_dir,
+        SUITE,
+        config=config,
+        results=results,
+        summary=summary,
+        started=started,
+        sweep=sweep,
     )
-    return {"config": config, "results": results, "summary": summary, "sweep": sweep}

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Progress, median, ratio, suite_json_path, suite_record, write_json
+from bench.common import Progress, declare_suite, median, ratio, write_suite
 from bench.e2e import (
     SUITE,
     E2ESizes,
@@ -172,7 +172,7 @@ def run(
             "others_lost_share": f"<= {GOAL_LOST_SHARE}",
         },  # fmt: skip
     }
-    write_json(suite_json_path(out_dir, SUITE), suite_record(SUITE, config=config, error="running: no figures yet"))  # fmt: skip
+    declare_suite(out_dir, SUITE, config)
     progress = Progress(SUITE, total=len(plan))
     workload = prepare_workload(work, sizes, base_config, progress)
     per_step = sizes.train_batch_size * sizes.group_size
@@ -199,17 +199,9 @@ def run(
         progress.step(f"{arm}: " + ", ".join(f"{k} {v}" for k, v in entry.items() if k not in ("rows", "run_dir")))  # fmt: skip
     summary = summarise(runs, sizes, per_step)
     results = {"runs": [{k: v for k, v in r.items() if k != "rows"} for r in runs]}
-    write_json(
-        suite_json_path(out_dir, SUITE),
-        suite_record(
-            SUITE,
-            config=config,
-            results=results,
-            summary=summary,
-            wall_s=time.monotonic() - started,
-        ),  # fmt: skip
+    return write_suite(
+        out_dir, SUITE, config=config, results=results, summary=summary, started=started
     )
-    return {"config": config, "results": results, "summary": summary}
 
 
 def summarise(runs: list[dict[str, Any]], sizes: E2ESizes, per_step: int) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Progress, median, ratio, suite_json_path, suite_record, write_json
+from bench.common import Progress, declare_suite, median, ratio, write_suite
 from bench.e2e import (
     SUITE,
     E2ESizes,
@@ -147,10 +147,7 @@ def run(
         "plan": [f"rep{rep} eta{eta} {placement}" for rep, eta, placement in plan],
         "sizes": dataclasses.asdict(sizes),
     }
-    write_json(  # declared before any run
-        suite_json_path(out_dir, SUITE),
-        suite_record(SUITE, config=config, error="running: no figures yet"),
-    )
+    declare_suite(out_dir, SUITE, config)
     progress = Progress(SUITE, total=len(plan))
     workload = prepare_workload(work, sizes, base_config, progress)
     runs: list[dict[str, Any]] = []
@@ -184,14 +181,6 @@ def run(
         )
     summary = summarise(runs, etas, headline_eta)
     results = {"runs": runs}
-    write_json(
-        suite_json_path(out_dir, SUITE),
-        suite_record(
-            SUITE,
-            config=config,
-            results=results,
-            summary=summary,
-            wall_s=time.monotonic() - started,
-        ),
+    return write_suite(
+        out_dir, SUITE, config=config, results=results, summary=summary, started=started
     )
-    return {"config": config, "results": results, "summary": summary}

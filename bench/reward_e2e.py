@@ -41,7 +41,7 @@ from typing import Any
 from unittest import mock
 
 from bench import e2e
-from bench.common import Progress, median, ratio, suite_json_path, suite_record, write_json
+from bench.common import Progress, declare_suite, median, ratio, write_suite
 from bench.reward_server import RewardServer
 from rollout_fleet.engine.http_service import API_KEY_ENV
 
@@ -176,15 +176,13 @@ def run_served(
     out["summary"]["server_scored_requests"] = info.get("scored_requests")
     out["summary"]["server_scored_items"] = info.get("scored_items")
     out["config"]["server"] = "embedded reward engine (fleetrl engine), own process, loopback"
-    write_json(
-        suite_json_path(out_dir, SUITE),
-        suite_record(
-            SUITE,
-            config=out["config"],
-            results=out["results"],
-            summary=out["summary"],
-            wall_s=time.monotonic() - prepared.started,
-        ),
+    write_suite(
+        out_dir,
+        SUITE,
+        config=out["config"],
+        results=out["results"],
+        summary=out["summary"],
+        started=prepared.started,
     )
     return out
 
@@ -245,10 +243,7 @@ def _train_arms(
         "reward_urls": list(reward_urls),
         "sizes": dataclasses.asdict(sizes),
     }
-    write_json(
-        suite_json_path(out_dir, SUITE),
-        suite_record(SUITE, config=config, error="running: no figures yet"),
-    )
+    declare_suite(out_dir, SUITE, config)
     runs: list[dict[str, Any]] = []
     for rep, arm in plan:
         run_dir = work / "runs" / f"rep{rep}-{arm}"
@@ -269,14 +264,11 @@ def _train_arms(
         runs.append({"arm": arm, "rep": rep, "run_dir": str(run_dir), **figures})
         progress.step(f"{arm}: samples/s {figures['samples_per_s']}")
     summary = summarise(runs)
-    write_json(
-        suite_json_path(out_dir, SUITE),
-        suite_record(
-            SUITE,
-            config=config,
-            results={"runs": runs},
-            summary=summary,
-            wall_s=time.monotonic() - prepared.started,
-        ),
+    return write_suite(
+        out_dir,
+        SUITE,
+        config=config,
+        results={"runs": runs},
+        summary=summary,
+        started=prepared.started,
     )
-    return {"config": config, "results": {"runs": runs}, "summary": summary}

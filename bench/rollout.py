@@ -55,12 +55,11 @@ from typing import Any
 
 from bench.common import (
     Progress,
+    alternate_rounds,
     median,
     ratio,
     stats,
-    suite_json_path,
-    suite_record,
-    write_json,
+    write_suite,
 )
 from fleetrl.log import get_logger, setup_logging
 
@@ -140,21 +139,12 @@ def _alternate_paired(
     """Like ``bench.common.alternate`` (one warm-up round, then ``reps`` rounds in an order
     reversed every other round), also returning each round's ratio to ``baseline``. With
     ``deadline`` (``time.monotonic()``) rounds stop once it has passed, after at least one."""
-    names = list(measures)
-    for name in names:
-        measures[name]()
-    figures: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(reps):
-        if round_index and deadline is not None and time.monotonic() >= deadline:
-            break
-        order = names if round_index % 2 == 0 else list(reversed(names))
-        for name in order:
-            figures[name].append(float(measures[name]()))
-        latest = ", ".join(f"{n}={figures[n][-1]:.4g}" for n in names)
-        progress.note(f"engine vs generate rep {round_index + 1}/{reps}: {latest}")
+    figures = alternate_rounds(
+        measures, reps, progress=progress, label="engine vs generate", deadline=deadline
+    )
     paired = {
         name: [a / b for a, b in zip(figures[name], figures[baseline], strict=True)]
-        for name in names
+        for name in figures
         if name != baseline
     }
     return {name: stats(values) for name, values in figures.items()}, paired
@@ -205,13 +195,7 @@ def _remote_client_main() -> int:
     client = EngineClient(config["url"], timeout_s=600)
 
     async def one_round() -> float:
-        t0 = time.perf_counter()
-        outs = await asyncio.gather(*(client.generate(p, params) for p in prompts))
-        wall = time.perf_counter() - t0
-        tokens = sum(len(o["output_ids"]) for o in outs)
-        if tokens != expected:
-            raise RuntimeError(f"engine produced {tokens} tokens, expected {expected}")
-        return tokens / wall
+        return await _generate_rate(client, prompts, params, expected)
 
     loop = asyncio.new_event_loop()
     try:
@@ -224,6 +208,19 @@ def _remote_client_main() -> int:
         loop.run_until_complete(client.close())
         loop.close()
     return 0
+
+
+async def _generate_rate(
+    client: Any, prompts: list[list[int]], params: dict[str, Any], expected_tokens: int
+) -> float:
+    """Output tokens/s of one batch of concurrent ``generate`` requests (all must finish)."""
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(client.generate(p, params) for p in prompts))
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    if tokens != expected_tokens:
+        raise RuntimeError(f"engine produced {tokens} tokens, expected {expected_tokens}")
+    return tokens / wall
 
 
 def _first(value: int | Sequence[int] | None) -> int | None:
@@ -255,140 +252,193 @@ def run(
     import torch
 
     from fleetrl.models.tiny import make_tiny_model
-    from rollout_fleet.client import EngineClient
     from rollout_fleet.engine.server import EmbeddedEngine
 
-    defaults = QUICK if quick else FULL
-    batch = batch or defaults["batch"]
-    group_size = group_size or defaults["group_size"]
-    prompt_tokens = prompt_tokens or defaults["prompt_tokens"]
-    max_new_tokens = max_new_tokens or defaults["max_new_tokens"]
-    hidden = _first(hidden) or defaults["hidden"]
-    layers = layers or defaults["layers"]
-    reps = reps or defaults["reps"]
+    config = _config(
+        QUICK if quick else FULL,
+        batch=batch,
+        group_size=group_size,
+        prompt_tokens=prompt_tokens,
+        max_new_tokens=max_new_tokens,
+        hidden=_first(hidden),
+        layers=layers,
+        reps=reps,
+        device=device,
+        dtype=dtype,
+    )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     progress = Progress("rollout")
-    rows = batch * group_size
-    config = {
+    started = time.monotonic()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
+        heads = heads or max(1, config["hidden"] // 32)
+        model_dir = make_tiny_model(
+            Path(tmp) / "model",
+            layers=config["layers"],
+            hidden=config["hidden"],
+            heads=heads,
+            max_positions=config["prompt_tokens"] + config["max_new_tokens"] + 8,
+        )
+        engine = EmbeddedEngine(
+            model_dir, engine_id="bench", device=device, max_running_requests=config["rows"],
+            num_threads=1, dtype=dtype,
+        )  # fmt: skip
+        figures, paired, engine_stats = _measure(engine, config, progress, deadline)
+    summary = _summary(figures, paired)
+    results = {**figures, "paired_ratios": paired, "engine_scheduler": engine_stats}
+    record = write_suite(
+        out_dir, "rollout", config=config, results=results, summary=summary, started=started
+    )
+    log.info(
+        "rollout: engine %.0f tok/s, generate %.0f tok/s, ratio %s",
+        summary["engine_tokens_per_s"],
+        summary["hf_generate_tokens_per_s"],
+        summary["vs_hf_generate"],
+    )
+    return record
+
+
+def _config(
+    defaults: dict[str, int],
+    *,
+    batch: int | None,
+    group_size: int | None,
+    prompt_tokens: int | None,
+    max_new_tokens: int | None,
+    hidden: int | None,
+    layers: int | None,
+    reps: int | None,
+    device: str,
+    dtype: str,
+) -> dict[str, Any]:
+    """The suite's sizes: each one given, else the default of its mode (quick or full)."""
+    batch = batch or defaults["batch"]
+    group_size = group_size or defaults["group_size"]
+    return {
         "batch": batch,
         "group_size": group_size,
-        "rows": rows,
-        "prompt_tokens": prompt_tokens,
-        "max_new_tokens": max_new_tokens,
-        "hidden": hidden,
-        "layers": layers,
-        "reps": reps,
+        "rows": batch * group_size,
+        "prompt_tokens": prompt_tokens or defaults["prompt_tokens"],
+        "max_new_tokens": max_new_tokens or defaults["max_new_tokens"],
+        "hidden": hidden or defaults["hidden"],
+        "layers": layers or defaults["layers"],
+        "reps": reps or defaults["reps"],
         "device": device,
         "dtype": dtype,
         "torch_threads": 1,
     }
-    started = time.monotonic()
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
-        heads = heads or max(1, hidden // 32)
-        model_dir = make_tiny_model(
-            Path(tmp) / "model",
-            layers=layers,
-            hidden=hidden,
-            heads=heads,
-            max_positions=prompt_tokens + max_new_tokens + 8,
+
+
+def _measure(
+    engine: Any, config: dict[str, Any], progress: Progress, deadline: float | None
+) -> tuple[dict[str, dict[str, Any]], dict[str, list[float]], dict[str, Any]]:
+    """Serve the engine and alternate the five sides' rounds; the engine is stopped after."""
+    from rollout_fleet.client import EngineClient
+
+    # One long-lived client on one event loop, as a rollout worker holds it.
+    loop = asyncio.new_event_loop()
+    client: EngineClient | None = None
+    remote: _RemoteClient | None = None
+    try:
+        url = engine.start_server()
+        client = EngineClient(url, timeout_s=600)
+        vocab = engine.runner.vocab_size
+        rng = random.Random(0)
+        prompts = [
+            [rng.randrange(6, vocab) for _ in range(config["prompt_tokens"])]
+            for _ in range(config["batch"])
+        ]
+        samples = _samples(prompts, config["group_size"])
+        params = {
+            "temperature": 1.0,
+            "max_new_tokens": config["max_new_tokens"],
+            "ignore_eos": True,
+        }
+        remote = _RemoteClient(url, samples, params)
+        figures, paired = _alternate_paired(
+            _rounds(engine, client, loop, remote, prompts, params, config),
+            config["reps"],
+            progress=progress,
+            deadline=deadline,
         )
-        engine = EmbeddedEngine(
-            model_dir, engine_id="bench", device=device, max_running_requests=rows,
-            num_threads=1, dtype=dtype,
-        )  # fmt: skip
-        # One long-lived client on one event loop, as a rollout worker holds it.
-        loop = asyncio.new_event_loop()
-        client: EngineClient | None = None
-        remote: _RemoteClient | None = None
-        try:
-            url = engine.start_server()
-            client = EngineClient(url, timeout_s=600)
-            vocab = engine.runner.vocab_size
-            rng = random.Random(0)
-            prompts = [
-                [rng.randrange(6, vocab) for _ in range(prompt_tokens)] for _ in range(batch)
-            ]
-            samples = _samples(prompts, group_size)
-            params = {"temperature": 1.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
-            model = engine.runner.model
-            hf_input = torch.tensor(prompts, device=engine.runner.device)
-            expected_tokens = rows * max_new_tokens
+        return figures, paired, engine.scheduler.load()
+    finally:
+        if remote is not None:
+            remote.close()
+        if client is not None:
+            loop.run_until_complete(client.close())
+        loop.close()
+        engine.stop()
 
-            def flush() -> None:  # no round reuses prompts prefilled by an earlier one
-                engine.scheduler.flush_cache().result()
 
-            async def engine_requests() -> float:
-                assert client is not None
-                t0 = time.perf_counter()
-                outs = await asyncio.gather(*(client.generate(p, params) for p in samples))
-                wall = time.perf_counter() - t0
-                tokens = sum(len(o["output_ids"]) for o in outs)
-                if tokens != expected_tokens:
-                    raise RuntimeError(
-                        f"engine produced {tokens} tokens, expected {expected_tokens}"
-                    )
-                return tokens / wall
+def _rounds(
+    engine: Any,
+    client: Any,
+    loop: asyncio.AbstractEventLoop,
+    remote: _RemoteClient,
+    prompts: list[list[int]],
+    params: dict[str, Any],
+    config: dict[str, Any],
+) -> dict[str, Callable[[], float]]:
+    """One round (tokens/s of one batch) per side: engine over HTTP, generate, scheduler..."""
+    import torch
 
-            def engine_round() -> float:
-                flush()
-                return loop.run_until_complete(engine_requests())
+    max_new_tokens, group_size = config["max_new_tokens"], config["group_size"]
+    samples = _samples(prompts, group_size)
+    model = engine.runner.model
+    hf_input = torch.tensor(prompts, device=engine.runner.device)
+    expected_tokens = config["rows"] * max_new_tokens
 
-            remote = _RemoteClient(url, samples, params)
+    def flush() -> None:  # no round reuses prompts prefilled by an earlier one
+        engine.scheduler.flush_cache().result()
 
-            def remote_round() -> float:
-                assert remote is not None
-                flush()
-                return remote.round()
+    def engine_round() -> float:
+        flush()
+        return loop.run_until_complete(_generate_rate(client, samples, params, expected_tokens))
 
-            def scheduler_round() -> float:
-                return _scheduler_round(engine.scheduler, samples, max_new_tokens, True)
+    def remote_round() -> float:
+        flush()
+        return remote.round()
 
-            def scheduler_unshared_round() -> float:
-                return _scheduler_round(engine.scheduler, samples, max_new_tokens, False)
+    def scheduler_round() -> float:
+        return _scheduler_round(engine.scheduler, samples, max_new_tokens, True)
 
-            def hf_round() -> float:
-                with torch.inference_mode():
-                    t0 = time.perf_counter()
-                    out = model.generate(
-                        hf_input,
-                        attention_mask=torch.ones_like(hf_input),
-                        do_sample=True,
-                        temperature=1.0,
-                        top_p=1.0,
-                        top_k=0,
-                        max_new_tokens=max_new_tokens,
-                        num_return_sequences=group_size,
-                        eos_token_id=10**9,
-                        pad_token_id=0,
-                    )
-                    wall = time.perf_counter() - t0
-                return (out.shape[1] - prompt_tokens) * out.shape[0] / wall
+    def scheduler_unshared_round() -> float:
+        return _scheduler_round(engine.scheduler, samples, max_new_tokens, False)
 
-            figures, paired = _alternate_paired(
-                {
-                    "engine_tokens_per_s": engine_round,
-                    "hf_generate_tokens_per_s": hf_round,
-                    "scheduler_tokens_per_s": scheduler_round,
-                    "scheduler_unshared_tokens_per_s": scheduler_unshared_round,
-                    "remote_client_tokens_per_s": remote_round,
-                },
-                reps,
-                progress=progress,
-                deadline=deadline,
+    def hf_round() -> float:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model.generate(
+                hf_input,
+                attention_mask=torch.ones_like(hf_input),
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=group_size,
+                eos_token_id=10**9,
+                pad_token_id=0,
             )
-            engine_stats = engine.scheduler.load()
-        finally:
-            if remote is not None:
-                remote.close()
-            if client is not None:
-                loop.run_until_complete(client.close())
-            loop.close()
-            engine.stop()
+            wall = time.perf_counter() - t0
+        return (out.shape[1] - config["prompt_tokens"]) * out.shape[0] / wall
+
+    return {
+        "engine_tokens_per_s": engine_round,
+        "hf_generate_tokens_per_s": hf_round,
+        "scheduler_tokens_per_s": scheduler_round,
+        "scheduler_unshared_tokens_per_s": scheduler_unshared_round,
+        "remote_client_tokens_per_s": remote_round,
+    }
+
+
+def _summary(figures: dict[str, dict[str, Any]], paired: dict[str, list[float]]) -> dict[str, Any]:
+    """The headline ratios: each side's median rate against generate's, and the paired medians."""
     rate = {name: f["median"] for name, f in figures.items()}
     hf_rate = rate["hf_generate_tokens_per_s"]
-    summary = {
+    return {
         "vs_hf_generate": ratio(rate["engine_tokens_per_s"], hf_rate),
         "engine_tokens_per_s": rate["engine_tokens_per_s"],
         "hf_generate_tokens_per_s": hf_rate,
@@ -410,24 +460,6 @@ def run(
         "paired_scheduler_vs_hf_generate": median(paired["scheduler_tokens_per_s"]),
         "paired_remote_client_vs_hf_generate": median(paired["remote_client_tokens_per_s"]),
     }
-    results = {**figures, "paired_ratios": paired, "engine_scheduler": engine_stats}
-    write_json(
-        suite_json_path(out_dir, "rollout"),
-        suite_record(
-            "rollout",
-            config=config,
-            results=results,
-            summary=summary,
-            wall_s=time.monotonic() - started,
-        ),
-    )
-    log.info(
-        "rollout: engine %.0f tok/s, generate %.0f tok/s, ratio %s",
-        rate["engine_tokens_per_s"],
-        hf_rate,
-        summary["vs_hf_generate"],
-    )
-    return {"config": config, "results": results, "summary": summary}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,9 +62,7 @@ from bench.common import (
     Progress,
     end_process_group,
     ratio,
-    suite_json_path,
-    suite_record,
-    write_json,
+    write_suite,
 )
 from bench.e2e import read_metrics
 from bench.trl_grpo import ASYNC_TRAINER_NOTE, trl_available
@@ -353,14 +351,6 @@ def _write(
         "trl": "GRPOTrainer (trl 1.16.0); " + ASYNC_TRAINER_NOTE,
     }
     results = {"runs": runs}
-    write_json(
-        suite_json_path(out_dir, SUITE),
-        suite_record(
-            SUITE,
-            config=config,
-            results=results,
-            summary=summary,
-            wall_s=time.monotonic() - started,
-        ),  # fmt: skip
+    return write_suite(
+        out_dir, SUITE, config=config, results=results, summary=summary, started=started
     )
-    return {"config": config, "results": results, "summary": summary}

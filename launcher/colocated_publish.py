@@ -1,6 +1,6 @@
 """A learner rank's part of a co-located run (``rollout.placement: colocated``): its pushes.
 
-``LearnerColocation`` is what ``launcher.roles.LearnerRole`` holds in a co-located run:
+``LearnerColocation`` is what ``launcher.learner_role.LearnerRole`` holds in a co-located run:
 the rank's ``learner.offload.DeviceResidency`` (its state off the GPU while the engine
 generates) and its ``weight_sync.tensor_push.TensorSender``, and the rank's publish.
 
@@ -76,7 +76,7 @@ class LearnerColocation:
 def publish_colocated(
     role: Any, colocation: LearnerColocation, version: int, targets: WeightTargets, restored: bool
 ) -> PublishResult:
-    """This rank's push of ``version`` (``role``: a set-up ``launcher.roles.LearnerRole``)."""
+    """This rank's push of ``version`` (``role``: a set-up ``launcher.learner_role.LearnerRole``)."""
     onload_s = colocation.residency.onload(optimizers=False)  # the push reads weights only
     stream = role.worker.named_full_tensors()
     role.worker.policy_version = version

@@ -1,6 +1,6 @@
 """The rollout role's part of a co-located run (``rollout.placement: colocated``).
 
-``RolloutColocation`` is what ``launcher.roles.RolloutRole`` holds in a co-located run:
+``RolloutColocation`` is what ``launcher.rollout_role.RolloutRole`` holds in a co-located run:
 
 - placement: engine slot i < ``rollout.colocated_engines`` is created in bundle i of the
   learner's placement group (``launcher.placement.colocated_engine_options``); a mixed

@@ -1,6 +1,6 @@
 """The rollout role's part of fleet scaling: its elastic controllers and the control endpoint.
 
-``RolloutScaling`` lives in the rollout role (launcher/roles.py) beside the fleets it
+``RolloutScaling`` lives in the rollout role (launcher/rollout_role.py) beside the fleets it
 steers. With ``rollout.elastic`` it holds one ``rollout_fleet.elastic.ElasticFleet`` for the
 rollout engines (drained engines' requests finish or are aborted as ``weight_sync.pause_mode``
 says; their load is the router's requests outstanding) and one for the reward servers the

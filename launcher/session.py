@@ -111,13 +111,14 @@ class Run:
         """
         import ray
 
+        from launcher.learner_role import LearnerRole
         from launcher.placement import (
             bundle_options,
             init_ray,
             learner_placement_group,
             wait_for_learner_group,
         )
-        from launcher.roles import LearnerRole, remote_class
+        from launcher.roles import remote_class
 
         cfg = self.cfg
         self.phase = "starting Ray"
@@ -196,7 +197,8 @@ class Run:
         """Create the rollout role and ask it to start its engines; the pending start's ref."""
 
         from launcher.placement import wait_for_engine_room
-        from launcher.roles import RolloutRole, remote_class
+        from launcher.roles import remote_class
+        from launcher.rollout_role import RolloutRole
 
         cfg = self.cfg
         control_server, self._control_client = make_control_keys()  # the fleet control's keys
@@ -236,7 +238,8 @@ class Run:
         """Start (or restart, on the same bank and addresses) the buffer; its bound addresses."""
         import ray
 
-        from launcher.roles import BufferRole, remote_class
+        from launcher.buffer_role import BufferRole
+        from launcher.roles import remote_class
 
         attempts = 1 if self.buffer_addresses is None else BUFFER_REBIND_ATTEMPTS
         for attempt in range(1, attempts + 1):

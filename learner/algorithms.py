@@ -411,52 +411,38 @@ def policy_loss(
     dual clip was active), ``ppo_kl`` (masked mean of old_logprob − logprob),
     ``pg_loss`` (the returned loss, detached).
     """
-    for name, tensor in (
-        ("logprob", logprob),
-        ("old_logprob", old_logprob),
-        ("advantages", advantages),
-    ):
-        _check_2d(name, tensor, response_mask, "policy_loss")
-    if is_weights is not None:
-        _check_2d("is_weights", is_weights, response_mask, "policy_loss")
-    if behavior_logprob is not None:
-        _check_2d("behavior_logprob", behavior_logprob, response_mask, "policy_loss")
-    if clip_ratio_low < 0 or clip_ratio_high < 0:
-        raise ValueError(
-            f"policy_loss: clip ratios must be >= 0, got low={clip_ratio_low}, high={clip_ratio_high}"
-        )
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"policy_loss: clip_ratio_c must be > 1 (dual clip), got {clip_ratio_c}")
-
+    _check_policy_loss_args(
+        logprob,
+        old_logprob,
+        advantages,
+        response_mask,
+        is_weights,
+        behavior_logprob,
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+    )
     # Masked before exp: a tool/env token's behaviour logprob is 0.0 and its policy logprob
     # can be very negative, and an overflow there would turn its 0 weight into NaN.
     trained = response_mask > 0
     log_ratio = _masked_log_ratio(logprob, old_logprob, trained)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
-    per_token = torch.maximum(unclipped, clipped)
-    clip_active = clipped > unclipped
-    if clip_ratio_c is not None:
-        negative_advantage = advantages < 0
-        dual_bound = -advantages * clip_ratio_c
-        dual_active = (per_token > dual_bound) & negative_advantage
-        per_token = torch.where(negative_advantage, torch.minimum(per_token, dual_bound), per_token)
-    else:
-        dual_active = torch.zeros_like(clip_active)
+    per_token, clip_active, dual_active = _clipped_surrogate(
+        torch.exp(log_ratio), advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c
+    )
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
     behavior_active = torch.zeros_like(clip_active)
     if behavior_logprob is not None:
-        behavior_ratio = torch.exp(_masked_log_ratio(logprob, behavior_logprob.detach(), trained))
-        bound = -advantages * torch.clamp(behavior_ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
-        past = ((advantages > 0) & (behavior_ratio > 1 + clip_ratio_high)) | (
-            (advantages < 0) & (behavior_ratio < 1 - clip_ratio_low)
+        per_token, behavior_active = _behavior_trust_region(
+            per_token,
+            logprob,
+            behavior_logprob,
+            advantages,
+            trained,
+            is_weights,
+            clip_ratio_low,
+            clip_ratio_high,
         )
-        if is_weights is not None:
-            past = past & (is_weights.detach() > 0)
-        behavior_active = past & (bound > per_token)
-        per_token = torch.where(behavior_active, bound.detach(), per_token)
 
     loss = agg_loss(
         per_token,
@@ -477,6 +463,80 @@ def policy_loss(
             "pg_loss": loss.detach(),
         }
     return loss, metrics
+
+
+def _check_policy_loss_args(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    is_weights: torch.Tensor | None,
+    behavior_logprob: torch.Tensor | None,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None,
+) -> None:
+    """``policy_loss``'s input checks: shapes against the mask, clip ratios in range."""
+    for name, tensor in (
+        ("logprob", logprob),
+        ("old_logprob", old_logprob),
+        ("advantages", advantages),
+    ):
+        _check_2d(name, tensor, response_mask, "policy_loss")
+    if is_weights is not None:
+        _check_2d("is_weights", is_weights, response_mask, "policy_loss")
+    if behavior_logprob is not None:
+        _check_2d("behavior_logprob", behavior_logprob, response_mask, "policy_loss")
+    if clip_ratio_low < 0 or clip_ratio_high < 0:
+        raise ValueError(
+            f"policy_loss: clip ratios must be >= 0, got low={clip_ratio_low}, high={clip_ratio_high}"
+        )
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"policy_loss: clip_ratio_c must be > 1 (dual clip), got {clip_ratio_c}")
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token max(−A·r, −A·clip(r)), dual-clipped for A < 0; with where each clip bound."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    per_token = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    if clip_ratio_c is not None:
+        negative_advantage = advantages < 0
+        dual_bound = -advantages * clip_ratio_c
+        dual_active = (per_token > dual_bound) & negative_advantage
+        per_token = torch.where(negative_advantage, torch.minimum(per_token, dual_bound), per_token)
+    else:
+        dual_active = torch.zeros_like(clip_active)
+    return per_token, clip_active, dual_active
+
+
+def _behavior_trust_region(
+    per_token: torch.Tensor,
+    logprob: torch.Tensor,
+    behavior_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    trained: torch.Tensor,
+    is_weights: torch.Tensor | None,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The constant bound on tokens already past the behaviour trust region (see policy_loss)."""
+    behavior_ratio = torch.exp(_masked_log_ratio(logprob, behavior_logprob.detach(), trained))
+    bound = -advantages * torch.clamp(behavior_ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    past = ((advantages > 0) & (behavior_ratio > 1 + clip_ratio_high)) | (
+        (advantages < 0) & (behavior_ratio < 1 - clip_ratio_low)
+    )
+    if is_weights is not None:
+        past = past & (is_weights.detach() > 0)
+    behavior_active = past & (bound > per_token)
+    return torch.where(behavior_active, bound.detach(), per_token), behavior_active
 
 
 def _masked_log_ratio(

@@ -107,9 +107,54 @@ def prepare_targets(
     )
     old_logprob = behavior if prox_logprob is None else prox_logprob
     valid = torch.from_numpy(batch.reward_valid).to(device)
+    metrics: dict[str, float] = {}
+    scores = _scores(batch, cfg, valid, device, max_response_length, metrics)
+    token_rewards = alg.scores_to_token_rewards(scores, mask)
+    if cfg.kl.use_kl_in_reward:
+        if ref_logprob is None:
+            raise ValueError("use_kl_in_reward needs the reference model's logprobs")
+        token_rewards, kl_metrics = alg.apply_kl_penalty_to_rewards(
+            token_rewards, old_logprob, ref_logprob, mask, kl_ctrl, cfg.kl.kl_in_reward_kind
+        )
+        metrics.update(kl_metrics)
+    group = torch.from_numpy(batch.group_index).to(device)
+    advantages, returns = _advantages(cfg, token_rewards, scores, values, mask, group, valid)
+    is_weights = None
+    corr = cfg.correction
+    if corr.mode != "bypass" and not proximal_from_update:
+        is_weights = _importance_weights(cfg, old_logprob, behavior, mask, metrics)
+
+    behavior_clip = corr.mode == "decoupled" and corr.decoupled_behavior_clip
+    ret = returns if returns is not None else token_rewards.flip(-1).cumsum(-1).flip(-1)
+    metrics.update(target_metrics(token_rewards, scores, advantages, ret, values, mask))
+    return (
+        Targets(
+            mask,
+            old_logprob,
+            advantages,
+            is_weights,
+            ref_logprob,
+            values,
+            returns,
+            behavior_logprob=behavior if behavior_clip else None,
+            proximal_from_update=proximal_from_update,
+            behavior=behavior if proximal_from_update else None,
+        ),
+        metrics,
+    )
+
+
+def _scores(
+    batch: GlobalBatch,
+    cfg: LearnerConfig,
+    valid: torch.Tensor,
+    device: torch.device,
+    max_response_length: int,
+    metrics: dict[str, float],
+) -> torch.Tensor:
+    """Sequence scores (0.0 where the reward failed) plus DAPO's overlong punishment."""
     scores = torch.from_numpy(batch.scores).to(device)
     scores = torch.where(valid, scores, torch.zeros_like(scores))
-    metrics: dict[str, float] = {}
     algo = cfg.algorithm
     if algo.overlong_buffer_len > 0:
         penalty = alg.overlong_penalty(
@@ -122,17 +167,20 @@ def prepare_targets(
         scored = penalty[valid]
         metrics["reward/overlong_penalty/mean"] = float(scored.mean())
         metrics["reward/overlong_frac"] = float((scored < 0).float().mean())
+    return scores
 
-    token_rewards = alg.scores_to_token_rewards(scores, mask)
-    if cfg.kl.use_kl_in_reward:
-        if ref_logprob is None:
-            raise ValueError("use_kl_in_reward needs the reference model's logprobs")
-        token_rewards, kl_metrics = alg.apply_kl_penalty_to_rewards(
-            token_rewards, old_logprob, ref_logprob, mask, kl_ctrl, cfg.kl.kl_in_reward_kind
-        )
-        metrics.update(kl_metrics)
 
-    group = torch.from_numpy(batch.group_index).to(device)
+def _advantages(
+    cfg: LearnerConfig,
+    token_rewards: torch.Tensor,
+    scores: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor,
+    group: torch.Tensor,
+    valid: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token advantages of ``algorithm.adv_estimator``, and GAE's returns (else None)."""
+    algo = cfg.algorithm
     returns = None
     if algo.adv_estimator == "gae":
         if values is None:
@@ -156,41 +204,31 @@ def prepare_targets(
         advantages = alg.compute_reinforce_pp_advantages(token_rewards, mask, algo.gamma)
     else:
         raise ValueError(f"unknown adv_estimator {algo.adv_estimator!r}")
+    return advantages, returns
 
-    is_weights = None
+
+def _importance_weights(
+    cfg: LearnerConfig,
+    old_logprob: torch.Tensor,
+    behavior: torch.Tensor,
+    mask: torch.Tensor,
+    metrics: dict[str, float],
+) -> torch.Tensor:
+    """π_prox/π_behav weights of ``correction``; their statistics go into ``metrics`` (is/*)."""
     corr = cfg.correction
-    if corr.mode != "bypass" and not proximal_from_update:
-        is_weights, is_metrics = alg.compute_importance_weights(
-            old_logprob,
-            behavior,
-            mask,
-            corr.mode,
-            cap=corr.is_cap,
-            low=corr.is_low,
-            high=corr.is_high,
-            decoupled_cap=corr.decoupled_cap or None,
-        )
-        for key, value in is_metrics.items():
-            metrics["is/" + key.removeprefix("is_")] = float(value)
-
-    behavior_clip = corr.mode == "decoupled" and corr.decoupled_behavior_clip
-    ret = returns if returns is not None else token_rewards.flip(-1).cumsum(-1).flip(-1)
-    metrics.update(target_metrics(token_rewards, scores, advantages, ret, values, mask))
-    return (
-        Targets(
-            mask,
-            old_logprob,
-            advantages,
-            is_weights,
-            ref_logprob,
-            values,
-            returns,
-            behavior_logprob=behavior if behavior_clip else None,
-            proximal_from_update=proximal_from_update,
-            behavior=behavior if proximal_from_update else None,
-        ),
-        metrics,
+    is_weights, is_metrics = alg.compute_importance_weights(
+        old_logprob,
+        behavior,
+        mask,
+        corr.mode,
+        cap=corr.is_cap,
+        low=corr.is_low,
+        high=corr.is_high,
+        decoupled_cap=corr.decoupled_cap or None,
     )
+    for key, value in is_metrics.items():
+        metrics["is/" + key.removeprefix("is_")] = float(value)
+    return is_weights
 
 
 def target_metrics(

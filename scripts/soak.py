@@ -147,10 +147,84 @@ def _stop_run(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def _sample(
+    t: float, metrics: MetricsTail, roster: dict[str, int], run_dir: Path, psutil: Any, fuzzer: Any
+) -> dict[str, Any]:
+    """One record of the soak: the step, load, each role's memory and CPU, disk, buffer, fuzz."""
+    return {
+        "t": t,
+        "step": metrics.step,
+        "load": os.getloadavg()[0],
+        "roles": {r: {"pid": p, "rss_mb": _rss_mb(psutil, p), "cpu_s": _cpu_s(psutil, p)}
+                  for r, p in roster.items()},
+        "disk_mb": {
+            "run dir": _du_mb(run_dir),
+            "rollout bank": _du_mb(run_dir / "rollout_bank"),
+            "checkpoints": _du_mb(run_dir / "checkpoints"),
+        },
+        "buffer": {k[7:]: v for k, v in metrics.last.items() if k.startswith("buffer/")},
+        "fuzz_sent": fuzzer.total if fuzzer else 0,
+    }  # fmt: skip
+
+
+def _fuzz_report(fuzzer: Any, buffer_end: dict[str, Any]) -> dict[str, Any]:
+    """What the fuzzer sent (by socket and kind) and what the buffer rejected of it."""
+    by_kind: dict[str, int] = {}
+    for key, n in (fuzzer.sent if fuzzer else {}).items():
+        by_kind[key.split(".")[1]] = by_kind.get(key.split(".")[1], 0) + n
+    return {
+        "total": fuzzer.total if fuzzer else 0,
+        "ingest": sum(n for k, n in (fuzzer.sent if fuzzer else {}).items() if k.startswith("ingest")),
+        "control": sum(n for k, n in (fuzzer.sent if fuzzer else {}).items() if k.startswith("control")),
+        "would_block": fuzzer.would_block if fuzzer else 0,
+        "replies": fuzzer.replies if fuzzer else 0,
+        "by_kind": by_kind,
+        "buffer_rejected": buffer_end.get("rejected_frames", 0),
+        "buffer_rejected_by_reason": {k[16:]: v for k, v in buffer_end.items()
+                                      if k.startswith("rejected_frames.")},
+    }  # fmt: skip
+
+
+def _report(
+    args: argparse.Namespace,
+    overrides: list[str],
+    per_step: int,
+    exit_status: int | None,
+    samples: list[dict[str, Any]],
+    fuzzer: Any,
+    audit: dict[str, Any],
+) -> dict[str, Any]:
+    """``soak.json``'s content: the settings, every sample, their summary, audit and fuzz."""
+    from soak_report import summarize
+
+    buffer_end = samples[-1]["buffer"] if samples else {}
+    return {
+        "config": args.config,
+        "overrides": overrides,
+        "minutes": samples[-1]["t"] / 60 if samples else 0.0,
+        "interval_s": args.interval_s,
+        "warmup_s": args.warmup_min * 60,
+        "window_s": args.window_min * 60,
+        "cpus": os.cpu_count(),
+        "samples_per_step": per_step,
+        "exit_status": exit_status,
+        "samples": samples,
+        "summary": summarize(samples, samples_per_step=per_step, warmup_s=args.warmup_min * 60,
+                             window_s=args.window_min * 60),  # fmt: skip
+        "audit": audit,
+        "fuzz": _fuzz_report(fuzzer, buffer_end),
+        "buffer_end": {k: buffer_end.get(k) for k in (
+            "accepted_samples", "refused_stale", "duplicates", "bank_disk_bytes",
+            "bank_segments", "pruned_segments", "store_known_uids", "store_known_groups",
+            "tracked_handouts", "retention_final_groups", "bank_over_bound",
+            "undeliverable_replies")},
+    }  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     from soak_fuzz import FrameFuzzer
-    from soak_report import audit, plot, render_markdown, summarize
+    from soak_report import audit, plot, render_markdown
 
     from launcher.config import load_run_config
     from launcher.supervision import import_psutil
@@ -195,21 +269,8 @@ def main(argv: list[str]) -> int:
                 deadline = t_zero + args.minutes * 60
             roster = json.loads(roster_path.read_text())
             samples.append(
-                {
-                    "t": time.monotonic() - t_zero,
-                    "step": metrics.step,
-                    "load": os.getloadavg()[0],
-                    "roles": {r: {"pid": p, "rss_mb": _rss_mb(psutil, p), "cpu_s": _cpu_s(psutil, p)}
-                              for r, p in roster.items()},
-                    "disk_mb": {
-                        "run dir": _du_mb(run_dir),
-                        "rollout bank": _du_mb(run_dir / "rollout_bank"),
-                        "checkpoints": _du_mb(run_dir / "checkpoints"),
-                    },
-                    "buffer": {k[7:]: v for k, v in metrics.last.items() if k.startswith("buffer/")},
-                    "fuzz_sent": fuzzer.total if fuzzer else 0,
-                }
-            )  # fmt: skip
+                _sample(time.monotonic() - t_zero, metrics, roster, run_dir, psutil, fuzzer)
+            )
             s = samples[-1]
             print(f"[soak] t={s['t']:.0f}s step={s['step']} load={s['load']:.2f} "
                   f"fuzz={s['fuzz_sent']} bank={s['disk_mb']['rollout bank']:.1f}MiB", flush=True)  # fmt: skip
@@ -221,42 +282,8 @@ def main(argv: list[str]) -> int:
         finally:
             _stop_run(proc)
             log_file.close()
-    margin = 2 * cfg.rollout.max_concurrent_groups
-    buffer_end = samples[-1]["buffer"] if samples else {}
-    by_kind: dict[str, int] = {}
-    for key, n in (fuzzer.sent if fuzzer else {}).items():
-        by_kind[key.split(".")[1]] = by_kind.get(key.split(".")[1], 0) + n
-    report = {
-        "config": args.config,
-        "overrides": overrides,
-        "minutes": samples[-1]["t"] / 60 if samples else 0.0,
-        "interval_s": args.interval_s,
-        "warmup_s": args.warmup_min * 60,
-        "window_s": args.window_min * 60,
-        "cpus": os.cpu_count(),
-        "samples_per_step": per_step,
-        "exit_status": proc.returncode,
-        "samples": samples,
-        "summary": summarize(samples, samples_per_step=per_step, warmup_s=args.warmup_min * 60,
-                             window_s=args.window_min * 60),  # fmt: skip
-        "audit": audit(run_dir, margin),
-        "fuzz": {
-            "total": fuzzer.total if fuzzer else 0,
-            "ingest": sum(n for k, n in (fuzzer.sent if fuzzer else {}).items() if k.startswith("ingest")),
-            "control": sum(n for k, n in (fuzzer.sent if fuzzer else {}).items() if k.startswith("control")),
-            "would_block": fuzzer.would_block if fuzzer else 0,
-            "replies": fuzzer.replies if fuzzer else 0,
-            "by_kind": by_kind,
-            "buffer_rejected": buffer_end.get("rejected_frames", 0),
-            "buffer_rejected_by_reason": {k[16:]: v for k, v in buffer_end.items()
-                                          if k.startswith("rejected_frames.")},
-        },  # fmt: skip
-        "buffer_end": {k: buffer_end.get(k) for k in (
-            "accepted_samples", "refused_stale", "duplicates", "bank_disk_bytes",
-            "bank_segments", "pruned_segments", "store_known_uids", "store_known_groups",
-            "tracked_handouts", "retention_final_groups", "bank_over_bound",
-            "undeliverable_replies")},
-    }  # fmt: skip
+    report = _report(args, overrides, per_step, proc.returncode, samples, fuzzer,
+                     audit(run_dir, 2 * cfg.rollout.max_concurrent_groups))  # fmt: skip
     (out / "soak.json").write_text(json.dumps(report, indent=2))
     (out / "soak.md").write_text(render_markdown(report))
     plot(report, out / "soak.png")

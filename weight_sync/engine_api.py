@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Protocol
 
-from weight_sync.engine_client import EngineClient, EngineEndpoint
+from weight_sync.engine_client import EngineClient, EngineEndpoint, GroupJoin
 
 
 class WeightEngine(Protocol):
@@ -32,7 +32,7 @@ class WeightEngine(Protocol):
 
     def resume(self) -> dict[str, Any]: ...
 
-    def init_group(self, **fields: Any) -> dict[str, Any]: ...
+    def init_group(self, join: GroupJoin) -> dict[str, Any]: ...
 
     def begin_update(self) -> dict[str, Any]: ...
 

@@ -56,6 +56,23 @@ class EngineEndpoint:
             raise ValueError(f"engine {self.name}: world_size must be >= 1, got {self.world_size}")
 
 
+@dataclass(frozen=True)
+class GroupJoin:
+    """What an engine needs to join the learner's weight group (the learner is rank 0).
+
+    ``rank_offset`` is the engine's first rank (its TP ranks follow); ``bucket_bytes`` the
+    sender's bucket size, for an API that sizes its receive buffers once at the join.
+    """
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+    bucket_bytes: int = 0
+
+
 class EngineCallError(RuntimeError):
     """One HTTP call to one engine failed; ``engine`` names it, ``unreachable`` says it did not answer."""
 
@@ -73,6 +90,7 @@ class EngineClient:
     # tensors sent uncopied, one broadcast each inside one request, are SGLang's per-tensor
     # format; an engine API without it gets every tensor in a flat bucket
     takes_per_tensor_broadcasts = True
+    weight_version_route = "/model_info"  # GET: a body with the version the engine serves
 
     def __init__(self, endpoint: EngineEndpoint, timeout_s: float) -> None:
         self.endpoint = endpoint
@@ -132,28 +150,18 @@ class EngineClient:
             return False
         return True
 
-    def init_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-        bucket_bytes: int = 0,
-    ) -> dict[str, Any]:
-        """Join the learner's group (``bucket_bytes``: the sender's bucket size, which SGLang
-        learns from each request instead)."""
+    def init_group(self, join: GroupJoin) -> dict[str, Any]:
+        """Join the learner's group (``join.bucket_bytes``: SGLang learns the bucket size from
+        each request instead)."""
         return self.call(
             "/init_weights_update_group",
             {
-                "master_address": master_address,
-                "master_port": master_port,
-                "rank_offset": rank_offset,
-                "world_size": world_size,
-                "group_name": group_name,
-                "backend": backend,
+                "master_address": join.master_address,
+                "master_port": join.master_port,
+                "rank_offset": join.rank_offset,
+                "world_size": join.world_size,
+                "group_name": join.group_name,
+                "backend": join.backend,
             },
         )
 
@@ -230,11 +238,14 @@ class EngineClient:
         return self.call("/continue_generation", {})
 
     def weight_version(self) -> str:
-        """The version the engine serves, from ``GET /model_info``."""
-        body = self.call("/model_info", method="GET")
+        """The version the engine serves, from ``GET`` its ``weight_version_route``."""
+        body = self.call(self.weight_version_route, method="GET")
         if "weight_version" not in body:
             raise EngineCallError(
-                self.name, "/model_info", "reply has no weight_version", unreachable=False
+                self.name,
+                self.weight_version_route,
+                "reply has no weight_version",
+                unreachable=False,
             )
         return str(body["weight_version"])
 

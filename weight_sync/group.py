@@ -27,6 +27,7 @@ import datetime
 import socket
 import threading
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,6 +98,25 @@ def connect_store(master_address: str, master_port: int, timeout_s: float) -> di
     return dist.TCPStore(master_address, int(master_port), None, False, _timedelta(timeout_s))
 
 
+def gloo_backend(
+    store: dist.Store, rank: int, world_size: int, timeout_s: float
+) -> dist.ProcessGroupGloo:
+    """A gloo process group on ``store`` with ``timeout_s`` on every collective."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = _timedelta(timeout_s)
+    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
+def broadcast_options(src: int, timeout_s: float) -> dist.BroadcastOptions:
+    """A broadcast from rank ``src`` that gives up after ``timeout_s``."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    opts.timeout = _timedelta(timeout_s)
+    return opts
+
+
 def _sglang_style_group(
     store: dist.Store,
     group_name: str,
@@ -139,10 +159,7 @@ def _sglang_style_group(
     backend_store = dist.PrefixStore(f"{device}/", group_store)
     pg = dist.ProcessGroup(group_store, rank, world_size)
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_default_device()]
-        impl = dist.ProcessGroupGloo(backend_store, rank, world_size, options)
+        impl = gloo_backend(backend_store, rank, world_size, timeout_s)
         kind = dist.ProcessGroup.BackendType.GLOO
     else:
         nccl_options = dist.ProcessGroupNCCL.Options()
@@ -154,17 +171,13 @@ def _sglang_style_group(
     return pg
 
 
-class WeightGroup:
-    """One rank's membership in a weight-update group; rank 0 is the learner.
+class BroadcastGroup:
+    """Rank 0's side of one engine API's weight-update group: what every such group shares.
 
-    Formed exactly as SGLang's ``init_custom_process_group`` forms every engine
-    rank (sglang/srt/utils/common.py): the store wrapped in
-    ``PrefixStore(group_name)``, then torch's ``_new_process_group_helper`` with
-    no global ranks (which adds its own ``"{group_name}/"`` and ``"{device}/"``
-    prefixes), and the identity rank map registered. Building rank 0 any other
-    way leaves the two sides waiting on different store keys. The store itself
-    is ours (bound to ``master_address``); engines reach it through
-    ``tcp://master_address:port`` as SGLang's rendezvous does.
+    The constructor's surface (``EngineClient.weight_group`` passes the same options to
+    each API's group), the checks of rank and backend, and ``wait``: a deadline on every
+    collective and every backend failure as ``GroupError``. A subclass forms the group
+    (``_connect``), starts broadcasts and says when a collective is done (``_until_done``).
     """
 
     def __init__(
@@ -192,25 +205,18 @@ class WeightGroup:
         self.device = torch.device(device)
         self.master_address = master_address
         self._store = store  # the master keeps its server alive through this reference
-        # NCCL's watchdog gets a grace period so our own deadline (``wait``) fires first.
-        backend_timeout = self.timeout_s + (NCCL_WATCHDOG_GRACE_S if backend == "nccl" else 0.0)
-        self._registered = register
-        self._pg = _sglang_style_group(
-            store, group_name, rank, world_size, backend, backend_timeout, register=register
-        )
+        self._connect(register)
         self.closed = False
 
-    def broadcast(self, flat: torch.Tensor, src: int = 0) -> dist.Work:
-        """Start a broadcast of a tensor from ``src`` (all ranks call it); returns the Work."""
-        if self.closed:
-            raise GroupError(f"group {self.group_name} is closed")
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        opts.timeout = _timedelta(self.timeout_s)
-        return self._pg.broadcast([flat], opts)
+    def _connect(self, register: bool) -> None:
+        """Form the group on ``self._store`` (``register``: in torch's registry by name)."""
+        raise NotImplementedError
 
-    def wait(self, work: dist.Work, what: str, deadline: float | None = None) -> None:
+    def _until_done(self, work: Any, deadline: float) -> bool:
+        """Block until ``work`` completes (True) or ``deadline`` passes (False)."""
+        raise NotImplementedError
+
+    def wait(self, work: Any, what: str, deadline: float | None = None) -> None:
         """Block until ``work`` is done; GroupError on failure or past ``deadline`` (monotonic)."""
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
@@ -224,6 +230,54 @@ class WeightGroup:
             if isinstance(err, GroupError):
                 raise
             raise GroupError(f"{what} failed in group {self.group_name}: {err}") from err
+
+
+def poll_until_done(work: Any, deadline: float, poll_s: float = _POLL_S) -> bool:
+    """Poll ``work.is_completed()`` every ``poll_s``: True once done, False past ``deadline``."""
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+class WeightGroup(BroadcastGroup):
+    """One rank's membership in a weight-update group; rank 0 is the learner.
+
+    Formed exactly as SGLang's ``init_custom_process_group`` forms every engine
+    rank (sglang/srt/utils/common.py): the store wrapped in
+    ``PrefixStore(group_name)``, then torch's ``_new_process_group_helper`` with
+    no global ranks (which adds its own ``"{group_name}/"`` and ``"{device}/"``
+    prefixes), and the identity rank map registered. Building rank 0 any other
+    way leaves the two sides waiting on different store keys. The store itself
+    is ours (bound to ``master_address``); engines reach it through
+    ``tcp://master_address:port`` as SGLang's rendezvous does.
+    """
+
+    def _connect(self, register: bool) -> None:
+        """The SGLang-style group on the store, NCCL's watchdog given a grace period."""
+        # NCCL's watchdog gets a grace period so our own deadline (``wait``) fires first.
+        grace = NCCL_WATCHDOG_GRACE_S if self.backend == "nccl" else 0.0
+        self._registered = register
+        self._pg = _sglang_style_group(
+            self._store,
+            self.group_name,
+            self.rank,
+            self.world_size,
+            self.backend,
+            self.timeout_s + grace,
+            register=register,
+        )
+
+    def broadcast(self, flat: torch.Tensor, src: int = 0) -> dist.Work:
+        """Start a broadcast of a tensor from ``src`` (all ranks call it); returns the Work."""
+        if self.closed:
+            raise GroupError(f"group {self.group_name} is closed")
+        return self._pg.broadcast([flat], broadcast_options(src, self.timeout_s))
+
+    def wait(self, work: dist.Work, what: str, deadline: float | None = None) -> None:
+        """``BroadcastGroup.wait``, then the current CUDA stream synchronized (nccl)."""
+        super().wait(work, what, deadline)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -239,11 +293,7 @@ class WeightGroup:
             done = threading.Event()
             work.get_future().add_done_callback(lambda _future: done.set())
             return done.wait(max(0.0, deadline - time.monotonic()))
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(_POLL_S)
-        return True
+        return poll_until_done(work, deadline)
 
     def close(self, *, abort: bool = False) -> None:
         """Leave the group. ``abort`` drops in-flight collectives (peers see an error at once)."""

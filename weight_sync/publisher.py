@@ -2,7 +2,7 @@
 
 ``WeightSender`` (full weights over a collective group) and ``AdapterSender``
 (LoRA adapter folders through SGLang's adapter routes) share this surface, so
-``launcher.roles.LearnerRole`` picks one by ``learner.lora.rank`` and calls the
+``launcher.learner_role.LearnerRole`` picks one by ``learner.lora.rank`` and calls the
 same methods: ``set_members`` (the engines the rollout side's membership chose),
 ``add_engine`` / ``remove_engine`` / ``connect``, ``publish(stream, version)``,
 ``publish_restored`` after a resume, ``close``.

@@ -88,7 +88,7 @@ import torch
 from fleetrl.log import get_logger
 from weight_sync.buckets import Bucket, BufferPool, pack_buckets
 from weight_sync.config import WeightSyncConfig, bucket_mb_for, zero_copy_bytes_for
-from weight_sync.engine_client import EngineCallError, EngineClient, EngineEndpoint
+from weight_sync.engine_client import EngineCallError, EngineClient, EngineEndpoint, GroupJoin
 from weight_sync.errors import BucketFailure, WeightSyncError, describe, drain_stream
 from weight_sync.group import GroupError, MasterStore, WeightGroup, resolve_backend
 from weight_sync.metrics import EngineSyncStatus, SyncMetrics
@@ -466,8 +466,7 @@ class WeightSender(Publisher):
         futures: dict[str, Future] = {}
         rank_offset = 1
         for client in members:
-            futures[client.name] = self._pool.submit(
-                client.init_group,
+            join = GroupJoin(
                 master_address=self.master_address,
                 master_port=store.port,
                 rank_offset=rank_offset,
@@ -476,6 +475,7 @@ class WeightSender(Publisher):
                 backend=self.backend,
                 bucket_bytes=self.bucket_bytes,
             )
+            futures[client.name] = self._pool.submit(client.init_group, join)
             rank_offset += client.endpoint.world_size
         group: WeightGroup | None = None
         join_error = ""

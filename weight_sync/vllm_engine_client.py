@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from weight_sync.engine_client import EngineCallError, EngineClient
+from weight_sync.engine_client import EngineCallError, EngineClient, GroupJoin
 
 PAUSE_MODES = {"in_place": "keep", "abort": "abort", "retract": "abort"}
 PACKED_NUM_BUFFERS = 2
@@ -45,18 +45,9 @@ class VllmWeightClient(EngineClient):
     """The weight-sync client of one vLLM engine (see the module docstring)."""
 
     takes_per_tensor_broadcasts = False
+    weight_version_route = "/weight_info"
 
-    def init_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-        bucket_bytes: int = 0,
-    ) -> dict[str, Any]:
+    def init_group(self, join: GroupJoin) -> dict[str, Any]:
         ranks = self.call("/get_world_size", method="GET").get("world_size")
         if ranks != self.endpoint.world_size:
             raise EngineCallError(
@@ -66,12 +57,12 @@ class VllmWeightClient(EngineClient):
                 unreachable=False,
             )
         init_info = {
-            "master_address": master_address,
-            "master_port": int(master_port),
-            "rank_offset": rank_offset,
-            "world_size": world_size,
+            "master_address": join.master_address,
+            "master_port": int(join.master_port),
+            "rank_offset": join.rank_offset,
+            "world_size": join.world_size,
             "packed": True,
-            "packed_buffer_size_bytes": max(1, int(bucket_bytes)),
+            "packed_buffer_size_bytes": max(1, int(join.bucket_bytes)),
             "packed_num_buffers": PACKED_NUM_BUFFERS,
         }
         return self.call("/init_weight_transfer_engine", {"init_info": init_info})
@@ -79,14 +70,9 @@ class VllmWeightClient(EngineClient):
     def begin_update(self) -> dict[str, Any]:
         return self.call("/start_weight_update", None)
 
-    def update_weights(
-        self,
-        wire_fields: dict[str, list],
-        *,
-        group_name: str,
-        weight_version: str,
-        load_format: str | None,
-    ) -> dict[str, Any]:
+    def update_weights(self, wire_fields: dict[str, list], **_sglang_fields: Any) -> dict[str, Any]:
+        """One bucket's metadata; vLLM takes no group name, version or load format here (the
+        version comes with ``end_update``)."""
         update_info = {
             "names": wire_fields["names"],
             "dtype_names": wire_fields["dtypes"],
@@ -114,14 +100,6 @@ class VllmWeightClient(EngineClient):
 
     def resume(self) -> dict[str, Any]:
         return self.call("/resume", None)
-
-    def weight_version(self) -> str:
-        body = self.call("/weight_info", method="GET")
-        if "weight_version" not in body:
-            raise EngineCallError(
-                self.name, "/weight_info", "reply has no weight_version", unreachable=False
-            )
-        return str(body["weight_version"])
 
     def set_weight_version(self, version: str) -> dict[str, Any]:
         return self.call("/update_weight_version", {"new_version": version})

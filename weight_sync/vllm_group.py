@@ -21,15 +21,19 @@ consumer cuts chunks from the request's metadata with the sender's
 
 from __future__ import annotations
 
-import time
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fleetrl.log import get_logger
-from weight_sync.group import GroupError
+from weight_sync.group import (
+    BroadcastGroup,
+    GroupError,
+    broadcast_options,
+    gloo_backend,
+    poll_until_done,
+)
 
 log = get_logger(__name__)
 
@@ -39,10 +43,7 @@ _POLL_S = 0.001
 
 def gloo_group(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> Any:
     """The gloo process group both sides build on the group's store (CPU runs and tests)."""
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timedelta(seconds=timeout_s)
-    options._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroupGloo(dist.PrefixStore(GLOO_PREFIX, store), rank, world_size, options)
+    return gloo_backend(dist.PrefixStore(GLOO_PREFIX, store), rank, world_size, timeout_s)
 
 
 class _EnqueuedWork:
@@ -67,44 +68,25 @@ class _EnqueuedWork:
         return True
 
 
-class VllmWeightGroup:
+class VllmWeightGroup(BroadcastGroup):
     """Rank 0 (the learner) of a vLLM weight-transfer group; ``WeightGroup``'s surface."""
 
-    def __init__(
-        self,
-        store: dist.Store,
-        *,
-        group_name: str,
-        rank: int,
-        world_size: int,
-        backend: str,
-        timeout_s: float,
-        master_address: str,
-        device: str | torch.device = "cpu",
-        register: bool = True,
-    ) -> None:
-        self.group_name = group_name
-        self.rank = rank
-        self.world_size = world_size
-        self.backend = backend
-        self.timeout_s = float(timeout_s)
-        self.device = torch.device(device)
-        self._store = store
+    def _connect(self, register: bool) -> None:
+        """vLLM's PyNccl communicator on the store (nccl), or the gloo group (CPU)."""
         self._comm: Any = None
         self._pg: Any = None
-        if backend == "nccl":
+        if self.backend == "nccl":
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
             from vllm.distributed.utils import StatelessProcessGroup
 
-            stateless = StatelessProcessGroup(rank=rank, world_size=world_size, store=store)
+            stateless = StatelessProcessGroup(
+                rank=self.rank, world_size=self.world_size, store=self._store
+            )
             self._comm = PyNcclCommunicator(stateless, device=self.device)
             if self._comm.disabled:
                 raise GroupError("vLLM's PyNccl communicator is disabled on this device")
-        elif backend == "gloo":
-            self._pg = gloo_group(store, rank, world_size, self.timeout_s)
         else:
-            raise ValueError(f"unsupported weight-sync backend {backend!r}")
-        self.closed = False
+            self._pg = gloo_group(self._store, self.rank, self.world_size, self.timeout_s)
 
     def broadcast(self, flat: torch.Tensor, src: int = 0) -> Any:
         """Start broadcasting ``flat`` (as bytes) from ``src``; returns its work."""
@@ -112,29 +94,16 @@ class VllmWeightGroup:
             raise GroupError(f"group {self.group_name} is closed")
         data = flat if flat.dtype == torch.uint8 else flat.contiguous().view(-1).view(torch.uint8)
         if self._pg is not None:
-            opts = dist.BroadcastOptions()
-            opts.rootRank = src
-            opts.timeout = timedelta(seconds=self.timeout_s)
-            return self._pg.broadcast([data], opts)
+            return self._pg.broadcast([data], broadcast_options(src, self.timeout_s))
         stream = torch.cuda.current_stream(self.device)
         self._comm.broadcast(data, src=src, stream=stream)
         event = torch.cuda.Event()
         event.record(stream)
         return _EnqueuedWork(event)
 
-    def wait(self, work: Any, what: str, deadline: float | None = None) -> None:
-        """Block until ``work`` is done; GroupError on failure or past ``deadline``."""
-        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
-        try:
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise GroupError(f"{what}: no completion within {self.timeout_s:.1f}s")
-                time.sleep(_POLL_S)
-            work.wait()
-        except RuntimeError as err:
-            if isinstance(err, GroupError):
-                raise
-            raise GroupError(f"{what} failed in group {self.group_name}: {err}") from err
+    def _until_done(self, work: Any, deadline: float) -> bool:
+        """Poll the work (gloo's, or the enqueued PyNccl broadcast's event)."""
+        return poll_until_done(work, deadline, _POLL_S)
 
     def close(self, *, abort: bool = False) -> None:
         """Leave the group; ``abort`` drops in-flight collectives."""

@@ -22,13 +22,13 @@ import hmac
 import ipaddress
 import os
 import threading
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 from aiohttp import web
 
 from fleetrl.log import get_logger
-from rollout_fleet.engine.http_json import error_response
+from rollout_fleet.engine.http_json import error_response, json_response
 from rollout_fleet.engine.requests import RequestError
 
 log = get_logger(__name__)
@@ -64,27 +64,42 @@ def resolve_api_key(host: str, api_key: str | None, require_api_key: bool = Fals
     return key
 
 
+class ServiceOptions(TypedDict, total=False):
+    """``HttpService``'s options, which each server's constructor passes on unchanged."""
+
+    engine_id: str | None  # the server's name in logs and replies (default: the class's)
+    device: str  # where the model runs: cpu (default) or cuda[:i]
+    dtype: str  # the model's dtype (default float32)
+    api_key: str | None  # the bearer key to require (else FLEETRL_API_KEY)
+    require_api_key: bool  # refuse to serve without a key, loopback included
+    num_threads: int | None  # torch threads on the CPU (default 1; None: torch's own)
+    max_body_bytes: int  # the largest request body accepted
+
+
 class HttpService:
     """An engine's aiohttp server with fleetrl's bind rule, bearer key and error handling."""
+
+    default_engine_id = "engine-0"
 
     def __init__(
         self,
         model_path: str,
         *,
-        engine_id: str,
-        device: str,
-        dtype: str,
-        api_key: str | None,
-        require_api_key: bool,
-        num_threads: int | None,
+        engine_id: str | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        api_key: str | None = None,
+        require_api_key: bool = False,
+        num_threads: int | None = 1,
         max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
+        """The options every server takes (a subclass passes them on as ``ServiceOptions``)."""
         import torch
 
         if device == "cpu" and num_threads:
             torch.set_num_threads(num_threads)  # the engine's share of the node's cores
         self.model_path = str(model_path)
-        self.engine_id = engine_id
+        self.engine_id = engine_id or self.default_engine_id
         self.device = device
         self.dtype = dtype
         self.api_key = api_key
@@ -98,6 +113,32 @@ class HttpService:
     def add_routes(self, router: web.UrlDispatcher) -> None:
         """Register the service's handlers (every one an SGLang route)."""
         raise NotImplementedError(f"{type(self).__name__} lists no routes")
+
+    def model_info(self, *, is_generation: bool, weight_version: str, **extra: Any) -> web.Response:
+        """SGLang's ``GET /model_info`` reply: the model, whether it generates, its version."""
+        return json_response(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
+                "is_generation": is_generation,
+                "preferred_sampling_params": None,
+                "weight_version": weight_version,
+                **extra,
+            }
+        )
+
+    def server_info(self, engine: str, **fields: Any) -> web.Response:
+        """``GET /get_server_info``: which server, model, device and dtype, then ``fields``."""
+        return json_response(
+            {
+                "engine": engine,
+                "engine_id": self.engine_id,
+                "model_path": self.model_path,
+                "device": self.device,
+                "dtype": self.dtype,
+                **fields,
+            }
+        )
 
     def app(self, api_key: str | None) -> web.Application:
         app = web.Application(

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Unpack
 
 from aiohttp import web
 
@@ -40,7 +40,7 @@ from fleetrl.log import get_logger
 from rollout_fleet import protocol as P
 from rollout_fleet.engine.embedding_requests import embedding_reply, expand_embedding
 from rollout_fleet.engine.http_json import error_response, json_response, read_body
-from rollout_fleet.engine.http_service import MAX_BODY_BYTES, HttpService
+from rollout_fleet.engine.http_service import HttpService, ServiceOptions
 from rollout_fleet.engine.requests import RequestError
 from rollout_fleet.engine.score_runner import MAX_BATCH_TOKENS, ScoreRunner
 from rollout_fleet.engine.score_worker import ScoreWorker
@@ -54,43 +54,30 @@ HEALTH_PROBE = [0]  # the one-token input SGLang's /health_generate sends an emb
 class RewardEngine(HttpService):
     """An SGLang-compatible reward-model server; see the module docstring."""
 
+    default_engine_id = "reward-0"
+
     def __init__(
         self,
         model_path: str,
         *,
-        engine_id: str = "reward-0",
-        device: str = "cpu",
-        dtype: str = "float32",
         max_running_requests: int = 64,
         max_batch_tokens: int = MAX_BATCH_TOKENS,
-        api_key: str | None = None,
-        require_api_key: bool = False,
-        num_threads: int | None = 1,
         weight_version: str = P.INITIAL_WEIGHT_VERSION,
         log_requests: bool = False,
-        max_body_bytes: int = MAX_BODY_BYTES,
+        **service: Unpack[ServiceOptions],
     ) -> None:
-        super().__init__(
-            model_path,
-            engine_id=engine_id,
-            device=device,
-            dtype=dtype,
-            api_key=api_key,
-            require_api_key=require_api_key,
-            num_threads=num_threads,
-            max_body_bytes=max_body_bytes,
-        )
+        super().__init__(model_path, **service)
         self.weight_version = weight_version
         self.log_requests = log_requests  # SGLang's --log-requests: one line per input
         self.runner = ScoreRunner(
             model_path,
-            device=device,
-            dtype=dtype,
+            device=self.device,
+            dtype=self.dtype,
             max_rows=max_running_requests,
             max_batch_tokens=max_batch_tokens,
         )
         self.worker = ScoreWorker(
-            self.runner, max_running_requests=max_running_requests, name=engine_id
+            self.runner, max_running_requests=max_running_requests, name=self.engine_id
         )
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
@@ -164,37 +151,26 @@ class RewardEngine(HttpService):
         return web.Response(status=200)
 
     async def get_model_info(self, request: web.Request) -> web.Response:
-        return json_response(
-            {
-                "model_path": self.model_path,
-                "tokenizer_path": self.model_path,
-                "is_generation": False,
-                "preferred_sampling_params": None,
-                "weight_version": self.weight_version,
-                "model_type": self.runner.model_type,
-                "architectures": self.runner.architectures,
-            }
+        return self.model_info(
+            is_generation=False,
+            weight_version=self.weight_version,
+            model_type=self.runner.model_type,
+            architectures=self.runner.architectures,
         )
 
     async def get_server_info(self, request: web.Request) -> web.Response:
         worker = self.worker
-        return json_response(
-            {
-                "engine": "fleetrl-embedded-reward",
-                "engine_id": self.engine_id,
-                "model_path": self.model_path,
-                "device": self.device,
-                "dtype": self.dtype,
-                "is_embedding": True,
-                "max_running_requests": worker.max_running_requests,
-                "max_batch_tokens": self.runner.max_batch_tokens,
-                "context_length": self.runner.max_context,
-                "weight_version": self.weight_version,
-                "scored_requests": worker.requests,
-                "scored_items": worker.items,
-                "forwards": self.runner.forwards_run,
-                "internal_states": [worker.load()],
-            }
+        return self.server_info(
+            "fleetrl-embedded-reward",
+            is_embedding=True,
+            max_running_requests=worker.max_running_requests,
+            max_batch_tokens=self.runner.max_batch_tokens,
+            context_length=self.runner.max_context,
+            weight_version=self.weight_version,
+            scored_requests=worker.requests,
+            scored_items=worker.items,
+            forwards=self.runner.forwards_run,
+            internal_states=[worker.load()],
         )
 
     # -- weights ---------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Unpack
 
 import msgspec
 from aiohttp import web
@@ -51,7 +51,7 @@ from rollout_fleet import protocol as P
 from rollout_fleet.engine.adapter_routes import AdapterRoutes
 from rollout_fleet.engine.colocated_routes import ColocatedRoutes
 from rollout_fleet.engine.http_json import json_response, read_body
-from rollout_fleet.engine.http_service import MAX_BODY_BYTES, HttpService
+from rollout_fleet.engine.http_service import HttpService, ServiceOptions
 from rollout_fleet.engine.profile_routes import ProfileRoutes
 from rollout_fleet.engine.relay import EventRelay
 from rollout_fleet.engine.requests import (
@@ -77,34 +77,19 @@ class EmbeddedEngine(HttpService):
         self,
         model_path: str,
         *,
-        engine_id: str = "engine-0",
-        device: str = "cpu",
         max_running_requests: int = 64,
-        dtype: str = "float32",
-        api_key: str | None = None,
-        require_api_key: bool = False,
-        num_threads: int | None = 1,
         weight_version: str = P.INITIAL_WEIGHT_VERSION,
         receiver_factory: Any = None,
-        max_body_bytes: int = MAX_BODY_BYTES,
         memory_saver: bool = False,
+        **service: Unpack[ServiceOptions],
     ) -> None:
-        super().__init__(
-            model_path,
-            engine_id=engine_id,
-            device=device,
-            dtype=dtype,
-            api_key=api_key,
-            require_api_key=require_api_key,
-            num_threads=num_threads,
-            max_body_bytes=max_body_bytes,
-        )
-        self.runner = ModelRunner(model_path, device=device, dtype=dtype)
+        super().__init__(model_path, **service)
+        self.runner = ModelRunner(model_path, device=self.device, dtype=self.dtype)
         self.scheduler = Scheduler(
             self.runner,
             max_running_requests=max_running_requests,
             weight_version=weight_version,
-            name=engine_id,
+            name=self.engine_id,
         )
         self.limits = ModelLimits(
             vocab_size=self.runner.vocab_size,
@@ -115,18 +100,18 @@ class EmbeddedEngine(HttpService):
         self.weight_routes = WeightRoutes(
             self.runner,
             self.scheduler,
-            engine_id=engine_id,
+            engine_id=self.engine_id,
             receiver_factory=receiver_factory,
             on_model_path=self._served_from,
         )
         self.adapter_routes = AdapterRoutes(
-            self.scheduler, engine_id=engine_id, weight_call=self.weight_routes.call
+            self.scheduler, engine_id=self.engine_id, weight_call=self.weight_routes.call
         )
-        self.profile_routes = ProfileRoutes(engine_id)
+        self.profile_routes = ProfileRoutes(self.engine_id)
         self.colocated_routes = ColocatedRoutes(
             self.runner,
             self.scheduler,
-            engine_id=engine_id,
+            engine_id=self.engine_id,
             memory_saver=memory_saver,
             session_open=lambda: self.weight_routes.session_open,
             weight_call=self.weight_routes.call,
@@ -349,29 +334,15 @@ class EmbeddedEngine(HttpService):
         return web.Response(status=200)
 
     async def get_model_info(self, request: web.Request) -> web.Response:
-        return json_response(
-            {
-                "model_path": self.model_path,
-                "tokenizer_path": self.model_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": self.scheduler.weight_version,
-            }
-        )
+        return self.model_info(is_generation=True, weight_version=self.scheduler.weight_version)
 
     async def get_server_info(self, request: web.Request) -> web.Response:
-        return json_response(
-            {
-                "engine": "fleetrl-embedded",
-                "engine_id": self.engine_id,
-                "model_path": self.model_path,
-                "device": self.device,
-                "dtype": self.dtype,
-                "max_running_requests": self.scheduler.max_running_requests,
-                "context_length": self.runner.max_context,
-                "weight_version": self.scheduler.weight_version,
-                "internal_states": [
-                    {**self.scheduler.load(), "memory_usage": self.colocated_routes.memory.usage()}
-                ],
-            }
+        return self.server_info(
+            "fleetrl-embedded",
+            max_running_requests=self.scheduler.max_running_requests,
+            context_length=self.runner.max_context,
+            weight_version=self.scheduler.weight_version,
+            internal_states=[
+                {**self.scheduler.load(), "memory_usage": self.colocated_routes.memory.usage()}
+            ],
         )
