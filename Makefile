@@ -5,6 +5,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 CONFORMANCE_STAMP := $(VENV)/.installed-conformance
+# Installs into a venv that already holds SGLang's and vLLM's code (installed without their
+# GPU dependencies on purpose) skip pip's report of those missing dependencies; what each
+# install itself brings is still resolved and checked.
+NO_WARN := --no-warn-conflicts
 # torch and torchvision as the matching pair SGLang 0.5.23 pins (torch 2.14.1);
 # an unpinned torch would pull whatever is newest. It runs on the CPU here.
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
@@ -42,7 +46,7 @@ $(STAMP): pyproject.toml
 	@echo "venv: $(TORCH): the pair SGLang pins; the index serves torch's CUDA build (3.2 GB of libraries), which runs on a CPU as well"
 	$(PY) -m pip install -q $(TORCH)
 	@echo "venv: fleetrl (editable) with its dev, tensorboard, mlflow and agent extras"
-	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[dev,tensorboard,mlflow,agent]"
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q $(NO_WARN) -e ".[dev,tensorboard,mlflow,agent]"
 	touch $(STAMP)
 
 # What the conformance tier tests against (make test installs it; the demos do not need it):
@@ -51,7 +55,7 @@ $(STAMP): pyproject.toml
 # pip has nothing to report about the GPU packages it deliberately leaves out.
 $(CONFORMANCE_STAMP): $(STAMP) tests/conformance/requirements-cpu.txt tests/conformance/vllm/requirements-cpu.txt
 	@echo "venv: $(SGLANG) and $(VLLM), their Python code only (no GPU dependencies), for tests/conformance"
-	$(PY) -m pip install -q -r tests/conformance/requirements-cpu.txt
+	$(PY) -m pip install -q $(NO_WARN) -r tests/conformance/requirements-cpu.txt
 	$(PY) -m pip install -q --no-deps "$(SGLANG)"
 	$(PY) -m pip install -q --no-deps --no-compile "$(VLLM)"
 	$(PY) -m pip install -q --no-deps --no-compile --upgrade --target $(VENV)/vllm-overlay -r tests/conformance/vllm/requirements-cpu.txt
@@ -60,7 +64,7 @@ $(CONFORMANCE_STAMP): $(STAMP) tests/conformance/requirements-cpu.txt tests/conf
 # The `bench` extra (TRL, the vs-trl suite's baseline): make test and make bench install it.
 $(BENCH_STAMP): $(STAMP)
 	@echo "venv: the bench extra (TRL $(shell sed -n 's/.*"trl==\([0-9.]*\)".*/\1/p' pyproject.toml), the vs-trl baseline)"
-	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[bench]"
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q $(NO_WARN) -e ".[bench]"
 	touch $(BENCH_STAMP)
 
 # The demo run starts afresh each time (the tiny model and data it built are reused).
