@@ -38,8 +38,9 @@ medians over seeds:
 The report's headline ratios are the ones where > 1 means fleetrl is ahead
 (speedups, samples/s, sample efficiency); the others are its fleetrl ÷ TRL figures.
 
-A run that never reaches the target has no time to it; a regime where a system
-never reached it in any seed reports None for that ratio. TRL missing: the suite
+A run that never reaches the target has no time to it and counts, in the median
+over seeds, as later than every run that did: a median that falls on such a run
+(most seeds never got there) is None, and so is the ratio built on it. TRL missing: the suite
 stops at once with the one line that installs it (``pip install ".[bench]"`` in fleetrl's checkout).
 Left out: TRL's asynchronous trainer, which needs vLLM and NCCL (``bench.trl_grpo``).
 """
@@ -47,6 +48,7 @@ Left out: TRL's asynchronous trainer, which needs vLLM and NCCL (``bench.trl_grp
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import subprocess
@@ -188,6 +190,20 @@ def _median(values: Sequence[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+def _median_to_target(values: Sequence[float | None]) -> float | None:
+    """Median of a time (or sample count) to the target where None is a run that never got
+    there: later than every run that did, so a median that falls on one is None."""
+    if not values:
+        return None
+    middle = statistics.median_low if len(values) % 2 else statistics.median
+    reached = sorted(math.inf if v is None else float(v) for v in values)
+    value = middle(reached)
+    return None if math.isinf(value) else value
+
+
+TO_TARGET = ("time_to_target_s", "samples_to_target")  # None: the run never reached it
+
+
 def summarise(runs: list[dict[str, Any]], regimes: Sequence[Regime]) -> dict[str, Any]:
     """Per regime, medians over seeds of each arm's figures and the fleetrl ÷ TRL ratios."""
     summary: dict[str, Any] = {}
@@ -196,7 +212,8 @@ def summarise(runs: list[dict[str, Any]], regimes: Sequence[Regime]) -> dict[str
         mine = [r for r in runs if r["regime"] == reg.name]
 
         def med(arm: str, key: str, mine=mine) -> float | None:
-            return _median([r.get(key) for r in mine if r["arm"] == arm])
+            values = [r.get(key) for r in mine if r["arm"] == arm]
+            return _median_to_target(values) if key in TO_TARGET else _median(values)
 
         for arm in ARMS:
             for key in ("time_to_target_s", "samples_to_target", "samples_per_s", "command_s",

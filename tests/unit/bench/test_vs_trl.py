@@ -96,3 +96,21 @@ def test_size_flags_scale_the_generation_bound_regime_and_the_demo_keeps_its_mod
     assert demo.batch == 64 and demo.sizes is None
     with pytest.raises(ValueError, match="unknown regime"):
         regime("huge")
+
+
+def test_a_seed_that_never_reached_the_target_counts_as_later_than_every_seed_that_did():
+    runs = [_run("trl", s, time_to_target_s=t, samples_to_target=n)
+            for s, (t, n) in enumerate([(40.0, 1408), (150.0, 1792), (60.0, 1600)])]  # fmt: skip
+    runs += [_run("fleetrl", 0, time_to_target_s=5.0, samples_to_target=1792),
+             _run("fleetrl", 1, time_to_target_s=None, samples_to_target=None),
+             _run("fleetrl", 2, time_to_target_s=None, samples_to_target=None)]  # fmt: skip
+    runs += [_run("fleetrl-sync", s, time_to_target_s=t, samples_to_target=1536)
+             for s, t in enumerate([9.0, None, 11.0])]  # fmt: skip
+    summary = vs_trl.summarise(runs, [DEMO])
+    # fleetrl reached it in 1 of 3 seeds: its median run never did, so no ratio
+    assert summary["demo_fleetrl_reached"] == 1
+    assert summary["demo_fleetrl_time_to_target_s"] is None
+    assert summary["demo_time_to_target_speedup"] is None
+    # η = 0 reached it in 2 of 3: the median is the later of the two (9, 11, never)
+    assert summary["demo_fleetrl_sync_time_to_target_s"] == 11.0
+    assert summary["demo_time_to_target_speedup_sync"] == pytest.approx(60.0 / 11.0)
