@@ -650,14 +650,25 @@ class Run:
                 ray.shutdown()
             return
         # learners first: weight sync leaves its group while the engines still answer
+        took: dict[str, float] = {}
+        started = time.monotonic()
         for w in self.learners:
             _quietly(lambda w=w: ray.get(w.close.remote(), timeout=30), "learner close")
+        took["learners"] = time.monotonic() - started
         if self.rollout is not None:
             _quietly(lambda: ray.get(self.rollout.stop.remote(), timeout=60), "rollout stop")
+        took["rollout"] = time.monotonic() - started - sum(took.values())
         if self.buffer is not None:
             _quietly(lambda: ray.get(self.buffer.stop.remote(), timeout=30), "buffer stop")
+        took["buffer"] = time.monotonic() - started - sum(took.values())
         if self.started_ray:
             ray.shutdown()
+        took["Ray"] = time.monotonic() - started - sum(took.values())
+        log.info(
+            "roles ended in %.1fs: %s",
+            time.monotonic() - started,
+            ", ".join(f"{role} {s:.2f}s" for role, s in took.items()),
+        )
 
     def forget_control_file(self) -> None:
         """The run stops listening: ``fleetrl fleet`` finds no endpoint to call."""
