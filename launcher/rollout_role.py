@@ -143,6 +143,8 @@ class RolloutRole:
         """The tokenizer, the prompt reader, and the delivery ledger: groups are held until
         the buffer reports them accepted, re-sent after a buffer restart, re-queued after a
         learner resume; admission counts its sent groups as running (rollout_fleet/delivery.py)."""
+        import launcher.elastic_rollout  # noqa: F401 - imported here, off the engines' path
+        import rollout_fleet.worker  # noqa: F401
         from fleetrl.data.reader import PromptReader
         from fleetrl.models.loading import load_tokenizer
         from rollout_fleet.delivery import DeliveryLedger
@@ -160,15 +162,16 @@ class RolloutRole:
         self.delivery = DeliveryLedger(self.reader, self.sender, self.control, cfg.rollout.n)
 
     async def start_engines(self) -> dict[str, str]:
+        # the prompts (and the rollout loop's modules) load in a thread while the engine
+        # processes start (both take seconds)
+        urls, _, _ = await asyncio.gather(
+            self.fleet.start(), self._start_reward_servers(), asyncio.to_thread(self._load_prompts)
+        )
         from launcher.elastic_rollout import RolloutScaling
         from rollout_fleet.engine_api import rollout_client_class
         from rollout_fleet.worker import RolloutWorker
 
         engine_client_class = rollout_client_class(self.cfg.rollout.backend)
-        # the prompts load in a thread while the engine processes start (both take seconds)
-        urls, _, _ = await asyncio.gather(
-            self.fleet.start(), self._start_reward_servers(), asyncio.to_thread(self._load_prompts)
-        )
         cfg = self.cfg
         self.scaling = RolloutScaling(
             cfg,

@@ -97,9 +97,16 @@ class Run:
         self.placement_group: Any = None
         self.started = False  # every role up and serving: from here a stop checkpoints
         self.phase = "preparing"  # what start() is doing, for a stop's one-line message
+        self.startup_s: dict[str, float] = {}  # seconds each phase of start() took
+        self._phase_started = 0.0
         self.control_file: Path | None = None  # fleet_control.json while the run listens
         self._control_client: Any = None  # the client keys `fleetrl fleet` reads from it
         self.published_to: frozenset[str] = frozenset()  # the engines of the last publish
+        self.steps_taken = 0  # learner steps since step 0 (a resumed run counts from its own)
+        # answers asked for ahead of the call that reads them (ObjectRefs), so that they
+        # travel while the learner works: "targets" (the next publish's), "reports"
+        # (role_metrics's); a call reads its own once and asks again after a fault
+        self._ahead: dict[str, Any] = {}
 
     # ---- set-up ---------------------------------------------------------------------------
     def start(self, after_ray_init: Callable[[], None] | None = None) -> StartRecord:
@@ -121,7 +128,7 @@ class Run:
         from launcher.roles import remote_class
 
         cfg = self.cfg
-        self.phase = "starting Ray"
+        self._enter("starting Ray")
         # known before ray.init returns, so that close() ends a half-started local instance
         self.started_ray = not (self.address or cfg.ray.address or os.environ.get("RAY_ADDRESS"))
         try:
@@ -137,25 +144,29 @@ class Run:
         if self.secrets.secure:
             log.info("CURVE on every buffer socket (this run's keys)")
         self.set_aside_unowned_bank()
-        self.phase = "starting the buffer"
-        ingest, control = self.start_buffer()
-
-        self.phase = "placing the learner group"
+        # The roles' processes start side by side (each imports torch or Ray's client, seconds
+        # of CPU): the buffer, the learner ranks once their bundles are placed, and the
+        # rollout supervisor once the buffer has bound its addresses.
+        self._enter("starting the buffer")
+        buffer_bound = self._new_buffer()
+        self._enter("placing the learner group")
         pg = self.placement_group = learner_placement_group(cfg)
         wait_for_learner_group(pg, cfg)
-        self.phase = "setting up the learner group"
+        self._enter("starting the learner and rollout processes")
         learner_cls = remote_class(LearnerRole)
         world = cfg.learner.num_ranks
         self.learners = [
             learner_cls.options(**bundle_options(pg, r, cfg)).remote(self.raw, r, world, local)
             for r in range(world)
         ]
-        for rank, w in enumerate(self.learners):
-            self.supervisor.register(f"learner rank {rank}", w)
+        ingest, control = self._buffer_bound(buffer_bound)
         # Disaggregated engines need nothing from the learner to start: they start while the
         # learner group sets up (each is processes importing torch and building a model);
         # co-located ones wait for the learner to leave them its devices.
         engines_started = None if cfg.rollout.colocated else self.start_rollout(ingest, control)
+        for rank, w in enumerate(self.learners):
+            self.supervisor.register(f"learner rank {rank}", w)
+        self._enter("setting up the learner group")
         master = ray.get(self.learners[0].master_address.remote())
         curve = self.secrets.learner_client
         key = self.secrets.engine_api_key
@@ -164,7 +175,7 @@ class Run:
         )
 
         extra: dict[str, Any] = {}
-        self.phase = "restoring the latest checkpoint"
+        self._enter("restoring the latest checkpoint")
         if cfg.trainer.resume_from_path:
             extra = self.restore_checkpoint_at(cfg.trainer.resume_from_path)
         elif cfg.trainer.resume == "auto":
@@ -173,16 +184,13 @@ class Run:
         if cfg.rollout.colocated:  # the engines start on the learner's devices: leave them room
             gather([w.offload.remote() for w in self.learners], "offloading the learner")
             engines_started = self.start_rollout(ingest, control)
-        self.phase = "placing and starting the engines"
+        self._enter("placing and starting the engines")
         ray.get(engines_started)
-        address = ray.get(self.rollout.serve_control.remote())  # `fleetrl fleet ...` reaches it
-        self.control_file = write_control_file(self.run_dir, address, self._control_client)
-        self.write_roster()
         if extra.get("reader"):
             ray.get(self.rollout.load_reader_state.remote(extra["reader"]))
         # Engines serve only after they hold the learner's weights: after a resume these are
         # the restored ones (peers that skip this generate from stale weights or deadlock).
-        self.phase = "sending the first weights"
+        self._enter("sending the first weights")
         sync = self.publish(self.version, restored=self.origin.resumed_from is not None)
         if sync.failed_engines or sync.needs_resend:
             raise TrainingStopped(
@@ -190,8 +198,27 @@ class Run:
                 f"{list(sync.failed_engines)}"
             )
         ray.get(self.rollout.start_generation.remote())
+        # generating from here: what only tools read is written while the first batch grows
+        self._enter("opening the fleet control")
+        address = ray.get(self.rollout.serve_control.remote())  # `fleetrl fleet ...` reaches it
+        self.control_file = write_control_file(self.run_dir, address, self._control_client)
+        self.write_roster()
+        self.steps_taken = self.origin.step
+        self._enter("training")
+        log.info(
+            "roles started in %.1fs: %s",
+            sum(self.startup_s.values()),
+            ", ".join(f"{phase} {s:.2f}s" for phase, s in self.startup_s.items()),
+        )
         self.started = True
         return self.origin
+
+    def _enter(self, phase: str) -> None:
+        """Start-up moves on to ``phase``; what the previous one took goes to ``startup_s``."""
+        now = time.monotonic()
+        if self._phase_started:
+            self.startup_s[self.phase] = now - self._phase_started
+        self.phase, self._phase_started = phase, now
 
     def start_rollout(self, ingest: str, control: str) -> Any:
         """Create the rollout role and ask it to start its engines; the pending start's ref."""
@@ -214,10 +241,11 @@ class Run:
             placement_group=self.placement_group if cfg.rollout.colocated else None,
             control_keys=control_server,
         )
-        self.supervisor.register("rollout supervisor", self.rollout)
         if not self.local:
             wait_for_engine_room(cfg)
-        return self.rollout.start_engines.remote()
+        started = self.rollout.start_engines.remote()  # queued now: runs once the actor is up
+        self.supervisor.register("rollout supervisor", self.rollout)
+        return started
 
     def supervised(self) -> Supervised:
         """This run's role calls, each guarded: a dead buffer restarted, other deaths stop."""
@@ -238,21 +266,11 @@ class Run:
         """Start (or restart, on the same bank and addresses) the buffer; its bound addresses."""
         import ray
 
-        from launcher.buffer_role import BufferRole
-        from launcher.roles import remote_class
-
         attempts = 1 if self.buffer_addresses is None else BUFFER_REBIND_ATTEMPTS
         for attempt in range(1, attempts + 1):
-            self.buffer = remote_class(BufferRole, num_cpus=0).remote(
-                self.raw,
-                self.bank_dir,
-                self.local,
-                self.secrets.buffer_server,
-                self.buffer_addresses,
-            )
+            bound = self._new_buffer()
             try:
-                addresses = tuple(ray.get(self.buffer.start.remote()))
-                break
+                return self._buffer_bound(bound)
             except ray.exceptions.RayTaskError as err:  # address still in use: wait, retry
                 ray.kill(self.buffer, no_restart=True)
                 if attempt == attempts:
@@ -260,6 +278,29 @@ class Run:
                         f"buffer could not bind {self.buffer_addresses} again: {err}"
                     ) from err
                 time.sleep(0.5)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _new_buffer(self) -> Any:
+        """Create the buffer actor (on the addresses it had, after a restart) and ask it to
+        bind; the pending bind's ref (``_buffer_bound`` waits for it)."""
+        from launcher.buffer_role import BufferRole
+        from launcher.roles import remote_class
+
+        self.buffer = remote_class(BufferRole, num_cpus=0).remote(
+            self.raw,
+            self.bank_dir,
+            self.local,
+            self.secrets.buffer_server,
+            self.buffer_addresses,
+        )
+        return self.buffer.start.remote()
+
+    def _buffer_bound(self, bound: Any) -> tuple[str, str]:
+        """The buffer's bound addresses, once it serves (raises ``RayTaskError`` when it could
+        not bind); recorded for the clients and tools, and the buffer supervised."""
+        import ray
+
+        addresses = tuple(ray.get(bound))
         self.buffer_addresses = addresses  # fixed from now on: clients reconnect to them
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ingest, control = addresses
@@ -394,7 +435,10 @@ class Run:
         everyone = targets is None  # not a rejoin's push to the engines behind only
         for attempt in range(2):
             if targets is None or attempt:
-                targets = ray.get(self.rollout.weight_targets.remote())
+                asked = self._ahead.pop("targets", None) if everyone and not attempt else None
+                targets = ray.get(
+                    asked if asked is not None else self.rollout.weight_targets.remote()
+                )
             calls = [w.publish.remote(version, targets, restored) for w in self.learners]
             out = merge_publish_results(gather(calls, what))
             if everyone:
@@ -436,7 +480,8 @@ class Run:
             problem = ray.get(self.rollout.fleet_failure.remote())
             if problem:  # an elastic fleet stayed below its minimum
                 raise TrainingStopped(f"{problem}; {self.resume_hint()}")
-            self.rejoin_engines()  # with every engine dead, waiting alone never ends
+            # with every engine dead, waiting alone never ends
+            self._rejoin(ray.get(self.rollout.rejoin_targets.remote()))
             waited = time.monotonic() - started
             if waited > STALL_WARN_S and not warned:
                 warned = True
@@ -455,7 +500,24 @@ class Run:
         """
         if self.cfg.rollout.colocated:
             self.yield_devices()
-        return gather([w.step.remote(version) for w in self.learners], "a learner step")[0]
+        calls = [w.step.remote(version) for w in self.learners]
+        self._ask_targets_ahead()
+        result = gather(calls, "a learner step")[0]
+        self.steps_taken += 1
+        return result
+
+    def _ask_targets_ahead(self) -> None:
+        """While the learner steps, ask the membership for the targets of the publish that
+        follows this step (every ``weight_sync.sync_every``-th): ``publish`` then waits for
+        the learner alone. The answer is the one a publish right after the step would get, a
+        step's time earlier: an engine that joins meanwhile gets the version by
+        ``rejoin_engines``, one that dies meanwhile fails this publish as it would any. Not
+        for co-located engines: their targets get their weight memory back, which waits for
+        the step."""
+        if self.cfg.rollout.colocated or "targets" in self._ahead:
+            return  # a retried step (after a buffer restart) asked already
+        if (self.steps_taken + 1) % self.cfg.weight_sync.sync_every == 0:
+            self._ahead["targets"] = self.rollout.weight_targets.remote()
 
     def yield_devices(self) -> None:
         """Co-located engines pause and release their memory (rollout_fleet/colocation.py)."""
@@ -468,13 +530,15 @@ class Run:
         metrics, and the samples trainer.log_val_generations keeps."""
         import ray
 
+        self._ahead.pop("reports", None)  # role_metrics reports after validation, not before
         return ray.get(self.rollout.validate.remote())
 
     def role_metrics(self) -> dict[str, float]:
         """What the rollout side and the buffer report after a step (for metrics.jsonl)."""
         import ray
 
-        rollout, buffer = self.rollout.metrics.remote(), self.buffer.stats.remote()  # together
+        asked = self._ahead.pop("reports", None)
+        rollout, buffer = asked if asked is not None else self._ask_reports()
         m = dict(ray.get(rollout))
         stats = ray.get(buffer)
         m.update({f"buffer/{k}": float(v) for k, v in stats.items()})
@@ -492,12 +556,24 @@ class Run:
         """
         import ray
 
-        targets = ray.get(self.rollout.rejoin_targets.remote())
-        if targets is None:
+        reports = self._ask_reports()  # asked together: role_metrics reads them after the step
+        if self._rejoin(ray.get(self.rollout.rejoin_targets.remote())):
             return
+        self._ahead["reports"] = reports
+
+    def _ask_reports(self) -> tuple[Any, Any]:
+        """The rollout side's and the buffer's reports (``role_metrics``), asked for together."""
+        return self.rollout.metrics.remote(), self.buffer.stats.remote()
+
+    def _rejoin(self, targets: WeightTargets | None) -> bool:
+        """Publish the current version to ``targets`` (``rejoin_targets``'s answer); whether
+        there were any."""
+        if targets is None:
+            return False
         log.info("engines waiting for weights answer: publishing version %d again", self.version)
         self.publish(self.version, targets=targets)
         self.write_roster()  # a replacement is a new process
+        return True
 
     def start_profile(self, step: int) -> None:
         """``trainer.profile_steps``: every learner rank and engine records from here."""
@@ -529,6 +605,7 @@ class Run:
         """
         import ray
 
+        self._ahead.pop("reports", None)  # role_metrics reports after the checkpoint
         extra = {"reader": ray.get(self.rollout.reader_state.remote()), "step": step}
         record = gather(
             [w.save_checkpoint.remote(str(self.ckpt_root), extra) for w in self.learners],
@@ -576,14 +653,25 @@ class Run:
                 ray.shutdown()
             return
         # learners first: weight sync leaves its group while the engines still answer
+        took: dict[str, float] = {}
+        started = time.monotonic()
         for w in self.learners:
             _quietly(lambda w=w: ray.get(w.close.remote(), timeout=30), "learner close")
+        took["learners"] = time.monotonic() - started
         if self.rollout is not None:
             _quietly(lambda: ray.get(self.rollout.stop.remote(), timeout=60), "rollout stop")
+        took["rollout"] = time.monotonic() - started - sum(took.values())
         if self.buffer is not None:
             _quietly(lambda: ray.get(self.buffer.stop.remote(), timeout=30), "buffer stop")
+        took["buffer"] = time.monotonic() - started - sum(took.values())
         if self.started_ray:
             ray.shutdown()
+        took["Ray"] = time.monotonic() - started - sum(took.values())
+        log.info(
+            "roles ended in %.1fs: %s",
+            time.monotonic() - started,
+            ", ".join(f"{role} {s:.2f}s" for role, s in took.items()),
+        )
 
     def forget_control_file(self) -> None:
         """The run stops listening: ``fleetrl fleet`` finds no endpoint to call."""

@@ -171,6 +171,8 @@ def gather(refs: Sequence[Any], what: str, timeout_s: float | None = None) -> li
     """``ray.get(refs)``, but the first failure (in completion order) raises at once."""
     import ray
 
+    if len(refs) == 1 and timeout_s is None:  # one rank: its answer or its failure, one call
+        return [ray.get(refs[0])]
     pending = list(refs)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while pending:

@@ -44,7 +44,6 @@ from typing import Any
 from fleetrl.models.config import ModelConfig
 from fleetrl.models.config_sizes import ModelSizes, as_config, model_sizes
 from learner.config import LearnerConfig
-from learner.optimizer_offload import STAGED_CHUNKS
 
 GB = 1024**3
 
@@ -248,6 +247,8 @@ def learner_estimate(
     with_critic: bool,
 ) -> list[RoleMemory]:
     """Per-device memory of one learner rank: policy, then reference and critic if built."""
+    from learner.optimizer_offload import STAGED_CHUNKS  # imports torch: the driver need not
+
     n = cfg.num_ranks
     bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and on_gpu)
     cb = 2 if bf16 else 4

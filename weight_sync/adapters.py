@@ -27,9 +27,10 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # annotations only: the rollout side imports the names without torch
+    import torch
 
 ADAPTER_PREFIX = "fleetrl-policy"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -31,11 +32,16 @@ def test_a_role_runs_its_cpus_times_the_share(monkeypatch):
 def test_a_local_instance_tells_every_role_its_share(tmp_path, monkeypatch):
     from launcher import placement
 
-    calls = []
-    fake = types.SimpleNamespace(init=lambda **kw: calls.append(kw))
+    calls = []  # the environment the local instance's processes start with (they inherit it)
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append((kw, dict(os.environ))))
     monkeypatch.setitem(sys.modules, "ray", fake)
     monkeypatch.setattr(placement, "usable_cpus", lambda: 16)
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.delenv(THREADS_PER_CPU_ENV, raising=False)
     cfg = load_run_config("configs/demo_cpu.yaml", [f"trainer.output_dir={tmp_path}"])
     assert placement.init_ray(cfg, None)  # the demo reserves 1 learner CPU + 1 engine CPU
-    env = calls[0]["runtime_env"]["env_vars"]
+    kwargs, env = calls[0]
     assert env[THREADS_PER_CPU_ENV] == "8" and env["OMP_NUM_THREADS"] == "1"
+    assert "runtime_env" not in kwargs  # no per-worker environment to make on a local instance
+    # this process's own environment is as it was
+    assert os.environ["OMP_NUM_THREADS"] == "7" and THREADS_PER_CPU_ENV not in os.environ
