@@ -121,29 +121,13 @@ class Run:
         from launcher.learner_role import LearnerRole
         from launcher.placement import (
             bundle_options,
-            init_ray,
             learner_placement_group,
             wait_for_learner_group,
         )
         from launcher.roles import remote_class
 
         cfg = self.cfg
-        self._enter("starting Ray")
-        # known before ray.init returns, so that close() ends a half-started local instance
-        self.started_ray = not (self.address or cfg.ray.address or os.environ.get("RAY_ADDRESS"))
-        try:
-            self.started_ray = init_ray(cfg, self.address)
-        except SystemExit as err:  # Ray's own SIGTERM handler, in force while ray.init runs
-            raise StopRequested("SIGTERM") from err
-        if after_ray_init is not None:
-            after_ray_init()
-        local = self.started_ray
-        self.local = local
-        self.secrets = make_run_secrets(not local if self.secure is None else self.secure)
-        write_engine_key(self.run_dir, self.secrets.engine_api_key or "")  # for the user alone
-        if self.secrets.secure:
-            log.info("CURVE on every buffer socket (this run's keys)")
-        self.set_aside_unowned_bank()
+        local = self._start_ray(after_ray_init)
         # The roles' processes start side by side (each imports torch or Ray's client, seconds
         # of CPU): the buffer, the learner ranks once their bundles are placed, and the
         # rollout supervisor once the buffer has bound its addresses.
@@ -188,8 +172,39 @@ class Run:
         ray.get(engines_started)
         if extra.get("reader"):
             ray.get(self.rollout.load_reader_state.remote(extra["reader"]))
-        # Engines serve only after they hold the learner's weights: after a resume these are
-        # the restored ones (peers that skip this generate from stale weights or deadlock).
+        self._first_weights_then_generate()
+        self.started = True
+        return self.origin
+
+    def _start_ray(self, after_ray_init: Callable[[], None] | None) -> bool:
+        """Ray up (a local instance unless an address is given), the run's keys made, the
+        bank of an earlier run set aside; whether this run started Ray (it is local)."""
+        from launcher.placement import init_ray
+
+        cfg = self.cfg
+        self._enter("starting Ray")
+        # known before ray.init returns, so that close() ends a half-started local instance
+        self.started_ray = not (self.address or cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+        try:
+            self.started_ray = init_ray(cfg, self.address)
+        except SystemExit as err:  # Ray's own SIGTERM handler, in force while ray.init runs
+            raise StopRequested("SIGTERM") from err
+        if after_ray_init is not None:
+            after_ray_init()
+        self.local = self.started_ray
+        self.secrets = make_run_secrets(not self.local if self.secure is None else self.secure)
+        write_engine_key(self.run_dir, self.secrets.engine_api_key or "")  # for the user alone
+        if self.secrets.secure:
+            log.info("CURVE on every buffer socket (this run's keys)")
+        self.set_aside_unowned_bank()
+        return self.local
+
+    def _first_weights_then_generate(self) -> None:
+        """Engines serve only after they hold the learner's weights: after a resume these are
+        the restored ones (peers that skip this generate from stale weights or deadlock).
+        Then generation starts, and what only tools read is written while the first batch grows."""
+        import ray
+
         self._enter("sending the first weights")
         sync = self.publish(self.version, restored=self.origin.resumed_from is not None)
         if sync.failed_engines or sync.needs_resend:
@@ -198,7 +213,6 @@ class Run:
                 f"{list(sync.failed_engines)}"
             )
         ray.get(self.rollout.start_generation.remote())
-        # generating from here: what only tools read is written while the first batch grows
         self._enter("opening the fleet control")
         address = ray.get(self.rollout.serve_control.remote())  # `fleetrl fleet ...` reaches it
         self.control_file = write_control_file(self.run_dir, address, self._control_client)
@@ -210,8 +224,6 @@ class Run:
             sum(self.startup_s.values()),
             ", ".join(f"{phase} {s:.2f}s" for phase, s in self.startup_s.items()),
         )
-        self.started = True
-        return self.origin
 
     def _enter(self, phase: str) -> None:
         """Start-up moves on to ``phase``; what the previous one took goes to ``startup_s``."""
