@@ -2,12 +2,13 @@
 shrinks back to one (``make demo-elastic``).
 
     .venv/bin/python scripts/demo_elastic.py
-    .venv/bin/python scripts/demo_elastic.py --out runs/demo/elastic --grow-at 10 --shrink-at 25
+    .venv/bin/python scripts/demo_elastic.py --out runs/demo/elastic --grow-at 3 --shrink-at 25
 
 It starts ``fleetrl train --config configs/demo_cpu.yaml rollout.elastic=true
 rollout.max_engines=3`` (the plain demo otherwise: 40 steps, validation every 5), runs
 ``fleetrl fleet scale --run OUT --engines 3`` once step ``--grow-at`` is logged and
-``fleetrl fleet scale --run OUT --engines 1`` once step ``--shrink-at`` is, prints
+``fleetrl fleet scale --run OUT --engines 1`` once step ``--shrink-at`` is (and the three
+have served ``SERVE_STEPS`` steps: a joining engine's start-up is tens of steps), prints
 ``fleetrl fleet status`` when each change has taken effect, and at the end a summary: per
 phase (one engine, growing, three, back to one) the steps, the engines serving and the
 samples/s, the held-out score before and after, the largest staleness, the join and drain
@@ -28,6 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 FLEETRL = [sys.executable, "-m", "launcher.cli"]
 WAIT_S = 900.0
+SERVE_STEPS = 3  # steps the three engines serve, at least, before the fleet shrinks
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
@@ -50,9 +52,17 @@ def wait_for(check, what: str, proc: subprocess.Popen) -> None:
         time.sleep(0.5)
 
 
-def fleet(*args: str) -> str:
+def fleet(*args: str, ended: subprocess.Popen | None = None) -> str:
+    """``fleetrl fleet ARGS``' output; a failure stops the demo unless the run ``ended`` has
+    exited meanwhile (its control file goes with it)."""
     done = subprocess.run([*FLEETRL, "fleet", *args], cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
+        if ended is not None:
+            try:
+                ended.wait(timeout=120)
+                return "demo-elastic: the run ended before `fleetrl fleet status` (one engine)\n"
+            except subprocess.TimeoutExpired:
+                pass
         raise SystemExit(f"demo-elastic: fleetrl fleet {' '.join(args)}: {done.stderr.strip()}")
     return done.stdout
 
@@ -89,8 +99,11 @@ def phases(rows: list[dict[str, Any]], grow_at: int, shrink_at: int, per_step: i
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/demo/elastic", help="the run directory")
-    parser.add_argument("--grow-at", type=int, default=10, help="scale to 3 after this step")
-    parser.add_argument("--shrink-at", type=int, default=25, help="back to 1 after this step")
+    parser.add_argument("--grow-at", type=int, default=3, help="scale to 3 after this step")
+    parser.add_argument(
+        "--shrink-at", type=int, default=25,
+        help=f"back to 1 after this step, and after {SERVE_STEPS} steps with three engines",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="more dotted overrides for the run")
     args = parser.parse_args()
     run_dir = Path(args.out)
@@ -109,11 +122,15 @@ def main() -> int:
         events["grow_sent_at_step"] = trained(run_dir)[-1]["step"]
         wait_for(lambda: serving(run_dir) == 3, "three engines serving", proc)
         print(fleet("status", "--run", str(run_dir)), end="", flush=True)
-        wait_for(lambda: len(trained(run_dir)) >= args.shrink_at, f"step {args.shrink_at}", proc)
+        # the joining engines' start-up takes seconds, tens of steps on an idle CPU: the
+        # three serve a few steps whenever they arrive before the fleet shrinks again
+        shrink_at = max(args.shrink_at, trained(run_dir)[-1]["step"] + SERVE_STEPS)
+        wait_for(lambda: len(trained(run_dir)) >= shrink_at, f"step {shrink_at}", proc)
         print(fleet("scale", "--run", str(run_dir), "--engines", "1"), end="", flush=True)
         events["shrink_sent_at_step"] = trained(run_dir)[-1]["step"]
         wait_for(lambda: serving(run_dir) == 1 and trained(run_dir)[-1].get("fleet/engines_draining") == 0, "one engine left", proc)  # fmt: skip
-        print(fleet("status", "--run", str(run_dir)), end="", flush=True)
+        if proc.poll() is None:  # the run may end as the last engine drains: nothing to ask
+            print(fleet("status", "--run", str(run_dir), ended=proc), end="", flush=True)
         code = proc.wait()
     finally:
         if proc.poll() is None:
