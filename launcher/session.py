@@ -22,6 +22,7 @@ from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig
 from launcher.fleet_control import make_control_keys, write_control_file
+from launcher.laps import Laps
 from launcher.results import (
     CheckpointRecord,
     PublishResult,
@@ -97,8 +98,7 @@ class Run:
         self.placement_group: Any = None
         self.started = False  # every role up and serving: from here a stop checkpoints
         self.phase = "preparing"  # what start() is doing, for a stop's one-line message
-        self.startup_s: dict[str, float] = {}  # seconds each phase of start() took
-        self._phase_started = 0.0
+        self.startup = Laps()  # seconds each phase of start() took
         self.control_file: Path | None = None  # fleet_control.json while the run listens
         self._control_client: Any = None  # the client keys `fleetrl fleet` reads from it
         self.published_to: frozenset[str] = frozenset()  # the engines of the last publish
@@ -219,18 +219,12 @@ class Run:
         self.write_roster()
         self.steps_taken = self.origin.step
         self._enter("training")
-        log.info(
-            "roles started in %.1fs: %s",
-            sum(self.startup_s.values()),
-            ", ".join(f"{phase} {s:.2f}s" for phase, s in self.startup_s.items()),
-        )
+        log.info("roles started in %s", self.startup.summary())
 
     def _enter(self, phase: str) -> None:
-        """Start-up moves on to ``phase``; what the previous one took goes to ``startup_s``."""
-        now = time.monotonic()
-        if self._phase_started:
-            self.startup_s[self.phase] = now - self._phase_started
-        self.phase, self._phase_started = phase, now
+        """Start-up moves on to ``phase`` (a stop's message names it; ``startup`` times it)."""
+        self.phase = phase
+        self.startup.enter(phase)
 
     def start_rollout(self, ingest: str, control: str) -> Any:
         """Create the rollout role and ask it to start its engines; the pending start's ref."""
@@ -665,25 +659,20 @@ class Run:
                 ray.shutdown()
             return
         # learners first: weight sync leaves its group while the engines still answer
-        took: dict[str, float] = {}
-        started = time.monotonic()
+        took = Laps()
+        took.enter("learners")
         for w in self.learners:
             _quietly(lambda w=w: ray.get(w.close.remote(), timeout=30), "learner close")
-        took["learners"] = time.monotonic() - started
+        took.enter("rollout")
         if self.rollout is not None:
             _quietly(lambda: ray.get(self.rollout.stop.remote(), timeout=60), "rollout stop")
-        took["rollout"] = time.monotonic() - started - sum(took.values())
+        took.enter("buffer")
         if self.buffer is not None:
             _quietly(lambda: ray.get(self.buffer.stop.remote(), timeout=30), "buffer stop")
-        took["buffer"] = time.monotonic() - started - sum(took.values())
+        took.enter("Ray")
         if self.started_ray:
             ray.shutdown()
-        took["Ray"] = time.monotonic() - started - sum(took.values())
-        log.info(
-            "roles ended in %.1fs: %s",
-            time.monotonic() - started,
-            ", ".join(f"{role} {s:.2f}s" for role, s in took.items()),
-        )
+        log.info("roles ended in %s", took.summary())
 
     def forget_control_file(self) -> None:
         """The run stops listening: ``fleetrl fleet`` finds no endpoint to call."""
