@@ -305,6 +305,12 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             description="Token budget of one packed row when the attention has no varlen kernels (sdpa, eager: they compute each row's full score matrix). 0 = the micro-batch's longest sequence or 256, whichever is more. With flash attention or sequence parallelism a micro-batch is one row.",
         ),
     ] = 0
+    share_prompts: Annotated[
+        bool,
+        Meta(
+            description="Run each distinct prompt of a micro-batch once and its sequences' responses against its keys and values (a GRPO group's n samples share one prompt): the same logprobs and gradients over fewer tokens, taken per micro-batch where it computes less. Off by itself under sequence parallelism, gradient checkpointing, sliding-window attention, or a family whose cache-continued forward differs from its whole forward (tried on a tiny twin); the critic keeps the packed or padded layout.",
+        ),
+    ] = True
     param_offload: Annotated[
         bool, Meta(description="FSDP2 CPUOffloadPolicy for the policy and critic (GPU runs).")
     ] = False

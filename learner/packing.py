@@ -39,6 +39,10 @@ With Ulysses sequence parallelism (``sp``) each rank runs its 1/k slice of the
 packed row and the per-token outputs are summed over the group
 (``learner.ulysses``).
 
+Shared prompts (``learner.shared_prompt``, ``build_shared_inputs``): the policy's
+forward may instead run each distinct prompt of the micro-batch once and the
+responses against its cache, where that computes less (``layout_cost``).
+
 Left out: fused/chunked cross-entropy for very large vocabularies.
 """
 
@@ -52,9 +56,10 @@ import torch
 from torch import nn
 
 from fleetrl.log import get_logger
-from learner import ulysses
+from learner import shared_prompt, ulysses
 from learner.algorithms import entropy_from_logits, logprobs_from_logits
 from learner.batching import GlobalBatch
+from learner.shared_prompt import SharedPrompts
 from learner.ulysses import SPGroup
 
 log = get_logger(__name__)
@@ -101,25 +106,34 @@ def packed_row_budget(
     return max(int(seq_lens.max(initial=0)), MIN_ROW_TOKENS)
 
 
+def layout_cost(lens: np.ndarray, *, packing: bool, budget: int | None, hidden: int) -> float:
+    """A layout's cost in token-equivalents: its tokens, padding included, plus its
+    score-matrix entries ÷ (6 × hidden) (a block's projections cost about 24·hidden² FLOPs a
+    token, its attention 4·hidden a pair of tokens). Packed into one row (``budget`` None,
+    varlen kernels) a sequence's scores are its own only."""
+    lens = np.asarray(lens, dtype=np.int64)
+    if not packing:
+        longest = int(lens.max(initial=0))
+        return len(lens) * (longest + longest * longest / (6 * hidden))
+    if budget is None:
+        return float(lens.sum() + (lens * lens).sum() / (6 * hidden))
+    _, _, rows, width = pack_rows(lens, budget)
+    return rows * (width + width * width / (6 * hidden))
+
+
 def padding_is_cheaper(lens: np.ndarray, budget: int, hidden: int) -> bool:
-    """Whether right padding computes less than packed rows of ``budget`` tokens would.
+    """Whether right padding computes less than packed rows of ``budget`` tokens would
+    (``layout_cost``).
 
     Without varlen kernels a packed row's attention covers its whole row × row
     score matrix, so short sequences of similar length cost more packed than
     padded (the CPU demo: 128 sequences of 24-27 tokens, packed into rows of 256,
-    took 188 ms a step against 136 ms padded). The cost of a layout in
-    token-equivalents is its tokens, padding included, plus its score-matrix
-    entries ÷ (6 × hidden) (a block's projections cost about 24·hidden² FLOPs a
-    token, its attention 4·hidden a pair of tokens). Long-tailed lengths still pack.
+    took 188 ms a step against 136 ms padded). Long-tailed lengths still pack.
     """
-    lens = np.asarray(lens, dtype=np.int64)
     if len(lens) < 2:
         return False
-    longest = int(lens.max())
-    padded = len(lens) * (longest + longest * longest / (6 * hidden))
-    _, _, rows, width = pack_rows(lens, budget)
-    packed = rows * (width + width * width / (6 * hidden))
-    return padded <= packed
+    padded = layout_cost(lens, packing=False, budget=None, hidden=hidden)
+    return padded <= layout_cost(lens, packing=True, budget=budget, hidden=hidden)
 
 
 def pack_rows(lens: np.ndarray, budget: int | None) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -206,6 +220,9 @@ class MicroBatchInputs:
     labels: torch.Tensor  # [N] the response token ids
     temperature: torch.Tensor  # [N] rollout temperature of each token's sequence
     response_offsets: np.ndarray  # [n+1] into the N response tokens
+    # the distinct prompts once (learner.shared_prompt): then input_ids, position_ids and
+    # attention_mask are its first pass's, and (rows, cols) index its [n, 1 + W] logits
+    shared: SharedPrompts | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -269,6 +286,36 @@ def build_inputs(
     )
 
 
+def build_shared_inputs(
+    batch: GlobalBatch, indices: np.ndarray, device: torch.device
+) -> MicroBatchInputs:
+    """Inputs for ``indices`` with their distinct prompts run once (``learner.shared_prompt``):
+    response token t of sequence j is read at (j, t) of the shared forward's ``[n, 1 + W]``
+    logits. An empty set yields a one-prompt dummy that reads nothing but runs both passes
+    (every rank of an FSDP group calls the model as often)."""
+    response_lens = batch.response_lens[indices]
+    response_offsets = np.zeros(len(indices) + 1, dtype=np.int64)
+    np.cumsum(response_lens, out=response_offsets[1:])
+    shared = shared_prompt.build_shared(batch, indices, device)
+    seq_of_token = np.repeat(np.arange(len(indices)), response_lens)
+    within = np.arange(int(response_lens.sum())) - np.repeat(response_offsets[:-1], response_lens)
+    labels = [batch.response(int(i)) for i in indices]
+    return MicroBatchInputs(
+        indices=indices,
+        input_ids=shared.prompt_ids,
+        position_ids=torch.arange(shared.prompt_ids.shape[1], device=device).expand_as(
+            shared.prompt_ids
+        ),
+        attention_mask=shared.prompt_mask,
+        rows=as_long(seq_of_token, device),
+        cols=as_long(within, device),
+        labels=as_long(np.concatenate(labels) if labels else np.zeros(0, np.int64), device),
+        temperature=torch.from_numpy(batch.temperature[indices][seq_of_token]).to(device),
+        response_offsets=response_offsets,
+        shared=shared,
+    )
+
+
 @dataclass
 class TokenOutputs:
     logprobs: torch.Tensor  # [N]
@@ -321,18 +368,21 @@ def policy_forward(
     logging) or "grad" (differentiable, for an entropy bonus). With ``sp`` (Ulysses)
     this rank computes its slice of the row and every rank of the group returns all N.
     """
-    part = _slice(mb, sp)
-    keep_cols, inverse = torch.unique(part.cols, sorted=True, return_inverse=True)
-    if keep_cols.numel() == 0:
-        keep_cols = torch.zeros(1, dtype=torch.long, device=mb.input_ids.device)
-    out = model(
-        input_ids=part.input_ids,
-        position_ids=part.position_ids,
-        attention_mask=part.attention_mask,
-        use_cache=False,
-        logits_to_keep=keep_cols,
-    )
-    logits = out.logits  # [rows, K, vocab]
+    if mb.shared is not None:
+        part = _Slice(mb.input_ids, mb.position_ids, mb.attention_mask, mb.rows, mb.cols, None)
+        logits, inverse = shared_prompt.logits(model, mb.shared), part.cols  # [n, 1 + W, vocab]
+    else:
+        part = _slice(mb, sp)
+        keep_cols, inverse = torch.unique(part.cols, sorted=True, return_inverse=True)
+        if keep_cols.numel() == 0:
+            keep_cols = torch.zeros(1, dtype=torch.long, device=mb.input_ids.device)
+        logits = model(
+            input_ids=part.input_ids,
+            position_ids=part.position_ids,
+            attention_mask=part.attention_mask,
+            use_cache=False,
+            logits_to_keep=keep_cols,
+        ).logits  # [rows, K, vocab]
     anchor = logits[..., :1].sum() * 0.0
     temperature = mb.temperature if part.tokens is None else mb.temperature[part.tokens]
     labels = mb.labels if part.tokens is None else mb.labels[part.tokens]

@@ -77,6 +77,8 @@ from learner.optimizer_offload import OffloadedOptimizer, offload_optimizers
 from learner.packing import (
     MicroBatchInputs,
     build_inputs,
+    build_shared_inputs,
+    layout_cost,
     packed_row_budget,
     packing_allowed,
     padding_is_cheaper,
@@ -92,6 +94,7 @@ from learner.prepare import (
     ragged_to_padded,
 )
 from learner.sharded_load import ModelKind
+from learner.shared_prompt import distinct_prompts, prompts_shareable, shared_cost
 from learner.ulysses import SPGroup
 
 log = get_logger(__name__)
@@ -219,6 +222,10 @@ class LearnerWorker:
             self.policy.config, self.cfg.packing, self.sp_size, rank=self.rank
         )
         self.hidden_size = model_sizes(self.policy.config).hidden  # padding_is_cheaper's cost
+        self.share_prompts = prompts_shareable(
+            self.policy.config, self.cfg.share_prompts, sp_size=self.sp_size, rank=self.rank,
+            checkpointing=self.cfg.grad_checkpointing or self.model_cfg.gradient_checkpointing,
+        )  # fmt: skip
         self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.total_steps)
         if self.uses_reference and not self.uses_lora:  # LoRA: the base is the reference
@@ -286,7 +293,11 @@ class LearnerWorker:
         )
         return plans[self.dp_rank]
 
-    def _inputs(self, batch: GlobalBatch, indices: np.ndarray) -> MicroBatchInputs:
+    def _inputs(
+        self, batch: GlobalBatch, indices: np.ndarray, *, policy: bool = True
+    ) -> MicroBatchInputs:
+        """A micro-batch's inputs in the layout that computes least: packed or padded, or
+        (the policy's forward, ``learner.share_prompts``) its distinct prompts once."""
         packing, lens = self.packing, batch.seq_lens[indices]
         row_tokens = (
             packed_row_budget(
@@ -297,8 +308,29 @@ class LearnerWorker:
         )
         if row_tokens is not None and not self.cfg.packed_row_tokens:  # the automatic budget
             packing = not padding_is_cheaper(lens, row_tokens, self.hidden_size)
+        if policy and self.share_prompts and self._shares(batch, indices, packing, row_tokens):
+            return build_shared_inputs(batch, indices, self.device)
         return build_inputs(
             batch, indices, packing=packing, device=self.device, row_tokens=row_tokens
+        )
+
+    def _shares(
+        self, batch: GlobalBatch, indices: np.ndarray, packing: bool, row_tokens: int | None
+    ) -> bool:
+        """Whether the policy's forward over ``indices`` runs its distinct prompts once: on
+        more than one rank always (every rank must call the FSDP model as often, an empty
+        micro-batch included), on one where it computes less (``shared_cost``)."""
+        if self.world_size > 1:
+            return True
+        if len(indices) < 2:
+            return False
+        prompts, _ = distinct_prompts(batch, indices)
+        shared = shared_cost(
+            np.array([len(p) for p in prompts]), batch.response_lens[indices], self.hidden_size
+        )
+        lens = batch.seq_lens[indices]
+        return shared < layout_cost(
+            lens, packing=packing, budget=row_tokens, hidden=self.hidden_size
         )
 
     @torch.no_grad()
@@ -307,7 +339,7 @@ class LearnerWorker:
         flat = torch.zeros(int(batch.response_lens.sum()), device=self.device)
         model.eval()
         for indices in plan:
-            mb = self._inputs(batch, indices)
+            mb = self._inputs(batch, indices, policy=not values)
             out = (
                 value_forward(model, mb, sp=self.sp)[0]
                 if values
@@ -502,7 +534,7 @@ class LearnerWorker:
         ws, cc = self.world_size, self.cfg.critic
         vf_loss_local = torch.zeros((), dtype=torch.float64, device=self.device)
         for indices in plan:
-            mb = self._inputs(batch, indices)
+            mb = self._inputs(batch, indices, policy=False)
             flat_values, anchor = value_forward(self.critic, mb, sp=self.sp)
             values = split_by_sequence(flat_values, mb)
             width = values.shape[1]
