@@ -136,6 +136,7 @@ class AgentRollout:
                 await self._watchdog
         self.sessions.fail_all("the rollout worker stopped")
         await self.gateway.stop()
+        self._threads.close()
 
     async def _watch(self) -> None:
         """Restart the gateway after ``health_check_failures`` probes in a row failed (one

@@ -248,6 +248,7 @@ class RewardPipeline:
         return out
 
     async def aclose(self) -> None:
+        self.rules.close()
         if self.model is not None:
             await self.model.aclose()
 

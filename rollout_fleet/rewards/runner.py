@@ -138,6 +138,10 @@ class RewardRunner:
         """Timed-out calls whose threads are still running."""
         return self._calls.num_hung
 
+    def close(self) -> None:
+        """End the idle worker threads (``ThreadedCalls.close``)."""
+        self._calls.close()
+
     def uses_custom(self, data_source: str) -> bool:
         return self.custom is not None and claims(self.custom_sources, data_source)
 
