@@ -349,6 +349,17 @@ class EngineClient:
                 ) from err
             await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))
 
+    async def generate_batch(
+        self, prompts: list[list[int]], sampling_params: dict[str, Any], *, rids: list[str]
+    ) -> list[GenerateOutput]:
+        """Several samples in one ``POST /generate`` (SGLang's batch form: a list of
+        ``input_ids`` and one ``rid`` each), their outputs in order."""
+        reply = await self.generate(prompts, sampling_params, return_logprob=True, rid=rids)
+        if not isinstance(reply, list) or len(reply) != len(prompts):
+            got = len(reply) if isinstance(reply, list) else type(reply).__name__
+            raise ValueError(f"a batch of {len(prompts)} prompts was answered with {got}")
+        return [parse_generate_response(item) for item in reply]
+
     async def generate_sample(
         self,
         input_ids: list[int],

@@ -224,6 +224,12 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             description="Engine failures one sample may meet (each retried on another engine) before its group is dropped and counted.",
         ),
     ] = 8
+    batch_groups: Annotated[
+        bool,
+        Meta(
+            description="Send a group's n samples as one /generate request (SGLang's batch form) for their first piece, where the engine's API takes batches (SGLang, the embedded engine; vLLM's client sends each sample); a sample left unfinished (an abort, a failed or lost request) continues alone. Off: one request per sample from the start. Multi-turn samples and LoRA runs always go one by one.",
+        ),
+    ] = True
     retry_backoff_s: Annotated[
         float,
         Meta(ge=0, description="Pause before a failed request is retried on another engine."),

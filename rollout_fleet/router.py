@@ -47,6 +47,7 @@ class Lease:
 
     engine: str
     incarnation: int
+    count: int = 1  # samples in the request (a group's batched first piece: n)
 
 
 @dataclass
@@ -104,8 +105,9 @@ class Router:
 
     # ---- routing --------------------------------------------------------------------------
 
-    def acquire(self, group_id: str) -> Lease | None:
-        """Pick the engine for the next request of ``group_id`` and count it as outstanding.
+    def acquire(self, group_id: str, count: int = 1) -> Lease | None:
+        """Pick the engine for the next request of ``group_id`` and count it as outstanding
+        (``count`` samples: a batched request counts as its samples do).
 
         Returns None when no engine is routable. Every lease must be handed back
         with one ``release(lease)``, however the request ended.
@@ -129,16 +131,16 @@ class Router:
                 candidates[pinned].groups.add(group_id)
                 self._group_engine[group_id] = pinned
             load = candidates[pinned]
-            load.outstanding += 1
+            load.outstanding += count
             load.requests_routed += 1
-            return Lease(pinned, load.incarnation)
+            return Lease(pinned, load.incarnation, count)
 
     def release(self, lease: Lease) -> None:
         """The request of ``lease`` finished (in any way)."""
         with self._lock:
             load = self._load.get(lease.engine)
             if load is not None and load.incarnation == lease.incarnation:
-                load.outstanding = max(0, load.outstanding - 1)
+                load.outstanding = max(0, load.outstanding - lease.count)
 
     def finish_group(self, group_id: str) -> None:
         """The group is done: drop its pin."""

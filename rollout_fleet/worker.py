@@ -518,14 +518,18 @@ class RolloutWorker:
             self._wake.set()
 
     async def _sample_group(self, group: _Group, sampling: dict[str, Any]) -> list[Trajectory]:
-        """The group's n samples, generated concurrently and scored (``SampleFailed`` if one
+        """The group's n samples, generated concurrently (``rollout.batch_groups``: one
+        request for all, ``SampleRunner.generate_group``) and scored (``SampleFailed`` if one
         exhausted its attempts)."""
-        async with asyncio.TaskGroup() as tasks:
-            pending = [
-                tasks.create_task(self._run_sample(group.group_id, i, group.prompt, sampling))
-                for i in range(self.config.n)
-            ]
-        done = [task.result() for task in pending]
+        if self.multi_turn is None and self.config.batch_groups:
+            done = await self._batched_samples(group, sampling)
+        else:
+            async with asyncio.TaskGroup() as tasks:
+                pending = [
+                    tasks.create_task(self._run_sample(group.group_id, i, group.prompt, sampling))
+                    for i in range(self.config.n)
+                ]
+            done = [task.result() for task in pending]
         rewards = await self._rewards.score_group(
             group.prompt, [d.text for d in done], [d.rule for d in done]
         )
@@ -533,6 +537,23 @@ class RolloutWorker:
             self._trajectory(group, i, d, reward, sampling["temperature"])
             for i, (d, reward) in enumerate(zip(done, rewards, strict=True))
         ]
+
+    async def _batched_samples(self, group: _Group, sampling: dict[str, Any]) -> list[_Generated]:
+        """The group's n single-turn samples through ``SampleRunner.generate_group``, each
+        decoded and rule-scored as ``_run_sample`` does it."""
+        prompt = [int(t) for t in group.prompt.prompt_ids]
+        samples = [SampleProgress(prompt, sampling["max_new_tokens"]) for _ in range(self.config.n)]
+        uids = [f"{group.group_id}/{i}" for i in range(self.config.n)]
+        t0 = time.monotonic()
+        await self.runner.generate_group(group.group_id, uids, samples, sampling)
+        generate_s = time.monotonic() - t0
+
+        async def scored(sample: SampleProgress) -> _Generated:
+            text = self._tokenizer.decode(sample.output_ids, skip_special_tokens=True)
+            rule = await self._rewards.rule_score(group.prompt, text)
+            return _Generated(sample, text, rule, generate_s, 1, None)
+
+        return list(await asyncio.gather(*(scored(sample) for sample in samples)))
 
     def _drop_unscored(self, group: _Group, trajectories: list[Trajectory]) -> None:
         """Every sample's reward failed: nothing of the group can train; drop it, counted."""

@@ -184,3 +184,41 @@ def test_top_logprobs_reply_is_what_sglangs_tokenizer_manager_builds(engine, tin
         assert len(rows) == 6 and all(v == sorted(v, reverse=True) for v in values)
         for (lp, tid, _), row in zip(meta["output_token_logprobs"], rows, strict=True):
             assert row[0][:2] == [lp, tid]
+
+
+def test_a_groups_batched_request_is_sglangs_batch_form_answered_in_order(engine):
+    """``EngineClient.generate_batch`` (``rollout.batch_groups``): its body validates as SGLang's
+    ``GenerateReqInput`` in batch form (a list of ``input_ids``, one ``rid`` each, which
+    SGLang's ``normalize_batch_and_arguments`` keeps per item), and the engine answers one reply
+    per prompt, in order, each under its own rid; greedy, equal prompts get equal outputs."""
+    import asyncio
+
+    import pydantic
+    from sglang.srt.managers import io_struct as io
+
+    from rollout_fleet.client import EngineClient
+
+    _, url = engine
+    prompts, rids = [[5, 6, 7], [5, 6, 7], [8, 9]], ["g/0.0.0", "g/1.0.0", "g/2.0.0"]
+    params = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
+    sent: list[dict] = []
+    original = EngineClient._request
+
+    async def capture(self, method, endpoint, body=None, **kwargs):
+        sent.append(body)
+        return await original(self, method, endpoint, body, **kwargs)
+
+    async def call():
+        async with EngineClient(url) as client:
+            return await client.generate_batch(prompts, params, rids=rids)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EngineClient, "_request", capture)
+        outputs = asyncio.run(call())
+    parsed = pydantic.TypeAdapter(io.GenerateReqInput).validate_python(sent[0])
+    parsed.normalize_batch_and_arguments()
+    assert parsed.batch_size == 3 and parsed.rid == rids and parsed.return_logprob == [True] * 3
+    assert [o.rid for o in outputs] == rids
+    assert all(len(o.output_ids) == len(o.logprobs) == 4 for o in outputs)
+    assert outputs[0].output_ids == outputs[1].output_ids  # greedy, the same prompt
+    assert [o.prompt_tokens for o in outputs] == [3, 3, 2]
