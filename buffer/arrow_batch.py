@@ -54,13 +54,18 @@ OPTIONAL_COLUMNS = frozenset({"loss_mask", "reward_error", "episode"})
 REQUIRED_COLUMNS = tuple(name for name in SCHEMA.names if name not in OPTIONAL_COLUMNS)
 
 
+# numpy's dtype of each list column's values (pyarrow's to_pandas_dtype() would import pandas:
+# about a second of a busy process's first hand-in)
+_NUMPY_DTYPES = {pa.int32(): np.int32, pa.float32(): np.float32, pa.uint8(): np.uint8}
+
+
 def _list_column(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
     lengths = np.fromiter((len(a) for a in arrays), dtype=np.int32, count=len(arrays))
     offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     values = np.concatenate(arrays) if arrays else np.zeros(0)
     return pa.ListArray.from_arrays(
-        pa.array(offsets), pa.array(values.astype(value_type.to_pandas_dtype(), copy=False))
+        pa.array(offsets), pa.array(values.astype(_NUMPY_DTYPES[value_type], copy=False))
     )
 
 

@@ -42,6 +42,7 @@ from typing import Any
 import zmq
 
 from buffer.admission import derive_groups_per_version
+from buffer.arrow_batch import trajectories_to_arrow
 from buffer.config import BufferConfig
 from buffer.core import BufferCore, BufferStateError
 from buffer.security import (
@@ -193,6 +194,9 @@ class BufferService:
     # ---- loop -----------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            # pyarrow imports pandas on the first array it builds (0.2 s idle, a second on a
+            # busy machine): here, while the run starts, not on the first group handed in
+            trajectories_to_arrow([])
             self._loop()
         except BaseException as err:  # logged and kept: the owner sees it via .failure
             self._failure = err
