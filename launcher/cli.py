@@ -10,10 +10,14 @@ A ``ConfigError`` (or any other user-input error a handler raises as
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
+import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
+from typing import NoReturn
 
 # subcommand path -> "module:function" taking the parsed namespace, returning an exit code
 HANDLERS: dict[str, str] = {
@@ -111,5 +115,25 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def console() -> NoReturn:
+    """The ``fleetrl`` program: ``main()``, then exit without tearing the interpreter down.
+
+    A run's process holds torch, transformers and Ray's client; Python's own teardown of
+    their modules takes most of a second after the last line is printed, and nothing of
+    it reaches the user. The exit handlers run (Ray's, the trackers'), the streams and
+    the log are flushed, then the process ends with ``main()``'s status. A thread that
+    is not a daemon still running (a command that left work behind) gets the ordinary
+    exit, which waits for it.
+    """
+    code = main()
+    if any(t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -189,6 +189,8 @@ class RewardGroup:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        from launcher.placement import shutdown_local_ray
+
         if not ray.is_initialized():
             return
         try:
@@ -200,7 +202,7 @@ class RewardGroup:
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
         if self.started_ray:
-            ray.shutdown()
+            shutdown_local_ray()
 
 
 def train_rm_loop(group: Any, cfg: RmRunConfig, step: int, tracker: Any, stop: Any) -> Any:

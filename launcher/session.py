@@ -645,10 +645,12 @@ class Run:
         """End every role; after a role died (``failed``) kill them, as they may be stuck."""
         import ray
 
+        from launcher.placement import shutdown_local_ray
+
         self.forget_control_file()
         if not ray.is_initialized():  # ray.init did not complete
             if self.started_ray:
-                ray.shutdown()
+                shutdown_local_ray()
             return
         if not self.started and not (failed or self.failed):
             self.end_partial_start()
@@ -656,7 +658,7 @@ class Run:
         if failed or self.failed:  # a role died: the others may be blocked on it; end them now
             self.supervisor.kill_all()
             if self.started_ray:
-                ray.shutdown()
+                shutdown_local_ray()
             return
         # learners first: weight sync leaves its group while the engines still answer
         took = Laps()
@@ -671,7 +673,7 @@ class Run:
             _quietly(lambda: ray.get(self.buffer.stop.remote(), timeout=30), "buffer stop")
         took.enter("Ray")
         if self.started_ray:
-            ray.shutdown()
+            shutdown_local_ray()
         log.info("roles ended in %s", took.summary())
 
     def forget_control_file(self) -> None:
@@ -690,6 +692,8 @@ class Run:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        from launcher.placement import shutdown_local_ray
+
         if self.rollout is not None:
             _quietly(
                 lambda: ray.get(self.rollout.stop.remote(), timeout=STARTUP_STOP_TIMEOUT_S),
@@ -704,7 +708,7 @@ class Run:
                 lambda: remove_placement_group(self.placement_group), "placement group removal"
             )
         if self.started_ray:
-            ray.shutdown()
+            shutdown_local_ray()
 
 
 def _unfinished(reader_state: Any) -> list[int]:
