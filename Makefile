@@ -88,8 +88,9 @@ demo-rlhf: $(STAMP)
 	$(VENV)/bin/fleetrl train --config configs/demo_rlhf_cpu.yaml trainer.output_dir=$(DEMO_RLHF_OUT) \
 		reward.model.path=$(DEMO_RM_OUT)/reward_model
 
-# The demo with an elastic fleet: one engine, three from step 10 (fleetrl fleet scale), one
-# again from step 25 (scripts/demo_elastic.py; figures in docs/cluster.md), afresh.
+# The demo with an elastic fleet, 100 steps: one engine, three after step 3 (fleetrl fleet
+# scale), one again after step 25 once they served (scripts/demo_elastic.py; figures in
+# docs/cluster.md), afresh.
 demo-elastic: $(STAMP)
 	rm -rf $(DEMO_ELASTIC_OUT)
 	env -u RAY_ADDRESS $(PY) scripts/demo_elastic.py --out $(DEMO_ELASTIC_OUT)

@@ -5,7 +5,9 @@ shrinks back to one (``make demo-elastic``).
     .venv/bin/python scripts/demo_elastic.py --out runs/demo/elastic --grow-at 3 --shrink-at 25
 
 It starts ``fleetrl train --config configs/demo_cpu.yaml rollout.elastic=true
-rollout.max_engines=3`` (the plain demo otherwise: 40 steps, validation every 5), runs
+rollout.max_engines=3 trainer.total_steps=100`` (the plain demo otherwise, validation
+every 5; 100 steps, not 40: the plain demo's 40 train in about 9 s on two idle cores, and
+a joining engine takes about 8 s to start), runs
 ``fleetrl fleet scale --run OUT --engines 3`` once step ``--grow-at`` is logged and
 ``fleetrl fleet scale --run OUT --engines 1`` once step ``--shrink-at`` is (and the three
 have served ``SERVE_STEPS`` steps: a joining engine's start-up is tens of steps), prints
@@ -30,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 FLEETRL = [sys.executable, "-m", "launcher.cli"]
 WAIT_S = 900.0
 SERVE_STEPS = 3  # steps the three engines serve, at least, before the fleet shrinks
+STEPS = 100  # the run's steps: time for two engines to start, serve and leave within it
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
@@ -111,7 +114,8 @@ def main() -> int:
         raise SystemExit(f"demo-elastic: {run_dir} holds a run already; remove it or pick --out")
     cmd = [
         *FLEETRL, "train", "--config", "configs/demo_cpu.yaml", f"trainer.output_dir={run_dir}",
-        "rollout.elastic=true", "rollout.max_engines=3", *args.overrides,
+        "rollout.elastic=true", "rollout.max_engines=3", f"trainer.total_steps={STEPS}",
+        *args.overrides,
     ]  # fmt: skip
     print("$", " ".join(cmd[2:]).replace("launcher.cli", "fleetrl"), flush=True)
     proc = subprocess.Popen(cmd, cwd=REPO)
