@@ -287,16 +287,20 @@ def build_inputs(
 
 
 def build_shared_inputs(
-    batch: GlobalBatch, indices: np.ndarray, device: torch.device
+    batch: GlobalBatch,
+    indices: np.ndarray,
+    device: torch.device,
+    prompts: tuple[list[np.ndarray], np.ndarray] | None = None,
 ) -> MicroBatchInputs:
     """Inputs for ``indices`` with their distinct prompts run once (``learner.shared_prompt``):
     response token t of sequence j is read at (j, t) of the shared forward's ``[n, 1 + W]``
     logits. An empty set yields a one-prompt dummy that reads nothing but runs both passes
-    (every rank of an FSDP group calls the model as often)."""
+    (every rank of an FSDP group calls the model as often). ``prompts``:
+    ``shared_prompt.distinct_prompts``' answer for ``indices``, where the caller has it."""
     response_lens = batch.response_lens[indices]
     response_offsets = np.zeros(len(indices) + 1, dtype=np.int64)
     np.cumsum(response_lens, out=response_offsets[1:])
-    shared = shared_prompt.build_shared(batch, indices, device)
+    shared = shared_prompt.build_shared(batch, indices, device, prompts)
     seq_of_token = np.repeat(np.arange(len(indices)), response_lens)
     within = np.arange(int(response_lens.sum())) - np.repeat(response_offsets[:-1], response_lens)
     labels = [batch.response(int(i)) for i in indices]

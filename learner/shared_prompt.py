@@ -95,11 +95,16 @@ def shared_cost(prompt_lens: np.ndarray, response_lens: np.ndarray, hidden: int)
     return first + second
 
 
-def build_shared(batch: GlobalBatch, indices: np.ndarray, device: torch.device) -> SharedPrompts:
+def build_shared(
+    batch: GlobalBatch,
+    indices: np.ndarray,
+    device: torch.device,
+    distinct: tuple[list[np.ndarray], np.ndarray] | None = None,
+) -> SharedPrompts:
     """The shared layout of ``indices``; pass 2 is at least one column wide (padding), so
     every micro-batch runs both passes. No sequences: a one-token prompt and one padding
-    column that nothing reads."""
-    prompts, owner = distinct_prompts(batch, indices)
+    column that nothing reads. ``distinct``: ``distinct_prompts``' answer, where known."""
+    prompts, owner = distinct if distinct is not None else distinct_prompts(batch, indices)
     if not prompts:
         prompts = [np.zeros(1, dtype=np.int64)]
     prompt_lens = np.array([len(p) for p in prompts], dtype=np.int64)

@@ -308,23 +308,30 @@ class LearnerWorker:
         )
         if row_tokens is not None and not self.cfg.packed_row_tokens:  # the automatic budget
             packing = not padding_is_cheaper(lens, row_tokens, self.hidden_size)
-        if policy and self.share_prompts and self._shares(batch, indices, packing, row_tokens):
-            return build_shared_inputs(batch, indices, self.device)
+        if policy and self.share_prompts:
+            prompts = distinct_prompts(batch, indices)
+            if self._shares(batch, indices, prompts[0], packing, row_tokens):
+                return build_shared_inputs(batch, indices, self.device, prompts)
         return build_inputs(
             batch, indices, packing=packing, device=self.device, row_tokens=row_tokens
         )
 
     def _shares(
-        self, batch: GlobalBatch, indices: np.ndarray, packing: bool, row_tokens: int | None
+        self,
+        batch: GlobalBatch,
+        indices: np.ndarray,
+        prompts: list[np.ndarray],
+        packing: bool,
+        row_tokens: int | None,
     ) -> bool:
-        """Whether the policy's forward over ``indices`` runs its distinct prompts once: on
-        more than one rank always (every rank must call the FSDP model as often, an empty
-        micro-batch included), on one where it computes less (``shared_cost``)."""
+        """Whether the policy's forward over ``indices`` (whose distinct ``prompts`` these
+        are) runs them once: on more than one rank always (every rank must call the FSDP
+        model as often, an empty micro-batch included), on one where it computes less
+        (``shared_cost``)."""
         if self.world_size > 1:
             return True
         if len(indices) < 2:
             return False
-        prompts, _ = distinct_prompts(batch, indices)
         shared = shared_cost(
             np.array([len(p) for p in prompts]), batch.response_lens[indices], self.hidden_size
         )

@@ -161,22 +161,20 @@ class SampleRunner:
         ``generate``; ``SampleFailed`` as ``generate`` raises it (in an exception group)."""
         self.attach()
         if len(samples) > 1 and self.adapters is None:
-            await self._batched_first_piece(group_id, uids, samples, sampling_params)
+            await self._batched_first_piece(
+                group_id, dict(zip(uids, samples, strict=True)), sampling_params
+            )
         async with asyncio.TaskGroup() as tasks:
             for uid, sample in zip(uids, samples, strict=True):
                 if not sample.finished:
                     tasks.create_task(self.generate(group_id, uid, sample, sampling_params))
 
     async def _batched_first_piece(
-        self,
-        group_id: str,
-        uids: list[str],
-        samples: list[SampleProgress],
-        sampling_params: dict[str, Any],
+        self, group_id: str, samples: dict[str, SampleProgress], params: dict[str, Any]
     ) -> None:
-        """One ``POST /generate`` for every sample of the group (one HTTP round trip and one
-        request to parse on each side instead of n). Whatever goes wrong is left to the
-        per-sample loop, which starts from what each sample holds."""
+        """One ``POST /generate`` for every sample of the group (uid -> sample; one HTTP
+        round trip and one request to parse on each side instead of n). Whatever goes wrong
+        is left to the per-sample loop, which starts from what each sample holds."""
         lease = self.router.acquire(group_id, count=len(samples))
         if lease is None:
             return
@@ -185,11 +183,11 @@ class SampleRunner:
         if batch is None:
             self.router.release(lease)
             return
-        rids = [f"{uid}.{sample.pieces}.0" for uid, sample in zip(uids, samples, strict=True)]
-        params = {**sampling_params, "max_new_tokens": samples[0].remaining_tokens}
-        request = await self._send(
-            lease, batch([s.resume_input_ids() for s in samples], params, rids=rids), rids
-        )
+        rids = [f"{uid}.{sample.pieces}.0" for uid, sample in samples.items()]
+        first = next(iter(samples.values()))
+        piece = {**params, "max_new_tokens": first.remaining_tokens}
+        prompts = [s.resume_input_ids() for s in samples.values()]
+        request = await self._send(lease, batch(prompts, piece, rids=rids), rids)
         if request.cancelled():
             self.requests_lost_to_dead_engines += 1
             log.info("batched request of group %s lost with engine %s", group_id, lease.engine)
@@ -204,7 +202,7 @@ class SampleRunner:
                 "batched request of group %s on %s failed: %s", group_id, lease.engine, error
             )
             return
-        for uid, sample, output in zip(uids, samples, request.result(), strict=True):
+        for (uid, sample), output in zip(samples.items(), request.result(), strict=True):
             try:
                 self.tokens_generated += sample.add(output, lease.engine)
             except ValueError as err:  # this sample's output was malformed: it runs again alone

@@ -547,13 +547,8 @@ class RolloutWorker:
         t0 = time.monotonic()
         await self.runner.generate_group(group.group_id, uids, samples, sampling)
         generate_s = time.monotonic() - t0
-
-        async def scored(sample: SampleProgress) -> _Generated:
-            text = self._tokenizer.decode(sample.output_ids, skip_special_tokens=True)
-            rule = await self._rewards.rule_score(group.prompt, text)
-            return _Generated(sample, text, rule, generate_s, 1, None)
-
-        return list(await asyncio.gather(*(scored(sample) for sample in samples)))
+        scoring = (self._scored(group.prompt, s, generate_s, 1, None) for s in samples)
+        return list(await asyncio.gather(*scoring))
 
     def _drop_unscored(self, group: _Group, trajectories: list[Trajectory]) -> None:
         """Every sample's reward failed: nothing of the group can train; drop it, counted."""
@@ -582,7 +577,17 @@ class RolloutWorker:
         else:
             sample = SampleProgress([int(t) for t in prompt.prompt_ids], sampling["max_new_tokens"])
             await self.runner.generate(group_id, uid, sample, sampling)
-        generate_s = time.monotonic() - t0
+        return await self._scored(prompt, sample, time.monotonic() - t0, turns, env_s)
+
+    async def _scored(
+        self,
+        prompt: PromptItem,
+        sample: SampleProgress,
+        generate_s: float,
+        turns: int,
+        env_s: float | None,
+    ) -> _Generated:
+        """A finished sample decoded and scored by the rule (the group's score comes later)."""
         text = self._tokenizer.decode(sample.output_ids, skip_special_tokens=True)
         rule = await self._rewards.rule_score(prompt, text)
         return _Generated(sample, text, rule, generate_s, turns, env_s)
