@@ -25,8 +25,8 @@ from rollout_fleet.agents.config import AgentConfig
 from rollout_fleet.agents.rollout import AgentRollout
 from rollout_fleet.gateway.tool_parsers import UnknownToolFormat
 from tests.integration.rollout_fleet.test_worker_embedded import (
+    MidwayAction,
     abort_and_update,
-    call_when_midway,
     make_worker,
     run_then_close,
 )
@@ -230,8 +230,9 @@ def test_a_weight_update_inside_a_call_tags_both_versions(engines, tokenizer):
     worker, sink = agent_worker([engine], tokenizer, ["u 0", "u 1"], "one_long_call", n=2)
 
     async def scenario():
+        midway = MidwayAction(engine, abort_and_update)
         task = asyncio.create_task(worker.run(num_groups=2))
-        await asyncio.to_thread(call_when_midway, engine, abort_and_update)
+        await asyncio.to_thread(midway.wait)
         await task
 
     run_then_close(worker, scenario())

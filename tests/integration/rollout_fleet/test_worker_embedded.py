@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections import Counter
 
 import numpy as np
@@ -128,23 +127,33 @@ def check_exact(trajectories, groups, n):
         assert np.all(t.behavior_logprobs.numpy() <= 0)
 
 
-def call_when_midway(engine, action, timeout_s=30.0):
-    """Run ``action(scheduler)`` on the scheduler thread between steps, at a moment when
-    some sequence has generated part (not all) of its tokens; retry until that happens."""
-    scheduler = engine.scheduler
+class MidwayAction:
+    """Run ``action(scheduler)`` once, on ``engine``'s scheduler thread right after a step
+    that left some sequence with part (not all) of its tokens generated.
 
-    def attempt():
-        live = [s for s in scheduler.running if not s.finished]
-        if any(0 < len(s.output_ids) < s.max_new_tokens for s in live):
-            action(scheduler)
-            return True
-        return False
+    Armed on creation, before any request is sent, and checked after every step, so no
+    midway moment can slip past (a poll from another thread could miss them all when a
+    batch finishes in a few milliseconds)."""
 
-    deadline = time.monotonic() + timeout_s
-    while not scheduler.call(attempt).result(timeout_s):
-        if time.monotonic() > deadline:
+    def __init__(self, engine, action):
+        self.done = threading.Event()
+        scheduler = engine.scheduler
+        step = scheduler._step
+
+        def step_then_check():
+            step()
+            if self.done.is_set():
+                return
+            live = [s for s in scheduler.running if not s.finished]
+            if any(0 < len(s.output_ids) < s.max_new_tokens for s in live):
+                action(scheduler)
+                self.done.set()
+
+        scheduler._step = step_then_check
+
+    def wait(self, timeout_s=60.0):
+        if not self.done.wait(timeout_s):
             raise AssertionError("no sequence was ever seen mid-generation")
-        time.sleep(0.001)
 
 
 def abort_and_update(scheduler):
@@ -158,8 +167,9 @@ def run_with_midway_action(worker, engine, num_groups, action):
     """Run ``num_groups`` groups; ``action`` hits ``engine`` while a sequence is midway."""
 
     async def scenario():
+        midway = MidwayAction(engine, action)
         task = asyncio.create_task(worker.run(num_groups=num_groups))
-        await asyncio.to_thread(call_when_midway, engine, action)
+        await asyncio.to_thread(midway.wait)
         await task
 
     run_then_close(worker, scenario())
@@ -225,8 +235,9 @@ def test_dead_engine_groups_regenerate_on_the_other_without_loss_or_duplicates(e
         scheduler._stop = True  # the scheduler thread exits after this command: engine dead
 
     async def scenario():
+        midway = MidwayAction(first, crash)
         task = asyncio.create_task(worker.run(num_groups=8))
-        await asyncio.to_thread(call_when_midway, first, crash)
+        await asyncio.to_thread(midway.wait)
         async with EngineClient(first.base_url, timeout_s=5) as probe:
             while await probe.health():  # the fleet's health check: 503 once the engine died
                 await asyncio.sleep(0.01)
