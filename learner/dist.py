@@ -31,6 +31,14 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: ``cuda`` alone means the current CUDA device (torch's
+    ``init_process_group(device_id=...)`` refuses a device without an index)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def init_group(
     *,
     master_addr: str,
@@ -52,7 +60,7 @@ def init_group(
         master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout
     )
     backend = backend_for(device)
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    kwargs = {"device_id": indexed(device)} if device.type == "cuda" else {}
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs
     )

@@ -167,7 +167,10 @@ def _sglang_style_group(
         impl = dist.ProcessGroupNCCL(backend_store, rank, world_size, nccl_options)
         kind = dist.ProcessGroup.BackendType.NCCL
     pg._set_default_backend(kind)
-    pg._register_backend(torch.device(device), kind, impl)
+    # As torch's helper does: one gloo backend serves CPU and CUDA tensors (a receiver on
+    # a GPU whose learner shares the device broadcasts CUDA tensors through gloo).
+    for device_type in ("cpu", "cuda") if backend == "gloo" else ("cuda",):
+        pg._register_backend(torch.device(device_type), kind, impl)
     return pg
 
 
