@@ -174,6 +174,20 @@ def _sglang_style_group(
     return pg
 
 
+def _release_in_background(holder: list[Any], group_name: str) -> None:
+    """Clear ``holder``, the only reference to an aborted group, on a thread of its own:
+    gloo's destructor joins its worker threads, and one still sending to a peer that never
+    joined waits out the collective's timeout (a refused version held the learner that long)."""
+
+    def release(holder: list[Any]) -> None:
+        holder.clear()
+        log.debug("weight group %s released", group_name)
+
+    threading.Thread(
+        target=release, args=(holder,), name=f"release-{group_name}", daemon=True
+    ).start()
+
+
 class BroadcastGroup:
     """Rank 0's side of one engine API's weight-update group: what every such group shares.
 
@@ -299,21 +313,26 @@ class WeightGroup(BroadcastGroup):
         return poll_until_done(work, deadline)
 
     def close(self, *, abort: bool = False) -> None:
-        """Leave the group. ``abort`` drops in-flight collectives (peers see an error at once)."""
+        """Leave the group. ``abort`` drops in-flight collectives (peers see an error at once)
+        and releases the group on a thread of its own (``_release_in_background``)."""
         if self.closed:
             return
         self.closed = True
-        pg, self._pg = self._pg, None
+        holder, self._pg = [self._pg], None  # the only reference: whoever clears it frees it
         try:
             if abort:
-                pg.abort()
+                holder[0].abort()
         except RuntimeError as err:  # a backend without abort support: drop it anyway
             log.warning("aborting weight group %s: %s", self.group_name, err)
         try:
             if self._registered:
-                dist.destroy_process_group(pg)  # shuts it down, frees its name in the registry
+                dist.destroy_process_group(holder[0])  # shuts it down, frees its registry name
             elif not abort:
-                pg.shutdown()
+                holder[0].shutdown()
         except (RuntimeError, ValueError, KeyError) as err:
             log.warning("closing weight group %s: %s", self.group_name, err)
+        if abort:
+            _release_in_background(holder, self.group_name)
+        else:
+            holder.clear()
         self._store = None  # type: ignore[assignment]

@@ -108,6 +108,8 @@ log = get_logger(__name__)
 
 HEALTH_PROBE_S = 5.0
 _MAX_HTTP_THREADS = 64
+# how often a bucket's broadcast checks whether an engine already refused it
+_REFUSAL_CHECK_S = 0.25
 
 
 class WeightSender(Publisher):
@@ -320,13 +322,10 @@ class WeightSender(Publisher):
                 lambda _f, d=done_at: d.append(time.perf_counter())
             )
             next_bucket = self._next_bucket(buckets, metrics)  # while the broadcast is in flight
+            what = f"broadcast of bucket {bucket.index} ({bucket.nbytes} bytes)"
             try:
                 for work in works:
-                    group.wait(
-                        work,
-                        f"broadcast of bucket {bucket.index} ({bucket.nbytes} bytes)",
-                        deadline,
-                    )
+                    self._wait_unless_refused(group, work, what, deadline, replies)
             except GroupError as err:
                 raise BucketFailure(str(err), self._gather_calls(replies, deadline)) from None
             broadcast_done = done_at[0] if done_at else time.perf_counter()
@@ -345,6 +344,32 @@ class WeightSender(Publisher):
         stream_s = time.perf_counter() - stream_started
         metrics.gbps = metrics.bytes / stream_s / 1e9 if stream_s > 0 else 0.0
         metrics.engine_load_s = max((s.load_s for s in metrics.engines.values()), default=0.0)
+
+    def _wait_unless_refused(
+        self,
+        group: WeightGroup,
+        work: Any,
+        what: str,
+        deadline: float,
+        replies: dict[str, Future],
+    ) -> None:
+        """Wait for ``work`` until ``deadline``, but stop as soon as an engine has answered
+        the bucket's update call with an error: it will not join the broadcast, which then
+        cannot complete (waiting out the timeout cost a minute per version)."""
+        while True:
+            slice_end = min(deadline, time.monotonic() + _REFUSAL_CHECK_S)
+            try:
+                group.wait(work, what, slice_end)
+                return
+            except GroupError:
+                if time.monotonic() < slice_end or slice_end >= deadline:
+                    raise  # the backend failed, or the whole deadline passed
+            refused = {n: f for n, f in replies.items() if f.done() and f.exception()}
+            if refused:
+                raise BucketFailure(
+                    f"{what}: refused by {', '.join(sorted(refused))}",
+                    self._gather_calls(refused, deadline),
+                )
 
     @staticmethod
     def _post_update(

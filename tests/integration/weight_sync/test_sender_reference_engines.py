@@ -195,6 +195,24 @@ def test_hung_engine_times_out_is_named_and_dropped_and_the_others_continue(engi
         _assert_holds(engines.engines["ok"], _weights(2), 1)
 
 
+class _RefusingEngine(ReferenceEngine):
+    def update(self, body):
+        raise ValueError("no backend for these tensors")  # answers at once, never joins
+
+
+def test_an_engine_refusing_a_bucket_fails_the_version_at_once_not_at_the_timeout(engines):
+    with WeightSender(WeightSyncConfig(timeout_s=30)) as sender:
+        sender.connect([engines.start("ok"), engines.start("refuses", _RefusingEngine)])
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError, match="no backend for these tensors") as info:
+            sender.publish(_weights(1).items(), 0)
+        assert time.monotonic() - started < 10  # not the 30 s a broadcast may wait
+        assert info.value.engines == ["refuses"]
+        assert sender.engines == ["ok"]
+        sender.publish(_weights(2).items(), 1)
+        _assert_holds(engines.engines["ok"], _weights(2), 1)
+
+
 def test_unreachable_engine_at_connect_is_named_and_the_group_forms_without_it(engines):
     dead = EngineEndpoint("dead", "http://127.0.0.1:9", None)  # discard port: refused
     with WeightSender(WeightSyncConfig(timeout_s=5)) as sender:
