@@ -47,6 +47,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q $(TORCH)
 	@echo "venv: fleetrl (editable) with its dev, tensorboard, mlflow and agent extras"
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q $(NO_WARN) -e ".[dev,tensorboard,mlflow,agent]"
+	$(PY) -m fleetrl.bytecode
 	touch $(STAMP)
 
 # What the conformance tier tests against (make test installs it; the demos do not need it):
@@ -67,8 +68,10 @@ $(BENCH_STAMP): $(STAMP)
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q $(NO_WARN) -e ".[bench]"
 	touch $(BENCH_STAMP)
 
-# The demo run starts afresh each time (the tiny model and data it built are reused).
+# The demo run starts afresh each time (the tiny model and data it built are reused);
+# fleetrl's modules changed since the install are compiled first (fleetrl/bytecode.py).
 demo: $(STAMP)
+	$(PY) -m fleetrl.bytecode
 	rm -rf $(DEMO_OUT)
 	$(VENV)/bin/fleetrl train --config configs/demo_cpu.yaml trainer.output_dir=$(DEMO_OUT)
 

@@ -69,6 +69,7 @@ from bench.common import (
 from bench.e2e import read_metrics
 from bench.trl_grpo import ASYNC_TRAINER_NOTE, trl_available
 from bench.vs_trl_regimes import REGIMES, Prepared, Regime, prepare, regime
+from fleetrl.bytecode import compile_packages
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)
@@ -278,6 +279,7 @@ def run(
     if missing:
         print(missing, file=sys.stderr)
         return {"status": "error", "error": missing, "summary": {}}
+    compile_packages()  # as pip compiled TRL's: no arm compiles its own modules per run
     started = time.monotonic()
     names = REGIMES if regime_name == "both" else (regime_name,)
     flags = {"hidden": hidden, "layers": layers, "engines": engines, "batch": batch,

@@ -52,7 +52,7 @@ from fleetrl.config import ConfigErrors
 from fleetrl.log import get_logger
 from launcher.config import RunConfig, load_run_config_named
 from launcher.preflight_agent import check_agent
-from launcher.preflight_data import check_data
+from launcher.preflight_data import check_rendering, data_rows
 from launcher.preflight_findings import (
     Finding,
     Node,
@@ -415,30 +415,47 @@ def run_checks(
     probes: Probes | None = None,
     *,
     resume_with_changes: bool = False,
+    after_quick_checks: Callable[[], None] | None = None,
 ) -> list[Finding]:
     """Every check; every finding (warnings included), in the order a user fixes them
-    (``resume_with_changes``: the run folder may hold this run with other keys)."""
+    (``resume_with_changes``: the run folder may hold this run with other keys).
+
+    The quick checks (files, config, resources, the run folder) run first; when none
+    failed, ``after_quick_checks()`` is called before the slow ones (the tokenizer, the
+    model family, the reward function, the output folder's room for a checkpoint: each
+    imports transformers or user code), so that what can start beside them does
+    (``launcher.early_ray``).
+    """
     from launcher.run_folder import check_run_folder
 
     probes = probes or Probes()
     target = resolve_address(cfg, address, probes.env)
-    data_findings, rows = check_data(cfg)
-    findings = data_findings + check_model(cfg) + check_model_family(cfg)
-    findings += check_rewards(cfg, rows.samples) + check_agent(cfg)
-    findings += check_reward_urls(cfg, probes)
+    rows = data_rows(cfg)
+    model = check_model(cfg)
+    reward_urls = check_reward_urls(cfg, probes)
+    placement: list[Finding] = []
     if target:
         cluster_findings, nodes = check_cluster(cfg, target, probes)
-        findings += cluster_findings
+        placement += cluster_findings
         if nodes is not None:
-            findings += check_resources(cfg, nodes, local=False, autoscaling=cfg.ray.autoscaling)
+            placement += check_resources(cfg, nodes, local=False, autoscaling=cfg.ray.autoscaling)
     else:
-        findings += check_resources(cfg, [local_node(cfg, probes)], local=True)
-    findings += check_backend(cfg, probes, local=not target)
-    findings += check_colocation(cfg, probes, local=not target)
-    findings += check_tracking(cfg, probes)
-    findings += check_output_dir(cfg, probes)
-    findings += check_run_folder(cfg, resume_with_changes)
-    return findings
+        placement += check_resources(cfg, [local_node(cfg, probes)], local=True)
+    placement += check_backend(cfg, probes, local=not target)
+    placement += check_colocation(cfg, probes, local=not target)
+    placement += check_tracking(cfg, probes)
+    run_folder = check_run_folder(cfg, resume_with_changes)
+    quick = rows.findings + model + reward_urls + placement + run_folder
+    if after_quick_checks is not None and not any(f.fatal for f in quick):
+        after_quick_checks()
+    rendering = check_rendering(cfg, rows.samples)
+    family = check_model_family(cfg)
+    rewards = check_rewards(cfg, rows.samples) + check_agent(cfg)
+    output_dir = check_output_dir(cfg, probes)  # the checkpoint's size: the model's shape
+    return (
+        rows.findings + rendering + model + family + rewards + reward_urls + placement
+        + output_dir + run_folder
+    )  # fmt: skip
 
 
 def ensure_ready(
@@ -447,10 +464,18 @@ def ensure_ready(
     probes: Probes | None = None,
     config_errors: list[str] | None = None,
     resume_with_changes: bool = False,
+    after_quick_checks: Callable[[], None] | None = None,
 ) -> None:
     """Run every check; log the warnings; raise ``PreflightFailed`` listing every failure
-    (after ``config_errors``, the config's own rule errors, so that all come at once)."""
-    findings = run_checks(cfg, address, probes, resume_with_changes=resume_with_changes)
+    (after ``config_errors``, the config's own rule errors, so that all come at once).
+    ``after_quick_checks``: as ``run_checks`` calls it, and only without ``config_errors``."""
+    findings = run_checks(
+        cfg,
+        address,
+        probes,
+        resume_with_changes=resume_with_changes,
+        after_quick_checks=None if config_errors else after_quick_checks,
+    )
     for f in findings:
         if not f.fatal:
             log.warning("%s", f.line())

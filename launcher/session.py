@@ -21,6 +21,7 @@ from typing import Any
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig
+from launcher.early_ray import EarlyRay
 from launcher.fleet_control import make_control_keys, write_control_file
 from launcher.laps import Laps
 from launcher.results import (
@@ -73,9 +74,16 @@ class Run:
     socket CURVE keys, made fresh for this run.
     """
 
-    def __init__(self, cfg: RunConfig, address: str | None, secure: bool | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        address: str | None,
+        secure: bool | None = None,
+        early_ray: EarlyRay | None = None,
+    ):
         self.cfg = cfg
         self.address = address
+        self.early_ray = early_ray  # a local instance already starting (launcher.early_ray)
         self.run_dir = Path(cfg.trainer.output_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.raw = to_dict(cfg)
@@ -186,7 +194,10 @@ class Run:
         # known before ray.init returns, so that close() ends a half-started local instance
         self.started_ray = not (self.address or cfg.ray.address or os.environ.get("RAY_ADDRESS"))
         try:
-            self.started_ray = init_ray(cfg, self.address)
+            if self.early_ray is not None and self.early_ray.begun:
+                self.started_ray = self.early_ray.result()
+            else:
+                self.started_ray = init_ray(cfg, self.address)
         except SystemExit as err:  # Ray's own SIGTERM handler, in force while ray.init runs
             raise StopRequested("SIGTERM") from err
         if after_ray_init is not None:
@@ -643,6 +654,13 @@ class Run:
 
     def close(self, failed: bool = False) -> None:
         """End every role; after a role died (``failed``) kill them, as they may be stuck."""
+        try:
+            self._close(failed)
+        finally:
+            if self.early_ray is not None:
+                self.early_ray.end()
+
+    def _close(self, failed: bool) -> None:
         import ray
 
         from launcher.placement import shutdown_local_ray

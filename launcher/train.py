@@ -54,6 +54,7 @@ from typing import Any
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig
+from launcher.early_ray import EarlyRay, starts_local_instance
 from launcher.placement import ask_for_token_auth
 from launcher.preflight import ensure_ready, load_for_run
 from launcher.preflight_findings import PreflightFailed
@@ -364,21 +365,31 @@ def run(
     ask_for_token_auth(address or cfg.ray.address)  # before anything imports Ray
     stop = StopSignal()
     stop.install()  # from here on a stop is clean: see StopSignal
+    # a local instance starts beside the slow checks, once the quick ones passed
+    early_ray = EarlyRay(cfg) if starts_local_instance(cfg, address) else None
     try:
         ensure_ready(
-            cfg, address, config_errors=config_errors, resume_with_changes=resume_with_changes
+            cfg,
+            address,
+            config_errors=config_errors,
+            resume_with_changes=resume_with_changes,
+            after_quick_checks=early_ray.begin if early_ray else None,
         )
         run_dir = Path(cfg.trainer.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg = prepare(cfg)
         write_config(run_dir, cfg)
         tracker = Tracker(cfg.logging, run_dir, cfg.trainer.total_steps, to_dict(cfg))
-        session = Run(cfg, address)
+        session = Run(cfg, address, early_ray=early_ray)
     except (StopRequested, KeyboardInterrupt):
         stop.restore()
+        if early_ray:
+            early_ray.end()
         raise StartupInterrupted(stop.received or "SIGINT", "preparing the run") from None
     except BaseException:
         stop.restore()
+        if early_ray:
+            early_ray.end()
         raise
     summary: dict[str, Any] = {"run_dir": str(run_dir), "metrics_path": str(tracker.metrics_path)}
     plot = ScorePlot(tracker.metrics_path, run_dir / "score_curve.png", f"fleetrl: {run_dir.name}")
