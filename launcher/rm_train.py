@@ -47,7 +47,7 @@ from fleetrl.data.preference import read_preference_rows
 from fleetrl.log import get_logger
 from launcher.rm_config import RmRunConfig, load_rm_config, placement_config
 from launcher.rm_roles import DataSummary, RmStepResult
-from launcher.session import StopRequested
+from launcher.step_calls import StopRequested
 from launcher.supervision import BadStepGuard, TrainingStopped, gather
 from launcher.tracking import Tracker
 from launcher.train import StartupInterrupted, StopSignal, due

@@ -4,10 +4,11 @@
 dependency order, restarts a dead buffer on its bank, sends weights to engines that
 wait for them, writes checkpoints and ends every role it started. Which engines may
 serve is the rollout role's membership (rollout_fleet/membership.py): a publish takes
-its targets from there and hands the outcome back, typed, with no names in between. Its public methods are the
-role calls of the schedule (``launcher.train.train_loop``): each carries its
-arguments, returns a typed result (launcher/results.py) and is guarded by
-``launcher.supervision.Supervised`` (``Run.supervised()``).
+its targets from there and hands the outcome back, typed, with no names in between. Its
+public methods are the role calls of the schedule (``launcher.train.train_loop``; those of
+a step are in ``launcher/step_calls.py``): each carries its arguments, returns a typed
+result (launcher/results.py) and is guarded by ``launcher.supervision.Supervised``
+(``Run.supervised()``).
 """
 
 from __future__ import annotations
@@ -24,13 +25,8 @@ from launcher.config import RunConfig
 from launcher.early_ray import EarlyRay
 from launcher.fleet_control import make_control_keys, write_control_file
 from launcher.laps import Laps
-from launcher.results import (
-    CheckpointRecord,
-    PublishResult,
-    StartRecord,
-    StepResult,
-    merge_publish_results,
-)
+from launcher.results import CheckpointRecord, StartRecord
+from launcher.step_calls import StepCalls, StopRequested
 from launcher.supervision import (
     Supervised,
     Supervisor,
@@ -44,28 +40,16 @@ from launcher.supervision import (
     write_roster,
 )
 from rollout_fleet.delivery import group_id_for_index
-from rollout_fleet.membership import WeightTargets
-from rollout_fleet.validation import Validation
 
 log = get_logger(__name__)
 
-STALL_WARN_S = 60.0  # warn when the learner has waited this long for one batch
 BUFFER_REBIND_ATTEMPTS = 20  # its old port may linger a moment after a kill -9
 ROSTER_FILE = "roles.json"  # role -> pid, rewritten whenever a role is (re)started
 STARTUP_STOP_TIMEOUT_S = 30.0  # a stop during start-up: engines get this long to end
 BUFFER_ADDRESSES_FILE = "buffer_addresses.json"  # {"ingest", "control"}: for tools (the soak)
 
 
-class StopRequested(Exception):
-    """A stop signal arrived while waiting; the loop checkpoints and ends cleanly."""
-
-
-class RewardsFailing(StopRequested):
-    """The reward failed on every sample for ``reward.max_failed_groups`` groups in a row:
-    the run stops as on a signal (a checkpoint written), then exits non-zero with why."""
-
-
-class Run:
+class Run(StepCalls):
     """The roles of one run, created by ``start`` and ended by ``close`` (in that order).
 
     Every run makes a bearer API key that its engines and reward servers require
@@ -438,181 +422,6 @@ class Run:
         candidates = checkpoint_candidates(self.ckpt_root)
         where = f"from {candidates[0].name}" if candidates else "from the start (no checkpoint)"
         return f"rerun with the same trainer.output_dir and trainer.resume=auto to continue {where}"
-
-    # ---- the role calls of a step ----------------------------------------------------------
-    def publish(
-        self, version: int, restored: bool = False, targets: WeightTargets | None = None
-    ) -> PublishResult:
-        """Push ``version`` to the membership's live engines (every learner rank streams,
-        rank 0 sends); the membership records what each engine got."""
-        import ray
-
-        self.version = version
-        what = f"publishing version {version}"
-        everyone = targets is None  # not a rejoin's push to the engines behind only
-        for attempt in range(2):
-            if targets is None or attempt:
-                asked = self._ahead.pop("targets", None) if everyone and not attempt else None
-                targets = ray.get(
-                    asked if asked is not None else self.rollout.weight_targets.remote()
-                )
-            calls = [w.publish.remote(version, targets, restored) for w in self.learners]
-            out = merge_publish_results(gather(calls, what))
-            if everyone:
-                self._note_membership_change(targets, out)
-            ray.get(self.rollout.weights_published.remote(out))
-            if not out.needs_resend:
-                break
-            # a failure mid-stream left survivors with partial weights: send the version again
-            log.warning("version %d reached some engines partially; publishing it again", version)
-        return out
-
-    def _note_membership_change(self, targets: WeightTargets, out: PublishResult) -> None:
-        """``fleet/regroup_s``: a publish to every engine whose engines differ from the last
-        one's formed the weight group again (an engine joined, left or was replaced); what
-        that took, before the engines paused (SGLang's schedulers hold generation for it,
-        the embedded engine does not)."""
-        engines = frozenset(f"{t.name}#{t.incarnation}" for t in targets.engines)
-        if self.published_to and engines != self.published_to:
-            out.metrics["fleet/regroup_s"] = out.metrics.get("weight_sync/group_setup_s", 0.0)
-        self.published_to = engines
-
-    def wait_for_batch(self, version: int, check_stop: Any = None) -> float:
-        """Block until learner rank 0 holds B whole groups; returns the seconds waited.
-
-        ``check_stop`` (called between polls) may raise ``StopRequested`` to give up waiting.
-        """
-        import ray
-
-        started = time.monotonic()
-        warned = False
-        while not ray.get(
-            self.learners[0].wait_for_batch.remote(self.cfg.data.train_batch_size, version)
-        ):
-            if check_stop is not None:
-                check_stop()
-            reason = ray.get(self.rollout.check.remote())
-            if reason is not None:
-                raise RewardsFailing(reason)
-            problem = ray.get(self.rollout.fleet_failure.remote())
-            if problem:  # an elastic fleet stayed below its minimum
-                raise TrainingStopped(f"{problem}; {self.resume_hint()}")
-            # with every engine dead, waiting alone never ends
-            self._rejoin(ray.get(self.rollout.rejoin_targets.remote()))
-            waited = time.monotonic() - started
-            if waited > STALL_WARN_S and not warned:
-                warned = True
-                log.warning(
-                    "learner has waited %.0fs for a batch; rollout: %s",
-                    waited,
-                    ray.get(self.rollout.metrics.remote()),
-                )
-        return time.monotonic() - started
-
-    def step(self, version: int) -> StepResult:
-        """One learner step on the batch rank 0 holds (collective over every rank).
-
-        Co-located runs: the engines give the devices to the learner first
-        (``yield_devices``); the publish that follows gives them back.
-        """
-        if self.cfg.rollout.colocated:
-            self.yield_devices()
-        calls = [w.step.remote(version) for w in self.learners]
-        self._ask_targets_ahead()
-        result = gather(calls, "a learner step")[0]
-        self.steps_taken += 1
-        return result
-
-    def _ask_targets_ahead(self) -> None:
-        """While the learner steps, ask the membership for the targets of the publish that
-        follows this step (every ``weight_sync.sync_every``-th): ``publish`` then waits for
-        the learner alone. The answer is the one a publish right after the step would get, a
-        step's time earlier: an engine that joins meanwhile gets the version by
-        ``rejoin_engines``, one that dies meanwhile fails this publish as it would any. Not
-        for co-located engines: their targets get their weight memory back, which waits for
-        the step."""
-        if self.cfg.rollout.colocated or "targets" in self._ahead:
-            return  # a retried step (after a buffer restart) asked already
-        if (self.steps_taken + 1) % self.cfg.weight_sync.sync_every == 0:
-            self._ahead["targets"] = self.rollout.weight_targets.remote()
-
-    def yield_devices(self) -> None:
-        """Co-located engines pause and release their memory (rollout_fleet/colocation.py)."""
-        import ray
-
-        ray.get(self.rollout.yield_devices.remote())
-
-    def validate(self) -> Validation:
-        """Score the held-out prompts with the current weights (greedy by default): the
-        metrics, and the samples trainer.log_val_generations keeps."""
-        import ray
-
-        self._ahead.pop("reports", None)  # role_metrics reports after validation, not before
-        return ray.get(self.rollout.validate.remote())
-
-    def role_metrics(self) -> dict[str, float]:
-        """What the rollout side and the buffer report after a step (for metrics.jsonl)."""
-        import ray
-
-        asked = self._ahead.pop("reports", None)
-        rollout, buffer = asked if asked is not None else self._ask_reports()
-        m = dict(ray.get(rollout))
-        stats = ray.get(buffer)
-        m.update({f"buffer/{k}": float(v) for k, v in stats.items()})
-        m["buffer/size"] = m.get("buffer/size", m.get("buffer/ready_groups", 0.0))
-        m["buffer/refused_stale"] = m.get("buffer/refused_stale", 0.0)
-        return m
-
-    def rejoin_engines(self) -> None:
-        """Engines waiting for weights that answer now get the current version first.
-
-        A replaced engine (new process) and one weight sync dropped (it timed out or
-        refused: paused, disconnected) take no requests until a publish of the current
-        version reaches them (the membership's NEEDS_WEIGHTS); one still not answering stays
-        out until the fleet's health checks replace it.
-        """
-        import ray
-
-        reports = self._ask_reports()  # asked together: role_metrics reads them after the step
-        if self._rejoin(ray.get(self.rollout.rejoin_targets.remote())):
-            return
-        self._ahead["reports"] = reports
-
-    def _ask_reports(self) -> tuple[Any, Any]:
-        """The rollout side's and the buffer's reports (``role_metrics``), asked for together."""
-        return self.rollout.metrics.remote(), self.buffer.stats.remote()
-
-    def _rejoin(self, targets: WeightTargets | None) -> bool:
-        """Publish the current version to ``targets`` (``rejoin_targets``'s answer); whether
-        there were any."""
-        if targets is None:
-            return False
-        log.info("engines waiting for weights answer: publishing version %d again", self.version)
-        self.publish(self.version, targets=targets)
-        self.write_roster()  # a replacement is a new process
-        return True
-
-    def start_profile(self, step: int) -> None:
-        """``trainer.profile_steps``: every learner rank and engine records from here."""
-        import ray
-
-        gather([w.start_profile.remote() for w in self.learners], "starting a profile")
-        ray.get(self.rollout.profile_engines.remote(step, True))
-
-    def stop_profile(self, step: int) -> list[str]:
-        """End the recording; the learner ranks' trace files (the engines write their own)."""
-        import ray
-
-        paths = gather([w.stop_profile.remote(step) for w in self.learners], "writing profiles")
-        engines = ray.get(self.rollout.profile_engines.remote(step, False))
-        log.info("step %d profiled: %s, and engines %s", step, ", ".join(paths), engines or "none")
-        return paths
-
-    def save_hf_snapshot(self, step: int) -> str:
-        """Write the policy of ``step`` as a Hugging Face folder (``trainer.save_hf_freq``)."""
-        return gather(
-            [w.save_hf_snapshot.remote(step) for w in self.learners], "writing a policy snapshot"
-        )[0]
 
     def checkpoint(self, step: int) -> CheckpointRecord:
         """Write a checkpoint; commit the *previous* checkpoint's hand-outs in the buffer.

@@ -63,7 +63,8 @@ from launcher.report import summary_lines, write_score_plot
 from launcher.results import StartRecord
 from launcher.run_folder import finished_line, read_folder, write_config
 from launcher.sample_account import sample_account
-from launcher.session import RewardsFailing, Run, StopRequested
+from launcher.session import Run
+from launcher.step_calls import RewardsFailing, StopRequested
 from launcher.supervision import BadStepGuard, TrainingStopped
 from launcher.tracking import Tracker
 

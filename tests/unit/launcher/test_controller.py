@@ -13,7 +13,7 @@ import pytest
 
 from launcher.config import load_run_config
 from launcher.results import CheckpointRecord, PublishResult, StartRecord, StepResult
-from launcher.session import RewardsFailing, StopRequested
+from launcher.step_calls import RewardsFailing, StopRequested
 from launcher.supervision import BufferDown, Supervised, TrainingStopped
 from launcher.tracking import Tracker, read_metrics
 from launcher.train import execute

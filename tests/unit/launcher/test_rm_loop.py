@@ -7,7 +7,7 @@ import pytest
 from launcher.rm_config import load_rm_config
 from launcher.rm_roles import RmStepResult
 from launcher.rm_train import train_rm_loop
-from launcher.session import StopRequested
+from launcher.step_calls import StopRequested
 from launcher.supervision import TrainingStopped
 from learner.bradley_terry import summarize_pairs
 
