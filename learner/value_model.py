@@ -24,6 +24,7 @@ Left out: a head other than one linear layer (no dropout: values must be determi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,3 +83,19 @@ def value_model(config: Any, *, bias: bool, dtype: torch.dtype = torch.float32) 
         "PreTrainedModel", "ValueModel"
     )
     return ValueModel()
+
+
+def check_critic_vocabulary(policy_path: Path, critic_path: Path) -> None:
+    """The critic reads the policy's token ids: its embedding must hold every one of them."""
+    if critic_path == policy_path:
+        return
+    from transformers import AutoConfig
+
+    policy_vocab = AutoConfig.from_pretrained(policy_path).vocab_size
+    critic_vocab = AutoConfig.from_pretrained(critic_path).vocab_size
+    if critic_vocab < policy_vocab:
+        raise ValueError(
+            f"learner.critic.model_path: {critic_path} has a vocabulary of {critic_vocab} tokens, "
+            f"fewer than the policy's {policy_vocab} ({policy_path}); the critic reads the "
+            "policy's token ids, so start it from a model of the same tokenizer"
+        )

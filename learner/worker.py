@@ -52,7 +52,6 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +94,9 @@ from learner.prepare import (
 )
 from learner.sharded_load import ModelKind
 from learner.shared_prompt import distinct_prompts, prompts_shareable, shared_cost
+from learner.step_timer import StepTimer
 from learner.ulysses import SPGroup
+from learner.value_model import check_critic_vocabulary
 
 log = get_logger(__name__)
 
@@ -385,7 +386,7 @@ class LearnerWorker:
         metrics = batch_metrics(gb, policy_version)
 
         # verl's timing names: old_log_prob (π_prox), ref, values, adv, update_actor/critic
-        timer = _Timer(metrics)
+        timer = StepTimer(metrics)
         # critic warm-up (learner.critic.warmup_steps): the policy waits for useful values
         train_policy = self.global_step >= self.cfg.critic.warmup_steps
         minis = mini_batches(gb.group_index, self.cfg.ppo_mini_batch_size)
@@ -635,40 +636,6 @@ class LearnerWorker:
         """Train on each batch in turn (rank 0's iterable holds batches, others Nones)."""
         for batch in batches:
             yield self.step(batch, policy_version=self.global_step)
-
-
-class _Timer:
-    """``with timer("adv"):`` adds the block's seconds to ``metrics["timing_s/adv"]``, and
-    names the block ``learner/adv`` in a profile (``trainer.profile_steps``)."""
-
-    def __init__(self, metrics: dict[str, float]) -> None:
-        self.metrics = metrics
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            with torch.profiler.record_function(f"learner/{name}"):
-                yield
-        finally:
-            key = f"timing_s/{name}"
-            self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - started
-
-
-def check_critic_vocabulary(policy_path: Path, critic_path: Path) -> None:
-    """The critic reads the policy's token ids: its embedding must hold every one of them."""
-    if critic_path == policy_path:
-        return
-    from transformers import AutoConfig
-
-    policy_vocab = AutoConfig.from_pretrained(policy_path).vocab_size
-    critic_vocab = AutoConfig.from_pretrained(critic_path).vocab_size
-    if critic_vocab < policy_vocab:
-        raise ValueError(
-            f"learner.critic.model_path: {critic_path} has a vocabulary of {critic_vocab} tokens, "
-            f"fewer than the policy's {policy_vocab} ({policy_path}); the critic reads the "
-            "policy's token ids, so start it from a model of the same tokenizer"
-        )
 
 
 def _slicer(indices: np.ndarray, width: int):
