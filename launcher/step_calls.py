@@ -57,7 +57,10 @@ class StepCalls:
             out = merge_publish_results(gather(calls, what))
             if everyone:
                 self._note_membership_change(targets, out)
-            ray.get(self.rollout.weights_published.remote(out))
+            acknowledged = self.rollout.weights_published.remote(out)
+            if everyone and self.steps_taken and not (restored or out.needs_resend):
+                self._ask_rejoin_ahead()
+            ray.get(acknowledged)
             if not out.needs_resend:
                 break
             # a failure mid-stream left survivors with partial weights: send the version again
@@ -171,9 +174,20 @@ class StepCalls:
         import ray
 
         reports = self._ask_reports()  # asked together: role_metrics reads them after the step
-        if self._rejoin(ray.get(self.rollout.rejoin_targets.remote())):
+        asked = self._ahead.pop("rejoin", None)
+        if self._rejoin(
+            ray.get(asked if asked is not None else self.rollout.rejoin_targets.remote())
+        ):
             return
         self._ahead["reports"] = reports
+
+    def _ask_rejoin_ahead(self) -> None:
+        """Behind a step's publish acknowledgement, ask the rollout role which engines wait
+        for weights (``rejoin_engines``, the schedule's next call, reads the answer): the role
+        answers its caller's calls in order, so the answer counts this publish, and the step
+        loses one round trip. Not for co-located engines (their publish returns devices)."""
+        if not self.cfg.rollout.colocated:
+            self._ahead["rejoin"] = self.rollout.rejoin_targets.remote()
 
     def _ask_reports(self) -> tuple[Any, Any]:
         """The rollout side's and the buffer's reports (``role_metrics``), asked for together."""
