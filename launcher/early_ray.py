@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 from fleetrl.log import get_logger
+from fleetrl.machine import usable_cpus
 from launcher.config import RunConfig
 
 log = get_logger(__name__)
@@ -46,6 +48,7 @@ class EarlyRay:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
+        self._user_omp = os.environ.get("OMP_NUM_THREADS")  # before the start sets the roles'
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._release = threading.Event()
@@ -75,6 +78,22 @@ class EarlyRay:
             ray_log.removeFilter(quiet)
             self._ready.set()
         self._release.wait()  # Ray's processes live as long as this thread
+
+    def keep_driver_threads(self) -> None:
+        """Give this process's torch the threads it would have had without the early start.
+
+        While Ray starts its processes this process's environment holds the roles'
+        ``OMP_NUM_THREADS=1`` (they inherit it); a torch first imported meanwhile, by a slow
+        check, sizes its thread pool from it, and the driver's own torch work after the
+        checks (building the demo's model and its warm start) would run on one thread.
+        """
+        torch = sys.modules.get("torch")
+        if torch is None or self._thread is None:
+            return
+        user = self._user_omp
+        threads = int(user) if user and user.isdigit() and int(user) > 0 else usable_cpus()
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
     def result(self) -> bool:
         """Wait for the start; True when this process started the instance; its error raised."""

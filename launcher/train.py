@@ -376,6 +376,8 @@ def run(
             resume_with_changes=resume_with_changes,
             after_quick_checks=early_ray.begin if early_ray else None,
         )
+        if early_ray:
+            early_ray.keep_driver_threads()
         run_dir = Path(cfg.trainer.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg = prepare(cfg)

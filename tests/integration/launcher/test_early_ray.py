@@ -95,3 +95,28 @@ def test_the_instance_outlives_the_thread_until_it_is_ended(tmp_path, monkeypatc
     early.end()
     assert not ray.is_initialized() and gcs.poll() is not None
     early.end()  # twice: nothing more to do
+
+
+@pytest.mark.parametrize("user_omp", [None, "3"])
+def test_the_drivers_torch_gets_back_the_threads_the_roles_variable_took(
+    tmp_path, monkeypatch, user_omp
+):
+    import torch
+
+    from fleetrl.machine import usable_cpus
+
+    if user_omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", user_omp)
+    before = torch.get_num_threads()
+    monkeypatch.setattr(EarlyRay, "_start", lambda self: self._ready.set())  # no instance
+    early = EarlyRay(_cfg(tmp_path))
+    early.begin()
+    try:
+        torch.set_num_threads(1)  # as a torch first imported under the roles' variable is
+        early.keep_driver_threads()
+        assert torch.get_num_threads() == (int(user_omp) if user_omp else usable_cpus())
+    finally:
+        torch.set_num_threads(before)
+        early._release.set()
