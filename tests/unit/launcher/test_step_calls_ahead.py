@@ -13,7 +13,6 @@ from launcher.results import PublishResult
 from launcher.session import Run
 from rollout_fleet.membership import WeightTargets
 
-
 NOBODY_WAITS = object()  # the reference rejoin_targets returns; its value: no engine waits
 
 
