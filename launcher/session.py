@@ -22,7 +22,7 @@ from typing import Any
 from fleetrl.config import to_dict
 from fleetrl.log import get_logger
 from launcher.config import RunConfig
-from launcher.early_ray import EarlyRay
+from launcher.early_ray import EarlyRay, starts_local_instance
 from launcher.fleet_control import make_control_keys, write_control_file
 from launcher.laps import Laps
 from launcher.results import CheckpointRecord, StartRecord
@@ -176,7 +176,7 @@ class Run(StepCalls):
         cfg = self.cfg
         self._enter("starting Ray")
         # known before ray.init returns, so that close() ends a half-started local instance
-        self.started_ray = not (self.address or cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+        self.started_ray = starts_local_instance(cfg, self.address)
         try:
             if self.early_ray is not None and self.early_ray.begun:
                 self.started_ray = self.early_ray.result()

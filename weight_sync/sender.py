@@ -90,7 +90,7 @@ from weight_sync.buckets import Bucket, BufferPool, pack_buckets
 from weight_sync.config import WeightSyncConfig, bucket_mb_for, zero_copy_bytes_for
 from weight_sync.engine_client import EngineCallError, EngineClient, EngineEndpoint, GroupJoin
 from weight_sync.errors import BucketFailure, WeightSyncError, describe, drain_stream
-from weight_sync.group import GroupError, MasterStore, WeightGroup, resolve_backend
+from weight_sync.group import BroadcastGroup, GroupError, MasterStore, WeightGroup, resolve_backend
 from weight_sync.metrics import EngineSyncStatus, SyncMetrics
 from weight_sync.publisher import Publisher
 from weight_sync.verify import SentRows, UncheckedEngines, check_engine
@@ -347,7 +347,7 @@ class WeightSender(Publisher):
 
     def _wait_unless_refused(
         self,
-        group: WeightGroup,
+        group: BroadcastGroup,
         work: Any,
         what: str,
         deadline: float,
@@ -362,7 +362,7 @@ class WeightSender(Publisher):
                 group.wait(work, what, slice_end)
                 return
             except GroupError:
-                if time.monotonic() < slice_end or slice_end >= deadline:
+                if work.is_completed() or slice_end >= deadline:
                     raise  # the backend failed, or the whole deadline passed
             refused = {n: f for n, f in replies.items() if f.done() and f.exception()}
             if refused:
