@@ -1,7 +1,10 @@
-"""One real Slurm (munged, slurmctld, two slurmd: slurm_site.py) for every test of the session
-that submits to it: starting it takes seconds, and each test's jobs end before the next."""
+"""Fixtures of the cluster tier: one real Slurm (munged, slurmctld, two slurmd: slurm_site.py)
+for every test of the session that submits to it (starting it takes seconds, and each test's
+jobs end before the next); a scratch folder for the tests that install gigabytes."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
@@ -19,3 +22,13 @@ def slurm():
     site.start()
     yield site
     site.stop()
+
+
+@pytest.fixture
+def scratch(tmp_path_factory):
+    """A folder for one test's installs (a virtualenv with torch's CUDA libraries, a node's
+    home): removed when the test ends, pass or fail, since pytest keeps its last three runs'
+    temporary folders and three runs of these tiers fill a CI machine's disk."""
+    folder = tmp_path_factory.mktemp("scratch")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)

@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.deploy, pytest.mark.slow]
 
 
 @pytest.mark.timeout(2400)
-def test_make_venv_prints_one_line_per_step_and_nothing_like_an_error(tmp_path: Path):
-    venv = tmp_path / "venv"
+def test_make_venv_prints_one_line_per_step_and_nothing_like_an_error(scratch: Path):
+    venv = scratch / "venv"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(
         ["make", "-s", "venv", f"VENV={venv}"], cwd=REPO, env=env,

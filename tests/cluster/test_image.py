@@ -38,7 +38,7 @@ def _builder() -> str:
 
 
 @pytest.fixture(scope="module")
-def image() -> tuple[str, str]:
+def image():
     builder = _builder()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     build = subprocess.run(
@@ -47,7 +47,10 @@ def image() -> tuple[str, str]:
     )  # fmt: skip
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-5000:]
     assert f"image: built {TAG}" in build.stdout
-    return builder, TAG
+    yield builder, TAG
+    # this build's image goes (the next build's would leave it untagged, gigabytes each run);
+    # the dependency layers' image stays, as the cache `make image` builds on
+    subprocess.run([builder, "rmi", TAG], capture_output=True)
 
 
 def _run_in_image(builder: str, tag: str, out: Path, *cmd: str) -> subprocess.CompletedProcess:

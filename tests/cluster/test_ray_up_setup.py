@@ -106,9 +106,9 @@ def _place_file_mounts(config: dict, home: Path, wheel_dir: Path) -> None:
         shutil.copytree(source, target)
 
 
-def _run_setup(node_type: str, tmp_path: Path, wheel_dir: Path, uv_cache: Path) -> None:
+def _run_setup(node_type: str, scratch: Path, wheel_dir: Path, uv_cache: Path) -> None:
     config = yaml.safe_load(AWS_YAML.read_text())
-    home = tmp_path / "home"
+    home = scratch / "home"
     (home / ".local" / "bin").mkdir(parents=True)
     shutil.copy(_uv_binary(), home / ".local" / "bin" / "uv")
     _place_file_mounts(config, home, wheel_dir)
@@ -145,17 +145,17 @@ def _run_setup(node_type: str, tmp_path: Path, wheel_dir: Path, uv_cache: Path) 
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("node_type", ["head", "learner_gpu"])
 def test_node_setup_installs_the_wheel_and_fleetrl_check_runs(
-    node_type, tmp_path, wheel_dir, uv_cache
+    node_type, scratch, wheel_dir, uv_cache
 ):
-    _run_setup(node_type, tmp_path, wheel_dir, uv_cache)
+    _run_setup(node_type, scratch, wheel_dir, uv_cache)
 
 
 @pytest.mark.deploy
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("node_type", ["rollout_gpu", "reward_gpu"])
-def test_sglang_node_setup_installs_the_wheel_with_sglang(node_type, tmp_path, wheel_dir, uv_cache):
-    _run_setup(node_type, tmp_path, wheel_dir, uv_cache)
-    python = tmp_path / "home" / "fleetrl-env" / "bin" / "python"
+def test_sglang_node_setup_installs_the_wheel_with_sglang(node_type, scratch, wheel_dir, uv_cache):
+    _run_setup(node_type, scratch, wheel_dir, uv_cache)
+    python = scratch / "home" / "fleetrl-env" / "bin" / "python"
     version = subprocess.run(
         [str(python), "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
         capture_output=True, text=True, check=True,
