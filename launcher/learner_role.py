@@ -155,8 +155,10 @@ class LearnerRole:
         folder = step_dir(self.cfg.trainer.output_dir, step)
         return str(self.trace.stop(folder / f"learner_rank{self.rank}.json"))
 
-    def save_hf_snapshot(self, step: int) -> str:
-        """Collective: the policy as a Hugging Face folder (learner/snapshot.py); rank 0 writes."""
+    def save_hf_snapshot(self, step: int, *after_steps: StepResult) -> str:
+        """Collective: the policy as a Hugging Face folder (learner/snapshot.py); rank 0 writes.
+        ``after_steps``: the driver queues the call with a step, passing every rank's step
+        call, so Ray runs it once they all returned (never if one raised); unused here."""
         from learner.snapshot import snapshot_root, write_hf_snapshot
 
         with self._resident():
@@ -234,11 +236,12 @@ class LearnerRole:
             f.write(json.dumps(record) + "\n")
 
     def publish(
-        self, version: int, targets: WeightTargets, restored: bool = False
+        self, version: int, targets: WeightTargets, restored: bool = False, *after_steps: StepResult
     ) -> PublishResult:
         """Every rank drives the tensor stream (the adapter's with LoRA on, else the
         full weights); rank 0 broadcasts it to ``targets``
-        (the rollout side's membership chose them) and reports what each got."""
+        (the rollout side's membership chose them) and reports what each got.
+        ``after_steps``: as for ``save_hf_snapshot``, the step calls this publish follows."""
         from weight_sync.sender import WeightSyncError, drain_stream
 
         if self.colocation is not None:

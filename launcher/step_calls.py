@@ -2,7 +2,13 @@
 
 Wait for a batch, step the learner ranks, publish the new version to the engines the
 rollout role's membership names, bring back engines that wait for weights, snapshot,
-validate, profile, collect the roles' reports. ``StepCalls`` is a part of ``Run``
+validate, profile, collect the roles' reports.
+
+A step's publish and policy snapshot are queued on the learner ranks with the step itself,
+each depending on every rank's step (Ray never runs a call whose argument is a failed call's
+result): a rank goes from its update to the push to its snapshot without waiting for the
+driver between them, and where any rank's step raised, no rank publishes or writes (a rank
+alone in a collective would wait for the others forever). ``StepCalls`` is a part of ``Run``
 (``launcher/session.py``), which owns the roles these calls reach and supervises every
 call (``Run.supervised()``); it reads the ``Run`` attributes named in its docstring.
 """
@@ -10,6 +16,7 @@ call (``Run.supervised()``); it reads the ``Run`` attributes named in its docstr
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fleetrl.log import get_logger
@@ -21,6 +28,27 @@ from rollout_fleet.validation import Validation
 log = get_logger(__name__)
 
 STALL_WARN_S = 60.0  # warn when the learner has waited this long for one batch
+QUEUED_DRAIN_S = 5.0  # calls queued behind a failed step fail at once; this bounds the wait
+
+
+@dataclass
+class Queued:
+    """Calls queued on the learner ranks with a step: for ``key`` (the version a publish
+    sends, the step a snapshot writes), one per rank; a publish's ``targets`` (a reference
+    to the rollout role's answer)."""
+
+    key: int
+    calls: list[Any]
+    targets: Any = None
+
+
+def _quietly_read(call: Any) -> None:
+    import ray
+
+    try:
+        ray.get(call, timeout=0)
+    except Exception as err:  # noqa: BLE001 - the failed step reported the cause already
+        log.debug("a call queued behind a failed step: %r", err)
 
 
 class StopRequested(Exception):
@@ -48,12 +76,16 @@ class StepCalls:
         what = f"publishing version {version}"
         everyone = targets is None  # not a rejoin's push to the engines behind only
         for attempt in range(2):
-            if targets is None or attempt:
-                asked = self._ahead.pop("targets", None) if everyone and not attempt else None
-                targets = ray.get(
-                    asked if asked is not None else self.rollout.weight_targets.remote()
-                )
-            calls = [w.publish.remote(version, targets, restored) for w in self.learners]
+            queued = self._queued("publish", version) if everyone and not attempt else None
+            if queued is not None:  # asked for with the step (``_queue_after_step``)
+                targets, calls = ray.get(queued.targets), queued.calls
+            else:
+                if targets is None or attempt:
+                    asked = self._ahead.pop("targets", None) if everyone and not attempt else None
+                    targets = ray.get(
+                        asked if asked is not None else self.rollout.weight_targets.remote()
+                    )
+                calls = [w.publish.remote(version, targets, restored) for w in self.learners]
             out = merge_publish_results(gather(calls, what))
             if everyone:
                 self._note_membership_change(targets, out)
@@ -109,8 +141,11 @@ class StepCalls:
                 )
         return time.monotonic() - started
 
-    def step(self, version: int) -> StepResult:
-        """One learner step on the batch rank 0 holds (collective over every rank).
+    def step(self, version: int, snapshot_step: int | None = None) -> StepResult:
+        """One learner step on the batch rank 0 holds (collective over every rank); with it
+        are queued the publish of ``version + 1`` where one follows this step, and the policy
+        snapshot of ``snapshot_step`` where given (``publish`` and ``save_hf_snapshot`` then
+        collect their answers).
 
         Co-located runs: the engines give the devices to the learner first
         (``yield_devices``); the publish that follows gives them back.
@@ -119,9 +154,45 @@ class StepCalls:
             self.yield_devices()
         calls = [w.step.remote(version) for w in self.learners]
         self._ask_targets_ahead()
+        self._queue_after_step(version, calls, snapshot_step)
         result = gather(calls, "a learner step")[0]
         self.steps_taken += 1
         return result
+
+    def _queue_after_step(self, version: int, steps: list[Any], snapshot_step: int | None) -> None:
+        """Queue this step's publish and snapshot behind it on every rank, each depending on
+        every rank's step (``steps``). A retried step (after a buffer restart) queues them
+        again: the first ones failed with it. Not for co-located runs, whose publish waits
+        for the engines to take their memory back."""
+        for name in ("publish", "snapshot"):
+            self._drop_queued(name)
+        if self.cfg.rollout.colocated:
+            return
+        targets = self._ahead.pop("targets", None)
+        if targets is not None:  # the step is followed by a publish (``_ask_targets_ahead``)
+            calls = [w.publish.remote(version + 1, targets, False, *steps) for w in self.learners]
+            self._ahead["publish"] = Queued(version + 1, calls, targets)
+        if snapshot_step is not None:
+            calls = [w.save_hf_snapshot.remote(snapshot_step, *steps) for w in self.learners]
+            self._ahead["snapshot"] = Queued(snapshot_step, calls)
+
+    def _queued(self, name: str, key: int) -> Queued | None:
+        """The calls queued with the step for ``key`` (a version, a step), taken once."""
+        queued = self._ahead.get(name)
+        if queued is None or queued.key != key:
+            return None
+        return self._ahead.pop(name)
+
+    def _drop_queued(self, name: str) -> None:
+        """Calls queued with a step that failed: they fail with it; their errors are read
+        here, as nobody else will (Ray reports a failed result nobody read)."""
+        import ray
+
+        queued = self._ahead.pop(name, None)
+        if queued is not None:
+            ray.wait(queued.calls, num_returns=len(queued.calls), timeout=QUEUED_DRAIN_S)
+            for call in queued.calls:
+                _quietly_read(call)
 
     def _ask_targets_ahead(self) -> None:
         """While the learner steps, ask the membership for the targets of the publish that
@@ -220,7 +291,8 @@ class StepCalls:
         return paths
 
     def save_hf_snapshot(self, step: int) -> str:
-        """Write the policy of ``step`` as a Hugging Face folder (``trainer.save_hf_freq``)."""
-        return gather(
-            [w.save_hf_snapshot.remote(step) for w in self.learners], "writing a policy snapshot"
-        )[0]
+        """Write the policy of ``step`` as a Hugging Face folder (``trainer.save_hf_freq``);
+        the snapshot queued with the step, where it was."""
+        queued = self._queued("snapshot", step)
+        calls = queued.calls if queued else [w.save_hf_snapshot.remote(step) for w in self.learners]
+        return gather(calls, "writing a policy snapshot")[0]

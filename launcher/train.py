@@ -195,7 +195,9 @@ def train_loop(roles: Any, cfg: RunConfig, progress: Progress, tracker: Any, sto
         if profiled:  # the whole step: the wait, the update, the publish, validation, saving
             roles.start_profile(progress.step + 1)
         waited = roles.wait_for_batch(progress.version, stop.check)
-        result = roles.step(progress.version)
+        snapshot = due(progress.step + 1, tr.save_hf_freq, tr.total_steps)
+        # the snapshot is queued with the step, the publish too: the learner waits for neither
+        result = roles.step(progress.version, snapshot_step=progress.step + 1 if snapshot else None)
         progress.step += 1
         progress.samples += cfg.data.train_batch_size * cfg.rollout.n
         bad_steps.observe(progress.step, result.skipped_nonfinite)
@@ -205,7 +207,7 @@ def train_loop(roles: Any, cfg: RunConfig, progress: Progress, tracker: Any, sto
             progress.version = published.version
             m.update(published.metrics)
         roles.rejoin_engines()
-        if due(progress.step, tr.save_hf_freq, tr.total_steps):
+        if snapshot:
             roles.save_hf_snapshot(progress.step)
         if due(progress.step, tr.test_freq, tr.total_steps):
             m.update(validate(roles, progress, tracker))

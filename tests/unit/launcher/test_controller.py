@@ -101,8 +101,10 @@ class FakeSession:
     def resume_hint(self) -> str:
         return f"rerun to continue from step_{self.steps}"
 
-    def step(self, version: int) -> StepResult:
+    def step(self, version: int, snapshot_step: int | None = None) -> StepResult:
         self.calls.append(("step", version))
+        if snapshot_step is not None:
+            self.calls.append(("snapshot_queued", snapshot_step))
         self._maybe_fail("step")
         self.steps += 1
         metrics = {"perf/total_num_tokens": 100.0, "actor/pg_loss": 0.1}
@@ -245,6 +247,9 @@ def test_policy_snapshots_before_training_every_save_hf_freq_steps_and_at_the_en
     assert names[:1] == ["save_hf_snapshot"] and "validate" not in names
     third = [i for i, c in enumerate(session.calls) if c == ("publish", 3)][0]
     assert session.calls[third + 2] == ("save_hf_snapshot", 3)
+    # asked for with the step it follows, so the learner writes it without waiting
+    assert [c[1] for c in session.calls if c[0] == "snapshot_queued"] == [3, 4]
+    assert session.calls[session.calls.index(("snapshot_queued", 3)) - 1] == ("step", 2)
 
 
 def test_no_policy_snapshot_unless_asked_or_after_a_resume(tmp_path):
