@@ -7,6 +7,10 @@ gets is held here, and the next ``LearnerRole.step`` takes it. The driver
 never holds, names or moves a batch: batches travel buffer → rank 0 over
 ZeroMQ (Arrow IPC) and rank 0 → the other ranks by broadcast.
 
+The driver queues the next step's wait behind a step's publish and snapshot
+(launcher/step_calls.py), so a batch may be held while the driver writes a checkpoint:
+``state_dict`` then records the hand-outs before it, which a resumed run serves again.
+
 Left out: prefetching the next batch while a step runs (the buffer already
 holds ready groups, so a wait after a step is short when the fleet keeps up).
 """
@@ -22,12 +26,22 @@ class BatchSource:
     def __init__(self, client: Any) -> None:
         self.client = client  # buffer.transport.BufferClient
         self._held: Any = None
+        self._held_start = 0  # the held batch's first hand-out
 
     def wait(self, num_groups: int, version: int, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for ``num_groups`` whole groups; True once a batch is held."""
         if self._held is None:
             self._held = self.client.get_batch(num_groups, version, timeout_s)
+            if self._held is not None:
+                self._held_start = self.client.last_batch.handout_start
         return self._held is not None
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint records: the hand-outs trained on, a held batch's not included."""
+        state = self.client.state_dict()
+        if self._held is not None:
+            state["received_watermark"] = self._held_start
+        return state
 
     def take(self) -> Any:
         """The held batch (an Arrow record batch); an error when there is none."""

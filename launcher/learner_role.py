@@ -134,7 +134,7 @@ class LearnerRole:
     def save_checkpoint(self, root: str, extra_state: dict[str, Any]) -> CheckpointRecord:
         watermark = -1
         if self.rank == 0:
-            buffer_state = self.buffer.state_dict()
+            buffer_state = self.batches.state_dict()
             watermark = int(buffer_state["received_watermark"])
             extra_state = {**extra_state, "buffer": buffer_state}
         with self._resident():
@@ -183,8 +183,8 @@ class LearnerRole:
         return self.buffer.resume(version, watermark)
 
     def buffer_watermark(self) -> int:
-        """Hand-outs received (and, after the step that used them, trained on)."""
-        return int(self.buffer.state_dict()["received_watermark"])
+        """Hand-outs received and trained on (a batch held for the next step not counted)."""
+        return int(self.batches.state_dict()["received_watermark"])
 
     def commit_buffer(
         self, watermark: int | None = None, retain_groups: list[str] | None = None
@@ -198,9 +198,15 @@ class LearnerRole:
         self.buffer.publish_version(version)
 
     def wait_for_batch(
-        self, num_groups: int, version: int, timeout_s: float = BATCH_POLL_S
+        self,
+        num_groups: int,
+        version: int,
+        *after_steps: StepResult,
+        timeout_s: float = BATCH_POLL_S,
     ) -> bool:
-        """Wait up to ``timeout_s`` for a batch of whole groups; True once rank 0 holds one."""
+        """Wait up to ``timeout_s`` for a batch of whole groups; True once rank 0 holds one.
+        ``after_steps``: as for ``save_hf_snapshot``, where the driver queued the wait with a
+        step (the next step's batch, fetched while the driver logs this one)."""
         return self.batches.wait(num_groups, version, timeout_s)
 
     # ---- collective work --------------------------------------------------------------------

@@ -317,6 +317,9 @@ class Run(StepCalls):
         ray.kill(old.actor, no_restart=True)
         self.start_buffer()
         ray.get(self.learners[0].announce_version.remote(self.version))
+        # a fetch queued with the last step asked the buffer that died (it ran before the
+        # call above): its answer is void; the next wait asks the new buffer
+        self._drop_queued("batch")
         resent = ray.get(self.rollout.buffer_restarted.remote())
         log.warning(
             "buffer restarted (%d) at %s from bank %s: %d trajectories re-sent by the fleet",

@@ -4,7 +4,8 @@ Wait for a batch, step the learner ranks, publish the new version to the engines
 rollout role's membership names, bring back engines that wait for weights, snapshot,
 validate, profile, collect the roles' reports.
 
-A step's publish and policy snapshot are queued on the learner ranks with the step itself,
+A step's publish, policy snapshot and the next step's batch fetch are queued on the learner
+ranks with the step itself,
 each depending on every rank's step (Ray never runs a call whose argument is a failed call's
 result): a rank goes from its update to the push to its snapshot without waiting for the
 driver between them, and where any rank's step raised, no rank publishes or writes (a rank
@@ -118,6 +119,9 @@ class StepCalls:
 
         started = time.monotonic()
         warned = False
+        queued = self._queued("batch", version)  # the fetch queued with the last step
+        if queued is not None and gather(queued.calls, "fetching a batch")[0]:
+            return time.monotonic() - started
         while not ray.get(
             self.learners[0].wait_for_batch.remote(self.cfg.data.train_batch_size, version)
         ):
@@ -141,11 +145,14 @@ class StepCalls:
                 )
         return time.monotonic() - started
 
-    def step(self, version: int, snapshot_step: int | None = None) -> StepResult:
+    def step(
+        self, version: int, snapshot_step: int | None = None, fetch_next: bool = False
+    ) -> StepResult:
         """One learner step on the batch rank 0 holds (collective over every rank); with it
-        are queued the publish of ``version + 1`` where one follows this step, and the policy
-        snapshot of ``snapshot_step`` where given (``publish`` and ``save_hf_snapshot`` then
-        collect their answers).
+        are queued the publish of ``version + 1`` where one follows this step, the policy
+        snapshot of ``snapshot_step`` where given, and with ``fetch_next`` rank 0's wait for
+        the next step's batch (``publish``, ``save_hf_snapshot`` and ``wait_for_batch`` then
+        read their answers).
 
         Co-located runs: the engines give the devices to the learner first
         (``yield_devices``); the publish that follows gives them back.
@@ -154,17 +161,20 @@ class StepCalls:
             self.yield_devices()
         calls = [w.step.remote(version) for w in self.learners]
         self._ask_targets_ahead()
-        self._queue_after_step(version, calls, snapshot_step)
+        self._queue_after_step(version, calls, snapshot_step, fetch_next)
         result = gather(calls, "a learner step")[0]
         self.steps_taken += 1
         return result
 
-    def _queue_after_step(self, version: int, steps: list[Any], snapshot_step: int | None) -> None:
-        """Queue this step's publish and snapshot behind it on every rank, each depending on
-        every rank's step (``steps``). A retried step (after a buffer restart) queues them
-        again: the first ones failed with it. Not for co-located runs, whose publish waits
-        for the engines to take their memory back."""
-        for name in ("publish", "snapshot"):
+    def _queue_after_step(
+        self, version: int, steps: list[Any], snapshot_step: int | None, fetch_next: bool
+    ) -> None:
+        """Queue this step's publish and snapshot behind it on every rank, and the next
+        step's batch fetch on rank 0, each depending on every rank's step (``steps``). A
+        retried step (after a buffer restart) queues them again: the first ones failed with
+        it. Not for co-located runs, whose publish waits for the engines to take their
+        memory back."""
+        for name in ("publish", "snapshot", "batch"):
             self._drop_queued(name)
         if self.cfg.rollout.colocated:
             return
@@ -175,6 +185,12 @@ class StepCalls:
         if snapshot_step is not None:
             calls = [w.save_hf_snapshot.remote(snapshot_step, *steps) for w in self.learners]
             self._ahead["snapshot"] = Queued(snapshot_step, calls)
+        if fetch_next:  # the version the next step trains against: this publish's
+            following = version + 1 if targets is not None else version
+            fetch = self.learners[0].wait_for_batch.remote(
+                self.cfg.data.train_batch_size, following, *steps
+            )
+            self._ahead["batch"] = Queued(following, [fetch])
 
     def _queued(self, name: str, key: int) -> Queued | None:
         """The calls queued with the step for ``key`` (a version, a step), taken once."""

@@ -196,8 +196,13 @@ def train_loop(roles: Any, cfg: RunConfig, progress: Progress, tracker: Any, sto
             roles.start_profile(progress.step + 1)
         waited = roles.wait_for_batch(progress.version, stop.check)
         snapshot = due(progress.step + 1, tr.save_hf_freq, tr.total_steps)
-        # the snapshot is queued with the step, the publish too: the learner waits for neither
-        result = roles.step(progress.version, snapshot_step=progress.step + 1 if snapshot else None)
+        # queued with the step: its publish, its snapshot and (but after the last step) the
+        # next batch's fetch, so the learner waits for the driver between none of them
+        result = roles.step(
+            progress.version,
+            snapshot_step=progress.step + 1 if snapshot else None,
+            fetch_next=progress.step + 1 < tr.total_steps,
+        )
         progress.step += 1
         progress.samples += cfg.data.train_batch_size * cfg.rollout.n
         bad_steps.observe(progress.step, result.skipped_nonfinite)

@@ -1,8 +1,9 @@
-"""A step's publish and policy snapshot are queued on the learner ranks with the step, on a
-real local Ray instance: each rank runs step → publish → snapshot in that order without the
-driver between them, the driver's ``publish`` and ``save_hf_snapshot`` read those answers
-(no second call), and where any rank's step raised, no rank publishes or writes, and the
-step's retry queues them again.
+"""A step's publish, policy snapshot and the next batch's fetch are queued on the learner
+ranks with the step, on a real local Ray instance: each rank runs step → publish → snapshot
+(→ rank 0's fetch, for the version the publish makes) in that order without the driver
+between them, the driver's ``publish``, ``save_hf_snapshot`` and ``wait_for_batch`` read
+those answers (no second call), and where any rank's step raised, nothing queued behind it
+runs on any rank, and the step's retry queues it again.
 
 The actors stand for the learner ranks and the rollout role: they record what ran, in order,
 in their own process (the real roles are tested with the whole run in tests/e2e).
@@ -46,6 +47,10 @@ class Rank:
         self.ran.append(("snapshot", step, len(after_steps)))
         return f"hf_snapshots/step_{step}"
 
+    def wait_for_batch(self, num_groups: int, version: int, *after_steps, timeout_s=2.0) -> bool:
+        self.ran.append(("fetch", version, len(after_steps)))
+        return True
+
     def log(self) -> list[tuple]:
         return self.ran
 
@@ -79,11 +84,15 @@ def _run(tmp_path: Path, ranks: list) -> Run:
 def test_publish_and_snapshot_run_behind_the_step_on_every_rank(local_ray, tmp_path):
     ranks = [Rank.remote(), Rank.remote()]
     run = _run(tmp_path, ranks)
-    run.step(3, snapshot_step=4)
+    run.step(3, snapshot_step=4, fetch_next=True)
     assert run.publish(4).version == 4
     assert run.save_hf_snapshot(4) == "hf_snapshots/step_4"
-    for rank in ranks:  # each rank's calls, once each, in order; each after both ranks' steps
-        assert ray.get(rank.log.remote()) == [("step", 3), ("publish", 4, 2), ("snapshot", 4, 2)]
+    assert run.wait_for_batch(4) < 1.0
+    # each rank's calls, once each, in order, each after both ranks' steps; rank 0 fetches
+    # the next step's batch for the version this step's publish made
+    ran = [("step", 3), ("publish", 4, 2), ("snapshot", 4, 2)]
+    assert ray.get(ranks[0].log.remote()) == [*ran, ("fetch", 4, 2)]
+    assert ray.get(ranks[1].log.remote()) == ran
     # a snapshot outside a step (the policy before any update) is asked for on its own
     assert run.save_hf_snapshot(0) == "hf_snapshots/step_0"
     assert ray.get(ranks[1].log.remote())[-1] == ("snapshot", 0, 0)
@@ -94,10 +103,11 @@ def test_a_failed_step_publishes_and_writes_nothing_and_its_retry_queues_again(l
     ranks = [Rank.remote(), Rank.remote(fail_steps=1)]  # the second rank's first step fails
     run = _run(tmp_path, ranks)
     with pytest.raises(ray.exceptions.RayTaskError, match="the buffer did not answer"):
-        run.step(7, snapshot_step=8)
-    run.step(7, snapshot_step=8)  # the retry after a buffer restart
+        run.step(7, snapshot_step=8, fetch_next=True)
+    run.step(7, snapshot_step=8, fetch_next=True)  # the retry after a buffer restart
     assert run.publish(8).version == 8 and run.save_hf_snapshot(8) == "hf_snapshots/step_8"
-    for rank in ranks:  # nothing ran behind the failed step, on either rank
-        assert ray.get(rank.log.remote()) == [
-            ("step", 7), ("step", 7), ("publish", 8, 2), ("snapshot", 8, 2)
-        ]  # fmt: skip
+    run.wait_for_batch(8)
+    # nothing ran behind the failed step, on either rank
+    ran = [("step", 7), ("step", 7), ("publish", 8, 2), ("snapshot", 8, 2)]
+    assert ray.get(ranks[0].log.remote()) == [*ran, ("fetch", 8, 2)]
+    assert ray.get(ranks[1].log.remote()) == ran

@@ -56,6 +56,7 @@ class FakeSession:
         self.started = False
         self.phase = "starting"
         self.rewards_fail_at: int | None = None  # from this step on the reward fails always
+        self.fetch_next: list[bool] = []  # per step: was the next batch's fetch queued with it
 
     # lifecycle
     def start(self, after_ray_init=None) -> StartRecord:
@@ -101,8 +102,11 @@ class FakeSession:
     def resume_hint(self) -> str:
         return f"rerun to continue from step_{self.steps}"
 
-    def step(self, version: int, snapshot_step: int | None = None) -> StepResult:
+    def step(
+        self, version: int, snapshot_step: int | None = None, fetch_next: bool = False
+    ) -> StepResult:
         self.calls.append(("step", version))
+        self.fetch_next.append(fetch_next)
         if snapshot_step is not None:
             self.calls.append(("snapshot_queued", snapshot_step))
         self._maybe_fail("step")
@@ -182,6 +186,8 @@ def test_one_step_is_wait_step_publish_rejoin_then_validate_and_checkpoint_when_
     assert _names(session) == ["validate"] + per_step + per_step + due + per_step + per_step + due
     assert [c[1] for c in session.calls if c[0] == "publish"] == [1, 2, 3, 4]
     assert [c[1] for c in session.calls if c[0] == "step"] == [0, 1, 2, 3]  # trained against v
+    # each step but the last queues the next one's fetch (the last would hold one unused)
+    assert session.fetch_next == [True, True, True, False]
     train = [r for r in rows if "actor/pg_loss" in r]
     assert [(r["step"], r["policy_version"]) for r in train] == [(1, 1), (2, 2), (3, 3), (4, 4)]
     assert all(r["supervision/buffer_restarts"] == 0 and r["timing_s/gen"] == 0.25 for r in train)
