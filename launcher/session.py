@@ -96,8 +96,9 @@ class Run(StepCalls):
         self.published_to: frozenset[str] = frozenset()  # the engines of the last publish
         self.steps_taken = 0  # learner steps since step 0 (a resumed run counts from its own)
         # answers asked for ahead of the call that reads them (ObjectRefs), so that they
-        # travel while the learner works: "targets" (the next publish's), "reports"
-        # (role_metrics's); a call reads its own once and asks again after a fault
+        # travel while the learner works: "publish", "snapshot" and "batch" (calls queued
+        # with a step), "rejoin" (rejoin_engines's), "reports" (role_metrics's); a call reads
+        # its own once and asks again after a fault
         self._ahead: dict[str, Any] = {}
 
     # ---- set-up ---------------------------------------------------------------------------

@@ -4,12 +4,12 @@ Wait for a batch, step the learner ranks, publish the new version to the engines
 rollout role's membership names, bring back engines that wait for weights, snapshot,
 validate, profile, collect the roles' reports.
 
-A step's publish, policy snapshot and the next step's batch fetch are queued on the learner
-ranks with the step itself,
-each depending on every rank's step (Ray never runs a call whose argument is a failed call's
-result): a rank goes from its update to the push to its snapshot without waiting for the
-driver between them, and where any rank's step raised, no rank publishes or writes (a rank
-alone in a collective would wait for the others forever). ``StepCalls`` is a part of ``Run``
+A step's publish, its policy snapshot and the next step's batch fetch are queued on the
+learner ranks with the step itself, each depending on every rank's step (Ray never runs a
+call whose argument is a failed call's result): a rank goes from its update to the push,
+the snapshot and the next batch without waiting for the driver between them, and where any
+rank's step raised, no rank publishes, writes or fetches (a rank alone in a collective
+would wait for the others forever). ``StepCalls`` is a part of ``Run``
 (``launcher/session.py``), which owns the roles these calls reach and supervises every
 call (``Run.supervised()``); it reads the ``Run`` attributes named in its docstring.
 """
@@ -82,10 +82,7 @@ class StepCalls:
                 targets, calls = ray.get(queued.targets), queued.calls
             else:
                 if targets is None or attempt:
-                    asked = self._ahead.pop("targets", None) if everyone and not attempt else None
-                    targets = ray.get(
-                        asked if asked is not None else self.rollout.weight_targets.remote()
-                    )
+                    targets = ray.get(self.rollout.weight_targets.remote())
                 calls = [w.publish.remote(version, targets, restored) for w in self.learners]
             out = merge_publish_results(gather(calls, what))
             if everyone:
@@ -160,7 +157,6 @@ class StepCalls:
         if self.cfg.rollout.colocated:
             self.yield_devices()
         calls = [w.step.remote(version) for w in self.learners]
-        self._ask_targets_ahead()
         self._queue_after_step(version, calls, snapshot_step, fetch_next)
         result = gather(calls, "a learner step")[0]
         self.steps_taken += 1
@@ -169,24 +165,30 @@ class StepCalls:
     def _queue_after_step(
         self, version: int, steps: list[Any], snapshot_step: int | None, fetch_next: bool
     ) -> None:
-        """Queue this step's publish and snapshot behind it on every rank, and the next
-        step's batch fetch on rank 0, each depending on every rank's step (``steps``). A
-        retried step (after a buffer restart) queues them again: the first ones failed with
-        it. Not for co-located runs, whose publish waits for the engines to take their
-        memory back."""
+        """Queue this step's publish (every ``weight_sync.sync_every``-th step) and snapshot
+        behind it on every rank, and the next step's batch fetch on rank 0, each depending on
+        every rank's step (``steps``). A retried step (after a buffer restart) queues them
+        again: the first ones failed with it. Not for co-located runs, whose publish waits
+        for the engines to take their memory back.
+
+        The publish's targets are the membership's answer now, the one a publish right after
+        the step would get a step's time earlier: an engine that joins meanwhile gets the
+        version by ``rejoin_engines``, one that dies meanwhile fails this publish as it
+        would any."""
         for name in ("publish", "snapshot", "batch"):
             self._drop_queued(name)
         if self.cfg.rollout.colocated:
             return
-        targets = self._ahead.pop("targets", None)
-        if targets is not None:  # the step is followed by a publish (``_ask_targets_ahead``)
+        publishes = (self.steps_taken + 1) % self.cfg.weight_sync.sync_every == 0
+        if publishes:
+            targets = self.rollout.weight_targets.remote()
             calls = [w.publish.remote(version + 1, targets, False, *steps) for w in self.learners]
             self._ahead["publish"] = Queued(version + 1, calls, targets)
         if snapshot_step is not None:
             calls = [w.save_hf_snapshot.remote(snapshot_step, *steps) for w in self.learners]
             self._ahead["snapshot"] = Queued(snapshot_step, calls)
         if fetch_next:  # the version the next step trains against: this publish's
-            following = version + 1 if targets is not None else version
+            following = version + 1 if publishes else version
             fetch = self.learners[0].wait_for_batch.remote(
                 self.cfg.data.train_batch_size, following, *steps
             )
@@ -209,19 +211,6 @@ class StepCalls:
             ray.wait(queued.calls, num_returns=len(queued.calls), timeout=QUEUED_DRAIN_S)
             for call in queued.calls:
                 _quietly_read(call)
-
-    def _ask_targets_ahead(self) -> None:
-        """While the learner steps, ask the membership for the targets of the publish that
-        follows this step (every ``weight_sync.sync_every``-th): ``publish`` then waits for
-        the learner alone. The answer is the one a publish right after the step would get, a
-        step's time earlier: an engine that joins meanwhile gets the version by
-        ``rejoin_engines``, one that dies meanwhile fails this publish as it would any. Not
-        for co-located engines: their targets get their weight memory back, which waits for
-        the step."""
-        if self.cfg.rollout.colocated or "targets" in self._ahead:
-            return  # a retried step (after a buffer restart) asked already
-        if (self.steps_taken + 1) % self.cfg.weight_sync.sync_every == 0:
-            self._ahead["targets"] = self.rollout.weight_targets.remote()
 
     def yield_devices(self) -> None:
         """Co-located engines pause and release their memory (rollout_fleet/colocation.py)."""
