@@ -78,13 +78,13 @@ def _job_state(slurm: SlurmSite, job_id: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S+)", out))
 
 
-def _wait_for(check, timeout: float, what: str, log: Path, slurm: SlurmSite):
+def _wait_for(check, timeout: float, what: str, log: Path, slurm: SlurmSite, poll_s: float = 1.0):
     deadline = time.monotonic() + timeout
     while not (result := check()):
         if time.monotonic() > deadline:
             text = log.read_text(errors="replace")[-6000:] if log.exists() else "(no job log)"
             pytest.fail(f"timed out waiting for {what}\n{text}\n{slurm.logs()}")
-        time.sleep(1)
+        time.sleep(poll_s)
     return result
 
 
@@ -130,9 +130,11 @@ def _job_ended(slurm: SlurmSite, job_id: str) -> dict[str, str] | None:
 
 
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-# The fewest demo steps whose held-out score has clearly risen; the requeue comes after the
-# checkpoint at SAVE_AT, and the second run trains the rest.
-STEPS, SAVE_AT = 8, 4
+# The demo's steps; the requeue comes after the checkpoint at SAVE_AT, and the second run
+# trains the rest. The requeue must reach the first run before it ends: after that
+# checkpoint it has STEPS - SAVE_AT steps to go (a demo step takes ~0.1 s on an idle 2-core
+# machine; with 8 steps the first run once ended before the requeue arrived).
+STEPS, SAVE_AT = 40, 4
 
 
 # a whole training job (two Ray nodes, a warm start, a requeue): make test-deploy's, beside the
@@ -153,7 +155,10 @@ def test_two_node_job_trains_demo_requeues_resumes_and_stops_ray(
     )  # fmt: skip
     try:
         # the first run: requeued once it has a checkpoint to resume from
-        _wait_for(lambda: _checkpoint_step(run_dir) >= SAVE_AT, 1800, "a checkpoint", log, slurm)
+        _wait_for(
+            lambda: _checkpoint_step(run_dir) >= SAVE_AT, 1800, "a checkpoint", log, slurm,
+            poll_s=0.2,
+        )  # fmt: skip
         slurm.run(["scontrol", "requeue", job_id])
         state = _wait_for(lambda: _job_ended(slurm, job_id), 1200, "the job's end", log, slurm)
     finally:
