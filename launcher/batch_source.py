@@ -26,21 +26,18 @@ class BatchSource:
     def __init__(self, client: Any) -> None:
         self.client = client  # buffer.transport.BufferClient
         self._held: Any = None
-        self._held_start = 0  # the held batch's first hand-out
 
     def wait(self, num_groups: int, version: int, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for ``num_groups`` whole groups; True once a batch is held."""
         if self._held is None:
             self._held = self.client.get_batch(num_groups, version, timeout_s)
-            if self._held is not None:
-                self._held_start = self.client.last_batch.handout_start
         return self._held is not None
 
     def state_dict(self) -> dict[str, int]:
         """What a checkpoint records: the hand-outs trained on, a held batch's not included."""
         state = self.client.state_dict()
-        if self._held is not None:
-            state["received_watermark"] = self._held_start
+        if self._held is not None:  # the last batch fetched: its first hand-out
+            state["received_watermark"] = self.client.last_batch.handout_start
         return state
 
     def take(self) -> Any:

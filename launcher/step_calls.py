@@ -143,13 +143,17 @@ class StepCalls:
         return time.monotonic() - started
 
     def step(
-        self, version: int, snapshot_step: int | None = None, fetch_next: bool = False
+        self,
+        version: int,
+        publish: bool = False,
+        snapshot_step: int | None = None,
+        fetch_next: bool = False,
     ) -> StepResult:
         """One learner step on the batch rank 0 holds (collective over every rank); with it
-        are queued the publish of ``version + 1`` where one follows this step, the policy
-        snapshot of ``snapshot_step`` where given, and with ``fetch_next`` rank 0's wait for
-        the next step's batch (``publish``, ``save_hf_snapshot`` and ``wait_for_batch`` then
-        read their answers).
+        are queued, as the schedule asks, the publish of ``version + 1`` (``publish``), the
+        policy snapshot of ``snapshot_step`` and rank 0's wait for the next step's batch
+        (``fetch_next``); ``publish``, ``save_hf_snapshot`` and ``wait_for_batch`` then read
+        their answers.
 
         Co-located runs: the engines give the devices to the learner first
         (``yield_devices``); the publish that follows gives them back.
@@ -157,16 +161,20 @@ class StepCalls:
         if self.cfg.rollout.colocated:
             self.yield_devices()
         calls = [w.step.remote(version) for w in self.learners]
-        self._queue_after_step(version, calls, snapshot_step, fetch_next)
+        self._queue_after_step(version, calls, publish, snapshot_step, fetch_next)
         result = gather(calls, "a learner step")[0]
         self.steps_taken += 1
         return result
 
     def _queue_after_step(
-        self, version: int, steps: list[Any], snapshot_step: int | None, fetch_next: bool
+        self,
+        version: int,
+        steps: list[Any],
+        publishes: bool,
+        snapshot_step: int | None,
+        fetch_next: bool,
     ) -> None:
-        """Queue this step's publish (every ``weight_sync.sync_every``-th step) and snapshot
-        behind it on every rank, and the next step's batch fetch on rank 0, each depending on
+        """Queue this step's publish and snapshot behind it on every rank, and the next step's batch fetch on rank 0, each depending on
         every rank's step (``steps``). A retried step (after a buffer restart) queues them
         again: the first ones failed with it. Not for co-located runs, whose publish waits
         for the engines to take their memory back.
@@ -179,7 +187,6 @@ class StepCalls:
             self._drop_queued(name)
         if self.cfg.rollout.colocated:
             return
-        publishes = (self.steps_taken + 1) % self.cfg.weight_sync.sync_every == 0
         if publishes:
             targets = self.rollout.weight_targets.remote()
             calls = [w.publish.remote(version + 1, targets, False, *steps) for w in self.learners]

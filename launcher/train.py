@@ -195,11 +195,13 @@ def train_loop(roles: Any, cfg: RunConfig, progress: Progress, tracker: Any, sto
         if profiled:  # the whole step: the wait, the update, the publish, validation, saving
             roles.start_profile(progress.step + 1)
         waited = roles.wait_for_batch(progress.version, stop.check)
+        publishes = (progress.step + 1) % cfg.weight_sync.sync_every == 0
         snapshot = due(progress.step + 1, tr.save_hf_freq, tr.total_steps)
         # queued with the step: its publish, its snapshot and (but after the last step) the
         # next batch's fetch, so the learner waits for the driver between none of them
         result = roles.step(
             progress.version,
+            publish=publishes,
             snapshot_step=progress.step + 1 if snapshot else None,
             fetch_next=progress.step + 1 < tr.total_steps,
         )
@@ -207,7 +209,7 @@ def train_loop(roles: Any, cfg: RunConfig, progress: Progress, tracker: Any, sto
         progress.samples += cfg.data.train_batch_size * cfg.rollout.n
         bad_steps.observe(progress.step, result.skipped_nonfinite)
         m: dict[str, Any] = dict(result.metrics)
-        if progress.step % cfg.weight_sync.sync_every == 0:
+        if publishes:
             published = roles.publish(progress.version + 1)  # a retry sends the same version
             progress.version = published.version
             m.update(published.metrics)

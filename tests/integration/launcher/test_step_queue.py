@@ -84,7 +84,7 @@ def _run(tmp_path: Path, ranks: list) -> Run:
 def test_publish_and_snapshot_run_behind_the_step_on_every_rank(local_ray, tmp_path):
     ranks = [Rank.remote(), Rank.remote()]
     run = _run(tmp_path, ranks)
-    run.step(3, snapshot_step=4, fetch_next=True)
+    run.step(3, publish=True, snapshot_step=4, fetch_next=True)
     assert run.publish(4).version == 4
     assert run.save_hf_snapshot(4) == "hf_snapshots/step_4"
     assert run.wait_for_batch(4) < 1.0
@@ -103,8 +103,8 @@ def test_a_failed_step_publishes_and_writes_nothing_and_its_retry_queues_again(l
     ranks = [Rank.remote(), Rank.remote(fail_steps=1)]  # the second rank's first step fails
     run = _run(tmp_path, ranks)
     with pytest.raises(ray.exceptions.RayTaskError, match="the buffer did not answer"):
-        run.step(7, snapshot_step=8, fetch_next=True)
-    run.step(7, snapshot_step=8, fetch_next=True)  # the retry after a buffer restart
+        run.step(7, publish=True, snapshot_step=8, fetch_next=True)
+    run.step(7, publish=True, snapshot_step=8, fetch_next=True)  # the retry after a buffer restart
     assert run.publish(8).version == 8 and run.save_hf_snapshot(8) == "hf_snapshots/step_8"
     run.wait_for_batch(8)
     # nothing ran behind the failed step, on either rank

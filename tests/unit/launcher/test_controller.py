@@ -103,7 +103,11 @@ class FakeSession:
         return f"rerun to continue from step_{self.steps}"
 
     def step(
-        self, version: int, snapshot_step: int | None = None, fetch_next: bool = False
+        self,
+        version: int,
+        publish: bool = False,
+        snapshot_step: int | None = None,
+        fetch_next: bool = False,
     ) -> StepResult:
         self.calls.append(("step", version))
         self.fetch_next.append(fetch_next)
