@@ -46,7 +46,10 @@ import netrc
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
+
+import msgspec
 
 from fleetrl.config import ConfigErrors
 from fleetrl.log import get_logger
@@ -63,6 +66,7 @@ from launcher.preflight_findings import (
     _gib,
     shown,
 )
+from launcher.preflight_memo import remembered
 from launcher.preflight_model import check_model_family
 from launcher.preflight_resources import check_resources, local_node, needs_gpus
 from launcher.preflight_rewards import check_rewards
@@ -287,6 +291,46 @@ def check_wandb(cfg: RunConfig, probes: Probes) -> list[Finding]:
     ]
 
 
+def memo_sections(cfg: RunConfig, *names: str) -> dict[str, Any]:
+    """The config sections a remembered check reads, as values (``launcher.preflight_memo``)."""
+    out = {name: msgspec.to_builtins(getattr(cfg, name)) for name in names}
+    if "data" in out:  # the seed picks no row a check reads (the rows read are in the key)
+        out["data"].pop("seed", None)
+    return out
+
+
+def _passed(findings: list[Finding]) -> bool:
+    return not any(f.fatal for f in findings)
+
+
+def check_model_files(cfg: RunConfig, samples: list[Any]) -> tuple[list[Finding], list[Finding]]:
+    """The tokenizer's rendering of ``samples`` and the model's family, each remembered by
+    what it reads: a passed check of unchanged files, config and code is not run again."""
+    folders = [cfg.model.path] + ([cfg.learner.critic.model_path] if cfg.learner.critic.model_path else [])  # fmt: skip
+    rendering, rendering_kept = remembered(
+        "rendering",
+        lambda: check_rendering(cfg, samples),
+        inputs={**memo_sections(cfg, "model", "data", "rollout"), "rows": samples},
+        folders=folders[:1],
+        result_type=list[Finding],
+        keep=_passed,
+    )
+    family, family_kept = remembered(
+        "family",
+        lambda: check_model_family(cfg),
+        inputs=memo_sections(cfg, "model", "data", "rollout", "learner"),
+        folders=folders,
+        result_type=list[Finding],
+        keep=_passed,
+    )
+    if rendering_kept or family_kept:
+        log.info(
+            "preflight: the model folder's checks as they passed before (same files, config "
+            "and code; FLEETRL_CACHE_DIR=off checks again)"
+        )
+    return rendering, family
+
+
 def estimate_parameters(cfg: RunConfig) -> int | None:
     """From config.json (or the tiny-model settings), else the weight files' size."""
     try:
@@ -360,7 +404,13 @@ def check_output_dir(cfg: RunConfig, probes: Probes) -> list[Finding]:
                 fix="choose a writable folder: trainer.output_dir=PATH",
             )
         ]
-    params = estimate_parameters(cfg)
+    params, _ = remembered(
+        "parameters",
+        lambda: estimate_parameters(cfg),
+        inputs=memo_sections(cfg, "model"),
+        folders=[cfg.model.path],
+        result_type=int | None,
+    )
     if params is None:
         return []
     need, free = disk_needed(cfg, params), probes.disk_free(where)
@@ -448,8 +498,7 @@ def run_checks(
     quick = rows.findings + model + reward_urls + placement + run_folder
     if after_quick_checks is not None and not any(f.fatal for f in quick):
         after_quick_checks()
-    rendering = check_rendering(cfg, rows.samples)
-    family = check_model_family(cfg)
+    rendering, family = check_model_files(cfg, rows.samples)
     rewards = check_rewards(cfg, rows.samples) + check_agent(cfg)
     output_dir = check_output_dir(cfg, probes)  # the checkpoint's size: the model's shape
     return (
