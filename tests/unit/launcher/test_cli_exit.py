@@ -9,19 +9,30 @@ import sys
 
 from bench.common import REPO_ROOT
 
-# a program that registers an exit handler, then runs the `fleetrl` program on its arguments
+# a program that registers an exit handler, then runs the `fleetrl` program on its arguments;
+# with --with-thread, a thread that is still working when the command's main() returns (it
+# starts its last 0.2 s of work then, whatever the machine's speed)
 PROGRAM = """
 import atexit, sys, threading, time
 atexit.register(lambda: print("exit handler ran", flush=True))
+import launcher.cli as cli
 if sys.argv[1] == "--with-thread":
     sys.argv.pop(1)
+    ended = threading.Event()
+    command = cli.main
+    def main():
+        try:
+            return command()
+        finally:
+            ended.set()
+    cli.main = main
     def late():
-        time.sleep(0.5)
+        ended.wait(60)
+        time.sleep(0.2)
         print("thread finished", flush=True)
     threading.Thread(target=late).start()
-from launcher.cli import console
 sys.argv[0] = "fleetrl"
-console()
+cli.console()
 """
 
 
