@@ -306,12 +306,13 @@ def _passed(findings: list[Finding]) -> bool:
 def check_model_files(cfg: RunConfig, samples: list[Any]) -> tuple[list[Finding], list[Finding]]:
     """The tokenizer's rendering of ``samples`` and the model's family, each remembered by
     what it reads: a passed check of unchanged files, config and code is not run again."""
-    folders = [cfg.model.path] + ([cfg.learner.critic.model_path] if cfg.learner.critic.model_path else [])  # fmt: skip
+    model = [cfg.model.path]
+    critic = [cfg.learner.critic.model_path] if cfg.learner.critic.model_path else []
     rendering, rendering_kept = remembered(
         "rendering",
         lambda: check_rendering(cfg, samples),
         inputs={**memo_sections(cfg, "model", "data", "rollout"), "rows": samples},
-        folders=folders[:1],
+        folders=model,
         result_type=list[Finding],
         keep=_passed,
     )
@@ -319,7 +320,7 @@ def check_model_files(cfg: RunConfig, samples: list[Any]) -> tuple[list[Finding]
         "family",
         lambda: check_model_family(cfg),
         inputs=memo_sections(cfg, "model", "data", "rollout", "learner"),
-        folders=folders,
+        folders=model + critic,
         result_type=list[Finding],
         keep=_passed,
     )
@@ -496,7 +497,7 @@ def run_checks(
     placement += check_tracking(cfg, probes)
     run_folder = check_run_folder(cfg, resume_with_changes)
     quick = rows.findings + model + reward_urls + placement + run_folder
-    if after_quick_checks is not None and not any(f.fatal for f in quick):
+    if after_quick_checks is not None and _passed(quick):
         after_quick_checks()
     rendering, family = check_model_files(cfg, rows.samples)
     rewards = check_rewards(cfg, rows.samples) + check_agent(cfg)

@@ -170,14 +170,15 @@ class StepCalls:
         self,
         version: int,
         steps: list[Any],
-        publishes: bool,
+        publish: bool,
         snapshot_step: int | None,
         fetch_next: bool,
     ) -> None:
-        """Queue this step's publish and snapshot behind it on every rank, and the next step's batch fetch on rank 0, each depending on
-        every rank's step (``steps``). A retried step (after a buffer restart) queues them
-        again: the first ones failed with it. Not for co-located runs, whose publish waits
-        for the engines to take their memory back.
+        """Queue this step's publish and snapshot behind it on every rank, and the next
+        step's batch fetch on rank 0, each depending on every rank's step (``steps``). A
+        retried step (after a buffer restart) queues them again: the first ones failed with
+        it. Not for co-located runs, whose publish waits for the engines to take their
+        memory back.
 
         The publish's targets are the membership's answer now, the one a publish right after
         the step would get a step's time earlier: an engine that joins meanwhile gets the
@@ -187,7 +188,7 @@ class StepCalls:
             self._drop_queued(name)
         if self.cfg.rollout.colocated:
             return
-        if publishes:
+        if publish:
             targets = self.rollout.weight_targets.remote()
             calls = [w.publish.remote(version + 1, targets, False, *steps) for w in self.learners]
             self._ahead["publish"] = Queued(version + 1, calls, targets)
@@ -195,7 +196,7 @@ class StepCalls:
             calls = [w.save_hf_snapshot.remote(snapshot_step, *steps) for w in self.learners]
             self._ahead["snapshot"] = Queued(snapshot_step, calls)
         if fetch_next:  # the version the next step trains against: this publish's
-            following = version + 1 if publishes else version
+            following = version + 1 if publish else version
             fetch = self.learners[0].wait_for_batch.remote(
                 self.cfg.data.train_batch_size, following, *steps
             )
