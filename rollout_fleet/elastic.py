@@ -13,7 +13,10 @@ stays the membership's (rollout_fleet/membership.py)::
                                    for a node that will not come back)
       a node of the fleet's kind joined (``rollout`` / ``reward`` marker)
                                 -> the target grows by the engines that fit there (up to
-                                   max_engines), and they are placed on that node
+                                   max_engines), and they are placed on that node; one
+                                   seen without room (its free resources not in the
+                                   cluster's view yet) is looked at again each round for
+                                   ARRIVAL_GRACE_S before it counts as joined with none
       fewer engines than target -> place one per free bundle, on the node with most room
                                    (PLACING, then STARTING: it loads the current version
                                    before it serves, as a replacement does); with
@@ -73,6 +76,7 @@ DRAIN_POLL_S = 0.2
 ABORT_GRACE_S = 10.0  # after an abort, partials this long to come back before the stop
 SYNC_WAIT_S = 600.0  # a leaving engine a publish still counts on waits this long for it
 PROGRESS_S = 10.0  # below the minimum: a line saying what is missing, this often
+ARRIVAL_GRACE_S = 30.0  # a node that joined without room is looked at again this long
 NOT_SERVING_YET = frozenset({S.PLACING, S.STARTING, S.NEEDS_WEIGHTS})
 
 
@@ -133,6 +137,7 @@ class ElasticFleet:
         self._clock = clock
         self._known_nodes: set[str] | None = None
         self._arrivals: dict[str, int] = {}  # node that joined -> engines still to place there
+        self._newcomers: dict[str, float] = {}  # node that joined without room -> first seen
         self._drains: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._stopping = False
@@ -214,6 +219,8 @@ class ElasticFleet:
                 self._lose(name, node)
         for node in [n for n in self._arrivals if n not in alive]:
             del self._arrivals[node]
+        for node in [n for n in self._newcomers if n not in alive]:
+            del self._newcomers[node]
 
     def _lose(self, name: str, node: str) -> None:
         counted = self._status(name) in LIVE | {S.PLACING}  # not one already leaving
@@ -233,18 +240,29 @@ class ElasticFleet:
         for node_id, node in alive.items():
             if node_id in self._known_nodes:
                 continue
+            fit = engines_that_fit(node.free, self.settings.bundle) if node.reported else 0
+            if fit == 0 and node.has(self.settings.marker) and self._still_arriving(node_id):
+                continue  # its room may not be in the cluster's view yet: judged next round
             self._known_nodes.add(node_id)
+            self._newcomers.pop(node_id, None)
             if not node.has(self.settings.marker):
                 continue
-            fit = engines_that_fit(node.free, self.settings.bundle)
             grow = min(fit, self.settings.max_engines - self.target)
             log.info(
-                "%s fleet: %s joined with room for %d engines; placing %d there",
+                "%s fleet: %s joined with room for %d engines; placing %d there%s",
                 self.settings.fleet, node.label, fit, max(grow, 0),
+                f" ({missing_for(node, self.settings.bundle)})" if fit == 0 else "",
             )  # fmt: skip
             if grow > 0:
                 self.target += grow
                 self._arrivals[node_id] = grow
+
+    def _still_arriving(self, node_id: str) -> bool:
+        """Whether a node that joined without room is within ``ARRIVAL_GRACE_S`` of when it
+        was first seen: a raylet that joined a moment ago may be listed before its free
+        resources reach the cluster's view, or with them not yet released."""
+        first = self._newcomers.setdefault(node_id, self._clock())
+        return self._clock() - first < ARRIVAL_GRACE_S
 
     def _grow(self, alive: dict[str, NodeView], deficit: int) -> None:
         placing = Counter(self.membership.node(n) for n in self.fleet.engine_names({S.PLACING}))

@@ -11,7 +11,7 @@ import pytest
 
 from rollout_fleet.cluster import NodeView
 from rollout_fleet.config import RolloutConfig
-from rollout_fleet.elastic import ElasticFleet, ElasticSettings, ScaleRefused
+from rollout_fleet.elastic import ARRIVAL_GRACE_S, ElasticFleet, ElasticSettings, ScaleRefused
 from rollout_fleet.fleet import EngineFleet
 from rollout_fleet.membership import EngineStatus, Membership, SyncOutcome
 from tests.unit.rollout_fleet.fakes import FakeActor
@@ -26,6 +26,7 @@ class FakeCluster:
 
     free: dict[str, float] = field(default_factory=lambda: {"head": 1.0})
     dead: set[str] = field(default_factory=set)
+    unreported: set[str] = field(default_factory=set)  # listed, free resources not yet in view
     requests: list[int] = field(default_factory=list)
 
     def nodes(self) -> list[NodeView]:
@@ -34,7 +35,8 @@ class FakeCluster:
                 node_id=n,
                 alive=n not in self.dead,
                 total={"CPU": 8.0, "rollout": 1.0},
-                free={"CPU": cpus, "rollout": 1.0},
+                free={} if n in self.unreported else {"CPU": cpus, "rollout": 1.0},
+                reported=n not in self.unreported,
             )
             for n, cpus in self.free.items()
         ]
@@ -164,6 +166,45 @@ def test_a_node_that_joins_gets_the_engines_that_fit_on_it_up_to_the_maximum():
         assert h.elastic.target == 3  # 1 + min(5 fit, 2 left to the maximum)
         placed = [n for n in h.members.names() if n != "engine-0"]
         assert [h.node_of(n) for n in placed] == ["big", "big"]
+
+    run(scenario())
+
+
+def test_a_node_listed_before_its_free_resources_are_reported_gets_its_engines_once_they_are():
+    h = Harness(high=3)
+
+    async def scenario():
+        await h.start()
+        h.cluster.free["late"] = 2.0
+        h.cluster.unreported.add("late")  # Ray lists the raylet; the GCS has no free view yet
+        await h.settle()
+        assert h.elastic.target == 1 and h.members.names() == ["engine-0"]
+        h.cluster.unreported.clear()
+        await h.settle()
+        assert h.elastic.target == 3
+        placed = [n for n in h.members.names() if n != "engine-0"]
+        assert [h.node_of(n) for n in placed] == ["late", "late"]
+
+    run(scenario())
+
+
+def test_a_node_that_joins_without_room_is_looked_at_again_for_the_grace_and_then_counted():
+    h = Harness(high=3)
+
+    async def scenario():
+        await h.start()
+        h.cluster.free.update(busy=0.0, full=0.0)  # their CPUs not released yet
+        await h.settle()
+        h.now += ARRIVAL_GRACE_S / 2
+        h.cluster.free["busy"] = 1.0  # released within the grace: it gets its engine
+        await h.settle()
+        assert h.elastic.target == 2
+        assert [h.node_of(n) for n in h.members.names() if n != "engine-0"] == ["busy"]
+        h.now += ARRIVAL_GRACE_S  # "full" stayed without room past the grace: joined with none
+        await h.settle()
+        h.cluster.free["full"] = 1.0
+        await h.settle()
+        assert h.elastic.target == 2
 
     run(scenario())
 
