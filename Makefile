@@ -32,6 +32,12 @@ DEMO_RM_OUT ?= runs/demo/rm
 DEMO_RLHF_OUT ?= runs/demo/rlhf
 DEMO_ELASTIC_OUT ?= runs/demo/elastic
 DEMO_AGENT ?= runs/demo/agent
+# More `key=value` overrides for the run of make demo, demo-rlhf or demo-agent, after its own:
+# make demo OVERRIDES="trainer.total_steps=10"
+OVERRIDES ?=
+# More flags for the agent demo's builder (examples/agents/build_calculator_demo.py --help);
+# they apply when it builds, that is when $(DEMO_AGENT)/model does not exist yet.
+AGENT_BUILD_ARGS ?=
 
 .PHONY: demo demo-rm demo-rlhf demo-elastic demo-agent wheel image test-deploy test test-unit test-integration test-e2e test-conformance lint format bench docs clean venv gpu-check device-bundle device-check
 
@@ -73,7 +79,7 @@ $(BENCH_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(PY) -m fleetrl.bytecode
 	rm -rf $(DEMO_OUT)
-	$(VENV)/bin/fleetrl train --config configs/demo_cpu.yaml trainer.output_dir=$(DEMO_OUT)
+	$(VENV)/bin/fleetrl train --config configs/demo_cpu.yaml trainer.output_dir=$(DEMO_OUT) $(OVERRIDES)
 
 # The RLHF demo's reward model (docs/rewards_training.md), afresh; then how it ranks the
 # warm-started policy's own samples against the rule it was labelled by.
@@ -89,7 +95,7 @@ demo-rlhf: $(STAMP)
 	test -f $(DEMO_RM_OUT)/reward_model/config.json || $(MAKE) demo-rm
 	rm -rf $(DEMO_RLHF_OUT)
 	$(VENV)/bin/fleetrl train --config configs/demo_rlhf_cpu.yaml trainer.output_dir=$(DEMO_RLHF_OUT) \
-		reward.model.path=$(DEMO_RM_OUT)/reward_model
+		reward.model.path=$(DEMO_RM_OUT)/reward_model $(OVERRIDES)
 
 # The demo with an elastic fleet, 100 steps: one engine, three after step 3 (fleetrl fleet
 # scale), one again after step 25 once they served (scripts/demo_elastic.py; figures in
@@ -102,13 +108,15 @@ demo-elastic: $(STAMP)
 # is the rollout; GRPO teaches the tiny model to call its calculator tool right. The data and
 # the warm-started model are built once; the run starts afresh each time.
 demo-agent: $(STAMP)
-	$(PY) examples/agents/build_calculator_demo.py --out $(DEMO_AGENT)
+	$(PY) examples/agents/build_calculator_demo.py --out $(DEMO_AGENT) $(AGENT_BUILD_ARGS)
 	rm -rf $(DEMO_AGENT)/run
-	$(VENV)/bin/fleetrl train --config configs/demo_agent_cpu.yaml trainer.output_dir=$(DEMO_AGENT)/run
+	$(VENV)/bin/fleetrl train --config configs/demo_agent_cpu.yaml trainer.output_dir=$(DEMO_AGENT)/run \
+		model.path=$(DEMO_AGENT)/model data.train_files=[$(DEMO_AGENT)/data/train.parquet] \
+		data.val_files=[$(DEMO_AGENT)/data/test.parquet] $(OVERRIDES)
 
 # Each tier in a fresh interpreter, the fast one first: one tier's process state (loaded
 # libraries, their caches and patches) never reaches another's; every tier runs, then the
-# status says whether all passed.
+# status says whether all passed. Each tier names its ten slowest tests (the suite's hour).
 TIERS := unit conformance integration e2e cluster
 
 # tests/cluster drives a real Slurm (slurm-wlm, munge): installed here with apt-get, or its
@@ -117,7 +125,7 @@ test: $(CONFORMANCE_STAMP) $(BENCH_STAMP) lint
 	@bash scripts/test_tools.sh slurm-wlm:slurmctld munge:munged
 	@status=0; for tier in $(TIERS); do \
 		echo "== tests/$$tier"; \
-		env -u RAY_ADDRESS $(PY) -m pytest -q tests/$$tier || status=1; \
+		env -u RAY_ADDRESS $(PY) -m pytest -q --durations=10 tests/$$tier || status=1; \
 	done; exit $$status
 
 test-unit: $(CONFORMANCE_STAMP)

@@ -239,7 +239,14 @@ _SLURM = "needs a Slurm cluster"
 DOC_COMMANDS.update(
     {
         "make wheel": Run(writes=("dist",)),
-        "make demo-agent": Run(),
+        "make demo-agent": Run(
+            reduced=(
+                'AGENT_BUILD_ARGS="--steps 20 --train-size 64 --test-size 8"',
+                'OVERRIDES="trainer.total_steps=2 trainer.test_freq=2 data.val_max_samples=8"',
+            ),
+            why="the whole demo is a 1500-step warm start and 30 GRPO steps (13 min on 2 "
+            "cores); its figures are docs/benchmarks.md's; this runs the target's path",
+        ),
         "make image": Excluded("builds a container image", "tests/cluster/test_image.py"),
         "docker tag fleetrl:0.1.0 REGISTRY/fleetrl:0.1.0 && docker push "
         "REGISTRY/fleetrl:0.1.0": Excluded(
