@@ -223,7 +223,10 @@ class ElasticFleet:
             del self._newcomers[node]
 
     def _lose(self, name: str, node: str) -> None:
-        counted = self._status(name) in LIVE | {S.PLACING}  # not one already leaving
+        status = self._status(name)
+        if status is None:  # lost already: a round and a death report both saw its node go
+            return
+        counted = status in LIVE | {S.PLACING}  # not one already leaving
         self.fleet.lose_engine(name, f"its node {node[:12]} left the cluster")
         self.lost += 1
         if counted:

@@ -5,6 +5,7 @@ draining per pause mode, and the figures it reports."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 
 import pytest
@@ -308,6 +309,39 @@ def test_an_engine_that_dies_on_a_live_node_is_replaced_in_place_on_a_gone_node_
         h.cluster.dead.add("head")  # engine-1's node is gone too
         await h.fleet.check_once()
         assert "engine-1" not in h.members.names() and h.elastic.lost == 1
+
+    run(scenario())
+
+
+def test_an_engine_whose_node_goes_is_lost_once_when_its_death_report_and_a_round_both_see_it():
+    h = Harness(start=1, low=1, high=3)
+
+    async def scenario():
+        await h.start()
+        h.cluster.free.update(head=0.0, n1=1.0)  # n1 joins: engine-1 is placed there
+        await h.settle()
+        h.publish(1)
+        assert h.elastic.target == 2 and h.node_of("engine-1") == "n1"
+        h.cluster.dead.add("n1")
+        looking = threading.Event()
+        answer = threading.Event()
+        fake_nodes = h.cluster.nodes
+
+        def nodes_held_for_the_death_report():  # the report's look at the cluster waits
+            h.cluster.nodes = fake_nodes
+            looking.set()
+            answer.wait(5)
+            return fake_nodes()
+
+        h.cluster.nodes = nodes_held_for_the_death_report
+        died = asyncio.create_task(h.elastic.engine_died("engine-1", "no answer"))
+        while not looking.is_set():
+            await asyncio.sleep(0.01)
+        await h.elastic.reconcile()  # the round sees n1 gone first
+        answer.set()
+        assert await died is True  # lost, not replaced
+        assert h.elastic.lost == 1 and h.elastic.target == 1
+        assert h.state() == {"engine-0": "ready"}
 
     run(scenario())
 
