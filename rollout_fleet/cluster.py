@@ -4,7 +4,7 @@ autoscaler's ear.
 ``RayCluster.nodes()`` lists every node Ray knows (``ray.nodes()``) with its total and
 free resources (the GCS's view, refreshed about once a second, so an actor created a
 moment ago may not show in it yet: the fleet counts its own placements apart; a node that
-joined a moment ago may be listed before its free resources are: ``NodeView.reported``).
+joined a moment ago may be listed before its free resources are, with none free).
 ``RayCluster.request(fleet, bundles)`` tells the autoscaler the bundles each fleet wants
 at its target (``ray.autoscaler.sdk.request_resources``, which replaces the cluster's
 previous request: the fleets' wishes are sent together). On a cluster without an
@@ -31,17 +31,13 @@ UNBOUNDED = 1 << 20  # engines that fit when a bundle asks for nothing a node co
 
 @dataclass(frozen=True)
 class NodeView:
-    """One Ray node: its id, address, whether it is alive, its total and free resources.
-
-    ``reported`` is False for a node Ray lists before its free resources reach the GCS's
-    view (a raylet that joined a moment ago): nothing can be said yet of its room."""
+    """One Ray node: its id, address, whether it is alive, its total and free resources."""
 
     node_id: str
     alive: bool
     total: Mapping[str, float] = field(default_factory=dict)
     free: Mapping[str, float] = field(default_factory=dict)
     address: str = ""
-    reported: bool = True
 
     def has(self, resource: str) -> bool:
         """Whether the node declares ``resource`` (a node-kind marker such as ``rollout``)."""
@@ -97,7 +93,6 @@ class RayCluster:
                 total=dict(n.get("Resources") or {}),
                 free=dict(free.get(n["NodeID"], {})),
                 address=n.get("NodeManagerAddress", ""),
-                reported=n["NodeID"] in free,
             )
             for n in ray.nodes()
         ]

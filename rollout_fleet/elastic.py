@@ -243,7 +243,7 @@ class ElasticFleet:
         for node_id, node in alive.items():
             if node_id in self._known_nodes:
                 continue
-            fit = engines_that_fit(node.free, self.settings.bundle) if node.reported else 0
+            fit = engines_that_fit(node.free, self.settings.bundle)
             if fit == 0 and node.has(self.settings.marker) and self._still_arriving(node_id):
                 continue  # its room may not be in the cluster's view yet: judged next round
             self._known_nodes.add(node_id)
@@ -264,8 +264,8 @@ class ElasticFleet:
         """Whether a node that joined without room is within ``ARRIVAL_GRACE_S`` of when it
         was first seen: a raylet that joined a moment ago may be listed before its free
         resources reach the cluster's view, or with them not yet released."""
-        first = self._newcomers.setdefault(node_id, self._clock())
-        return self._clock() - first < ARRIVAL_GRACE_S
+        now = self._clock()
+        return now - self._newcomers.setdefault(node_id, now) < ARRIVAL_GRACE_S
 
     def _grow(self, alive: dict[str, NodeView], deficit: int) -> None:
         placing = Counter(self.membership.node(n) for n in self.fleet.engine_names({S.PLACING}))

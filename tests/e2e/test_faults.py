@@ -94,6 +94,11 @@ def _roster(run_dir: Path) -> dict[str, int]:
     return json.loads((run_dir / "roles.json").read_text())
 
 
+def _replaced(run_dir: Path, first: dict[str, int], role: str) -> bool:
+    """Whether the roster lists ``role`` under a process other than the one in ``first``."""
+    return _roster(run_dir).get(role) not in (None, first[role])
+
+
 def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while _steps_logged(run_dir) < step:
@@ -154,10 +159,7 @@ def test_engine_buffer_and_learner_deaths_then_resume_lose_and_repeat_nothing(tm
         _wait_for_step(proc, run_dir, KILL_LEARNER_AT, 240)
         # and once engine-0's replacement is in the roster (under load it can still be starting)
         deadline = time.monotonic() + 120
-        while _buffer_restarts_logged(run_dir) < 1 or _roster(run_dir).get("engine-0") in (
-            None,
-            first["engine-0"],
-        ):
+        while _buffer_restarts_logged(run_dir) < 1 or not _replaced(run_dir, first, "engine-0"):
             assert proc.poll() is None, "run ended early waiting for the buffer's restart"
             assert time.monotonic() < deadline, (
                 "no step recorded the buffer's restart, or engine-0 was not replaced, in 120 s"

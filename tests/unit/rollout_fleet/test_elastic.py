@@ -37,7 +37,6 @@ class FakeCluster:
                 alive=n not in self.dead,
                 total={"CPU": 8.0, "rollout": 1.0},
                 free={} if n in self.unreported else {"CPU": cpus, "rollout": 1.0},
-                reported=n not in self.unreported,
             )
             for n, cpus in self.free.items()
         ]
