@@ -65,6 +65,25 @@ def test_a_data_source_no_function_scores_is_found_unless_the_function_claims_it
     assert check_rewards(_cfg(tmp_path, source="synth/add")) == []  # a built-in
 
 
+def test_the_data_sources_are_read_from_each_file_without_importing_pandas(tmp_path):
+    """The scan runs beside the local Ray instance's start: ``pq.read_table`` would import
+    pyarrow.dataset and pandas (a second of CPU); a file it cannot read is left to the reader."""
+    a = write_rows(_rows("synth/add"), tmp_path / "a.parquet")
+    b = write_rows(_rows("my/task"), tmp_path / "b.parquet")
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"not parquet")
+    code = (
+        "import sys\n"
+        "from launcher.preflight_rewards import _data_sources\n"
+        f"print(sorted(_data_sources([{str(a)!r}, {str(broken)!r}, {str(b)!r}, 'gone.parquet']).items()))\n"
+        "print('pandas' in sys.modules, 'pyarrow.dataset' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out == [str([("my/task", str(b)), ("synth/add", str(a))]), "False False"]
+
+
 def test_with_a_reward_model_and_rule_weight_zero_no_rule_scorer_is_needed(tmp_path):
     rm = make_tiny_model(tmp_path / "rm", layers=1, hidden=16, heads=2, reward_model=True)
     cfg = _cfg(
