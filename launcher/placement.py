@@ -41,6 +41,7 @@ from fleetrl.log import get_logger, role_env
 from fleetrl.machine import usable_cpus
 from fleetrl.threads import THREADS_PER_CPU_ENV, threads_per_cpu
 from launcher.config import RunConfig
+from launcher.local_ray import start_local
 from launcher.supervision import TrainingStopped
 
 log = get_logger(__name__)
@@ -118,20 +119,23 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
     # ray.init starts them): no runtime environment to make per worker, so the workers Ray
     # starts ahead serve the first actors instead of each actor waiting for a new process.
     with inherited_env(env["env_vars"]):
-        ray.init(
-            # "local": a new instance even where `ray start` left a cluster address in
-            # /tmp/ray (ray.init() would join that one instead, with other resources)
-            address="local",
-            logging_level=logging.WARNING,  # Ray's own start-up lines
-            num_cpus=num_cpus,
-            num_gpus=cfg.ray.num_gpus or None,
-            resources={
-                cfg.ray.rollout_resource: LOCAL_CUSTOM_UNITS,
-                cfg.ray.learner_resource: LOCAL_CUSTOM_UNITS,
-                cfg.ray.reward_resource: LOCAL_CUSTOM_UNITS,
-            },
-            include_dashboard=False,
-            log_to_driver=True,
+        start_local(  # once more if Ray's fixed wait for its raylet runs out (a loaded machine)
+            lambda: ray.init(
+                # "local": a new instance even where `ray start` left a cluster address in
+                # /tmp/ray (ray.init() would join that one instead, with other resources)
+                address="local",
+                logging_level=logging.WARNING,  # Ray's own start-up lines
+                num_cpus=num_cpus,
+                num_gpus=cfg.ray.num_gpus or None,
+                resources={
+                    cfg.ray.rollout_resource: LOCAL_CUSTOM_UNITS,
+                    cfg.ray.learner_resource: LOCAL_CUSTOM_UNITS,
+                    cfg.ray.reward_resource: LOCAL_CUSTOM_UNITS,
+                },
+                include_dashboard=False,
+                log_to_driver=True,
+            ),
+            ray_dir=os.path.dirname(ray.__file__),
         )
     log.info("started a local Ray instance (%d CPUs)", num_cpus)
     return True
