@@ -118,13 +118,13 @@ demo-agent: $(STAMP)
 # libraries, their caches and patches) never reaches another's; every tier runs, then the
 # status says whether all passed. Each tier names its ten slowest tests (the suite's hour).
 TIERS := unit conformance integration e2e cluster
-# The unit tier runs TEST_WORKERS tests side by side (pytest-xdist; 0: one at a time): its
-# tests spend much of their time waiting on processes they start, so a second one fills the
-# idle core (415 s -> 218-271 s on 2 cores). The others run one test at a time: two e2e runs
-# side by side on 2 cores starved a local Ray's start past its fixed 30 s wait for the
-# raylet; the cluster tier shares one Slurm; integration is not yet shown to hold.
+# The unit and integration tiers run TEST_WORKERS tests side by side (pytest-xdist; 0: one
+# at a time): their tests spend much of their time waiting on processes they start, so a
+# second one fills the idle core (on 2 cores: unit 415 s -> 218-271 s, integration 974 s ->
+# 690 s). The others run one test at a time: e2e's training runs keep both cores busy (two
+# side by side took as long as one after the other), and the cluster tier shares one Slurm.
 TEST_WORKERS ?= 2
-PARALLEL_TIERS := unit
+PARALLEL_TIERS := unit integration
 
 # tests/cluster drives a real Slurm (slurm-wlm, munge): installed here with apt-get, or its
 # tests skip, one line each.
