@@ -35,10 +35,10 @@ EXIT_WAIT_S = 5.0  # an ended process is gone well within this (SIGKILL)
 PROC = Path("/proc")
 
 
-def start_local(init: Callable[[], None], ray_dir: str) -> None:
+def start_local(init: Callable[[], None], ray_dir: str | None = None) -> None:
     """``init()`` (Ray's ``ray.init`` of a local instance), once more after Ray's wait for
     its raylet timed out, with the first attempt's processes ended; ``ray_dir``: the folder
-    Ray is installed in (its programs' command lines name it)."""
+    Ray is installed in (its programs' command lines name it; default: the imported Ray's)."""
     for attempt in range(1, START_ATTEMPTS + 1):
         before = children(os.getpid())
         try:
@@ -49,6 +49,10 @@ def start_local(init: Callable[[], None], ray_dir: str) -> None:
                 raise
             if before is None:  # no /proc: what the attempt started cannot be found
                 raise
+            if ray_dir is None:
+                import ray
+
+                ray_dir = os.path.dirname(ray.__file__)
             started = [p for p in (children(os.getpid()) or set()) - before if _runs(p, ray_dir)]
             left = sorted(set(started).union(*(descendants(p) or set() for p in started)))
             end_processes(left)

@@ -134,8 +134,7 @@ def init_ray(cfg: RunConfig, address: str | None) -> bool:
                 },
                 include_dashboard=False,
                 log_to_driver=True,
-            ),
-            ray_dir=os.path.dirname(ray.__file__),
+            )
         )
     log.info("started a local Ray instance (%d CPUs)", num_cpus)
     return True
