@@ -7,10 +7,12 @@ the raylet can miss that wait with nothing wrong with it. The failed start leave
 processes running and no handle on them (the exception comes from the constructor of the
 object that holds them), and a second start beside them would load the machine further.
 So the processes the attempt started are ended, by id, and the start is tried once more:
-the children this process gained meanwhile that run Ray's own programs (its GCS, raylet,
-reaper and Python helpers, found by Ray's folder in their command lines; a check's
-subprocess started by another thread meanwhile is not one), with their own children. Any
-other error, or a second timeout, is raised as it was.
+this process's children started since the attempt began (their start time in ``/proc``)
+that run Ray's own programs (its GCS, raylet, reaper and Python helpers, found by Ray's
+folder in their command lines; a check's subprocess started by another thread meanwhile
+is not one), with their own children. Nothing is read from ``/proc`` unless a start
+failed so, beyond one clock reading per attempt. Any other error, or a second timeout, is
+raised as it was.
 
 Where ``/proc`` is missing (macOS), the processes cannot be found, and the timeout is
 raised at once.
@@ -40,21 +42,25 @@ def start_local(init: Callable[[], None], ray_dir: str | None = None) -> None:
     its raylet timed out, with the first attempt's processes ended; ``ray_dir``: the folder
     Ray is installed in (its programs' command lines name it; default: the imported Ray's)."""
     for attempt in range(1, START_ATTEMPTS + 1):
-        before = children(os.getpid())
+        began = _ticks_since_boot()
         try:
             init()
             return
         except Exception as err:
             if RAYLET_WAIT_TIMEOUT not in str(err) or attempt == START_ATTEMPTS:
                 raise
-            if before is None:  # no /proc: what the attempt started cannot be found
+            tree = _tree()
+            if began is None or tree is None:  # no /proc: what it started cannot be found
                 raise
             if ray_dir is None:
                 import ray
 
                 ray_dir = os.path.dirname(ray.__file__)
-            started = [p for p in (children(os.getpid()) or set()) - before if _runs(p, ray_dir)]
-            left = sorted(set(started).union(*(descendants(p) or set() for p in started)))
+            started = [
+                p for p in tree.get(os.getpid(), [])
+                if _started_at(p) >= began and _runs(p, ray_dir)
+            ]  # fmt: skip
+            left = sorted(set(started).union(*(_below(tree, p) for p in started)))
             end_processes(left)
             log.warning(
                 "Ray's local start gave up waiting for its raylet (Ray waits 30 s; a loaded "
@@ -63,17 +69,13 @@ def start_local(init: Callable[[], None], ray_dir: str | None = None) -> None:
             )
 
 
-def children(pid: int) -> set[int] | None:
-    """The ids of ``pid``'s own children; None without ``/proc``."""
-    tree = _parents()
-    return None if tree is None else set(tree.get(pid, []))
-
-
 def descendants(pid: int) -> set[int] | None:
     """The ids of ``pid``'s children, theirs, and so on; None without ``/proc``."""
-    tree = _parents()
-    if tree is None:
-        return None
+    tree = _tree()
+    return None if tree is None else _below(tree, pid)
+
+
+def _below(tree: dict[int, list[int]], pid: int) -> set[int]:
     found: set[int] = set()
     todo = [pid]
     while todo:
@@ -84,22 +86,40 @@ def descendants(pid: int) -> set[int] | None:
     return found
 
 
-def _parents() -> dict[int, list[int]] | None:
-    """Parent id -> its children's ids, over every process ``/proc`` lists."""
+def _tree() -> dict[int, list[int]] | None:
+    """Parent id -> its children's ids, over every process ``/proc`` lists; None without."""
     if not PROC.is_dir():
         return None
     tree: dict[int, list[int]] = {}
     for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # gone meanwhile
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        tree.setdefault(ppid, []).append(int(entry.name))
+        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))) is not None:
+            tree.setdefault(int(fields[1]), []).append(int(entry.name))
     return tree
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/PID/stat`` after its command name, from the state on (field 3 is index 0);
+    None if the process is gone."""
+    try:
+        stat = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
+
+
+def _started_at(pid: int) -> int:
+    """When process ``pid`` started, in clock ticks since boot (stat field 22); -1 if gone."""
+    fields = _stat_fields(pid)
+    return -1 if fields is None else int(fields[19])
+
+
+def _ticks_since_boot() -> int | None:
+    """Now, on the clock of ``_started_at``; None without ``/proc``."""
+    try:
+        uptime = float((PROC / "uptime").read_text().split()[0])
+    except OSError:
+        return None
+    return int(uptime * os.sysconf("SC_CLK_TCK"))
 
 
 def _runs(pid: int, ray_dir: str) -> bool:
@@ -128,8 +148,5 @@ def end_processes(pids: list[int]) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = (PROC / str(pid) / "stat").read_text()
-    except OSError:
-        return False
-    return state[state.rindex(")") + 2] != "Z"  # a zombie has ended
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"  # a zombie has ended

@@ -5,6 +5,7 @@ thread started meanwhile is left alone; any other error is raised at once.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -58,35 +59,25 @@ def test_a_timed_out_start_ends_what_it_started_and_is_made_once_more():
                 started[name].wait()
 
 
-def test_a_second_timeout_and_any_other_error_are_raised_as_they_were():
+def _attempts(error: Exception) -> int:
+    """How many times ``start_local`` called an ``init`` that always raises ``error``
+    (raised on to the caller, as the assertion checks)."""
     calls = []
 
-    def always_times_out() -> None:
+    def init() -> None:
         calls.append(1)
-        raise TIMED_OUT
+        raise error
 
-    with pytest.raises(Exception, match="timed out during startup"):
-        start_local(always_times_out, RAY_DIR)
-    assert len(calls) == local_ray.START_ATTEMPTS
+    with pytest.raises(type(error), match=re.escape(str(error)[:20])):
+        start_local(init, RAY_DIR)
+    return len(calls)
 
-    def refused() -> None:
-        calls.append(1)
-        raise ValueError("Resource 'CPU' is negative")
 
-    calls.clear()
-    with pytest.raises(ValueError, match="negative"):
-        start_local(refused, RAY_DIR)
-    assert len(calls) == 1
+def test_a_second_timeout_and_any_other_error_are_raised_as_they_were():
+    assert _attempts(TIMED_OUT) == local_ray.START_ATTEMPTS
+    assert _attempts(ValueError("Resource 'CPU' is negative")) == 1
 
 
 def test_without_proc_the_timeout_is_raised_at_once(tmp_path, monkeypatch):
     monkeypatch.setattr(local_ray, "PROC", tmp_path / "no-proc")
-    calls = []
-
-    def times_out() -> None:
-        calls.append(1)
-        raise TIMED_OUT
-
-    with pytest.raises(Exception, match="timed out during startup"):
-        start_local(times_out, RAY_DIR)
-    assert len(calls) == 1
+    assert _attempts(TIMED_OUT) == 1
